@@ -1,0 +1,163 @@
+#include "kv_cache/kv_cache.h"
+
+#include <cstdio>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "kv_cache/host_kv_storage.h"
+#include "kv_cache/kv_scales.h"
+
+namespace dl {
+namespace {
+
+KvCacheSpec TwoGroupSpec(int32_t page_size, int32_t window, int32_t pages) {
+  KvCacheSpec s;
+  s.num_layers = 3;
+  s.num_kv_heads = 2;
+  s.head_dim = 4;
+  s.page_size = page_size;
+  s.dtype = DType::kF32;
+  s.layer_groups = {KvGroup::kFull, KvGroup::kSliding, KvGroup::kSliding};
+  s.sliding_window = window;
+  s.pages_full = pages;
+  s.pages_sliding = pages;
+  return s;
+}
+
+TEST(PageAllocatorTest, ReusesLowestFreePageFirstAndRejectsDoubleFree) {
+  PageAllocator a(4);
+  EXPECT_EQ(*a.Allocate(), 0);
+  EXPECT_EQ(*a.Allocate(), 1);
+  EXPECT_EQ(*a.Allocate(), 2);
+  ASSERT_TRUE(a.Free(1).ok());
+  EXPECT_EQ(a.free_count(), 2);
+  EXPECT_EQ(*a.Allocate(), 1);
+  EXPECT_EQ(*a.Allocate(), 3);
+  EXPECT_FALSE(a.Allocate().ok());
+  ASSERT_TRUE(a.Free(3).ok());
+  EXPECT_FALSE(a.Free(3).ok());
+  EXPECT_FALSE(a.Free(17).ok());
+}
+
+TEST(KvCacheTest, RejectsBadPageSize) {
+  auto spec = TwoGroupSpec(24, 8, 4);
+  EXPECT_FALSE(KvCache::Create(spec).ok());
+}
+
+TEST(KvCacheTest, SlidingGroupDropsPagesOutsideTheWindow) {
+  // Window 8 keys (7 past + current), pages of 16: after 40 tokens, positions >= 33 are live, so
+  // pages 0 (0-15) and 1 (16-31) are dead and page 2 (32-47) is live.
+  auto cache = KvCache::Create(TwoGroupSpec(16, 8, 8));
+  ASSERT_TRUE(cache.ok());
+  SequenceKv seq;
+  for (int step = 0; step < 40; ++step) {
+    ASSERT_TRUE(cache->Reserve(seq, 1).ok());
+    ASSERT_TRUE(cache->Commit(seq, 1).ok());
+  }
+  EXPECT_EQ(seq.length(), 40);
+  const auto& sliding = seq.block_table(KvGroup::kSliding);
+  ASSERT_EQ(sliding.size(), 3u);
+  EXPECT_EQ(sliding[0], -1);
+  EXPECT_EQ(sliding[1], -1);
+  EXPECT_GE(sliding[2], 0);
+  EXPECT_EQ(seq.block_table(KvGroup::kFull).size(), 3u);
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 3);
+  EXPECT_EQ(cache->used_pages(KvGroup::kSliding), 1);
+  ASSERT_TRUE(cache->Release(seq).ok());
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 0);
+  EXPECT_EQ(cache->used_pages(KvGroup::kSliding), 0);
+  EXPECT_EQ(seq.length(), 0);
+}
+
+TEST(KvCacheTest, FailedReserveChangesNothing) {
+  auto cache = KvCache::Create(TwoGroupSpec(16, 1000, 2));
+  ASSERT_TRUE(cache.ok());
+  SequenceKv seq;
+  ASSERT_TRUE(cache->Reserve(seq, 20).ok());
+  ASSERT_TRUE(cache->Commit(seq, 20).ok());
+  EXPECT_FALSE(cache->Reserve(seq, 20).ok());  // needs 3 pages per group, 2 exist
+  EXPECT_EQ(seq.block_table(KvGroup::kFull).size(), 2u);
+  EXPECT_EQ(seq.block_table(KvGroup::kSliding).size(), 2u);
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 2);
+  EXPECT_EQ(cache->used_pages(KvGroup::kSliding), 2);
+}
+
+TEST(KvCacheTest, SlidingPagesNeededCoversChunkedWrites) {
+  // Simulate chunked writes and check the sliding group never holds more than the bound.
+  for (int32_t P : {16, 32, 64}) {
+    for (int32_t W : {8, 100, 512}) {
+      for (int32_t chunk : {1, 7, 64}) {
+        const int32_t max_len = 700;
+        const int32_t bound = PagesNeededSliding(max_len, W, chunk, P);
+        auto cache = KvCache::Create(TwoGroupSpec(P, W, 64));
+        ASSERT_TRUE(cache.ok());
+        SequenceKv seq;
+        int32_t peak = 0;
+        while (seq.length() < max_len) {
+          const int32_t n = std::min(chunk, max_len - seq.length());
+          ASSERT_TRUE(cache->Reserve(seq, n).ok());
+          peak = std::max(peak, cache->used_pages(KvGroup::kSliding));
+          ASSERT_TRUE(cache->Commit(seq, n).ok());
+        }
+        EXPECT_LE(peak, bound) << "P=" << P << " W=" << W << " chunk=" << chunk;
+      }
+    }
+  }
+}
+
+TEST(HostKvStorageTest, RoundTripsPerDtype) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF8E4M3}) {
+    auto spec = TwoGroupSpec(16, 8, 4);
+    spec.dtype = dt;
+    KvScales scales = KvScales::Unit(3);
+    scales.k[1] = 0.02f;
+    scales.v[1] = 0.03f;
+    HostKvStorage st(spec, scales);
+    std::vector<float> k(8), v(8), k2(8), v2(8);
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    st.Write(1, {2, 5}, k.data(), v.data());
+    st.Read(1, {2, 5}, k2.data(), v2.data());
+    for (int i = 0; i < 8; ++i) {
+      if (dt == DType::kF32) {
+        EXPECT_EQ(k2[i], k[i]);
+      } else if (dt == DType::kBF16) {
+        EXPECT_EQ(k2[i], RoundBf16(k[i]));
+      } else {
+        EXPECT_EQ(k2[i], Fp8E4M3ToFloat(FloatToFp8E4M3(k[i] / 0.02f)) * 0.02f);
+        EXPECT_EQ(v2[i], Fp8E4M3ToFloat(FloatToFp8E4M3(v[i] / 0.03f)) * 0.03f);
+        EXPECT_NEAR(k2[i], k[i], std::fabs(k[i]) * 0.07f + 0.02f);
+      }
+    }
+  }
+}
+
+TEST(KvScalesTest, FileRoundTripIsBitExactAndBadFilesAreRejected) {
+  KvScales s;
+  s.k = {0.1f, 1.0f / 3.0f, 7.5e-5f};
+  s.v = {0.25f, 2.0f / 7.0f, 3.0e-3f};
+  const std::string path = ::testing::TempDir() + "/scales.json";
+  ASSERT_TRUE(WriteKvScalesFile(path, s, "test", {{"name", "unit"}}).ok());
+  auto back = ReadKvScalesFile(path, 3);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(back->BitwiseEqual(s));
+  EXPECT_FALSE(ReadKvScalesFile(path, 4).ok());
+  EXPECT_FALSE(ReadKvScalesFile(::testing::TempDir() + "/missing.json", 3).ok());
+  {
+    FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs("{\"format\": \"decodelab-kv-scales\", \"layers\": [{\"layer\": 0, \"k_scale\": -1, "
+               "\"v_scale\": 1}]}", f);
+    std::fclose(f);
+  }
+  auto bad = ReadKvScalesFile(path, 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("positive"), std::string::npos);
+  EXPECT_EQ(Fp8ScaleFromAmax(0.0f), 1.0f);
+  EXPECT_EQ(Fp8ScaleFromAmax(448.0f), 1.0f);
+}
+
+}  // namespace
+}  // namespace dl
