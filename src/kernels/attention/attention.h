@@ -1,0 +1,96 @@
+// Paged attention over the KV cache for one sequence: decode (T = 1) and prefill (a chunk of T query
+// tokens) use the SAME kernel: every query token is processed on its own, over fixed chunks of
+// kAttnChunk absolute key positions, and the chunks are combined in ascending order. So a token's
+// output does not depend on the page size, on how the prompt was chunked, or on whether it was
+// prefilled or decoded (bit-identical). Kernels are instantiated per preset (presets.def); the
+// registry maps a preset key to its launcher and never falls back silently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "kernels/common.h"
+
+namespace dl::kernels {
+
+struct AttentionParams {
+  const bf16* q = nullptr;          // [T, H, D] after QK-norm and RoPE
+  const void* k_pool = nullptr;     // [num_pages, P, K, D] BF16 or FP8 E4M3
+  const void* v_pool = nullptr;     // [num_pages, P, K, D]
+  const int32_t* block_table = nullptr;  // [max_pages]: position s lives in page block_table[s / P]
+  const int32_t* positions = nullptr;    // [T] query positions, or nullptr: first_position + t
+  int32_t first_position = 0;
+  // Upper bound of every query position; sizes the grid and the workspace, so a CUDA graph captured
+  // with a large bound stays valid while positions (read from `positions`) grow.
+  int32_t max_position = 0;
+  int num_tokens = 1;    // T
+  int num_q_heads = 0;   // H = K * G (query head i uses KV head i / G)
+  int num_kv_heads = 0;  // K
+  int head_dim = 0;      // D
+  int page_size = 0;     // P
+  KvDtype kv_dtype = KvDtype::kBf16;
+  WindowKind window_kind = WindowKind::kGlobal;
+  int window = 0;              // W (keys incl. the current one) for sliding layers
+  float k_scale = 1.0f, v_scale = 1.0f;  // FP8 dequantisation scales
+  float softmax_scale = 0.0f;  // 0 = D^-1/2
+  // Softplus output gate: out = bf16(bf16(attn) * bf16(softplus(g))), g per head (gate[t*stride + h])
+  // or per element (gate[t*stride + h*D + d]); nullptr = no gate.
+  const bf16* gate = nullptr;
+  int64_t gate_stride = 0;     // elements per token
+  bool gate_per_element = false;
+  bf16* out = nullptr;         // [T, H, D]
+  void* workspace = nullptr;   // AttentionWorkspaceBytes(...)
+  size_t workspace_bytes = 0;
+};
+
+// Chunks a query's keys can span: grid width of the split-KV kernel.
+int AttentionMaxChunks(const AttentionParams& p);
+size_t AttentionWorkspaceBytes(const AttentionParams& p);
+
+// ---- Presets ---------------------------------------------------------------------------------------
+struct AttnPresetKey {
+  int head_dim = 128;
+  int group = 8;       // G = H / K
+  int page_size = 32;
+  KvDtype kv_dtype = KvDtype::kFp8;
+  WindowKind window = WindowKind::kSliding;
+  // Spelled out (not `= default`): CUDA translation units are compiled as C++17.
+  bool operator==(const AttnPresetKey& o) const {
+    return head_dim == o.head_dim && group == o.group && page_size == o.page_size &&
+           kv_dtype == o.kv_dtype && window == o.window;
+  }
+};
+// "attn_d128_g8_p32_fp8_sliding": the one canonical name, used in logs, ledgers and reports.
+std::string CanonicalName(const AttnPresetKey& key);
+AttnPresetKey PresetKeyOf(const AttentionParams& p);
+
+struct PresetInfo {
+  AttnPresetKey key;
+  std::string name;
+  bool in_default_set = false;  // built when DECODELAB_ATTN_PRESETS is not given
+  bool built = false;           // compiled into this binary
+};
+// Every preset of presets.def, in table order, with its build status.
+std::vector<PresetInfo> AllPresets();
+// Names of the presets compiled into this binary.
+std::vector<std::string> BuiltPresetNames();
+
+using AttentionLaunchFn = Status (*)(const AttentionParams&, Stream);
+struct AttentionKernel {
+  std::string name;       // canonical preset name, or "attn_generic_fallback"
+  bool fallback = false;  // true for the slow generic path: a run using it is not a speed result
+  AttentionLaunchFn launch = nullptr;
+};
+// The preset's launcher. A key not built is NotFound, naming the key and listing the built presets,
+// unless allow_fallback, which returns the generic slow kernel marked fallback = true.
+Result<AttentionKernel> ResolveAttention(const AttnPresetKey& key, bool allow_fallback = false);
+// Validates p and runs the kernel (attention + combine + gate).
+Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream);
+
+// Checks shapes, pointers and workspace against the preset/kernel; shared by launchers.
+Status ValidateAttentionParams(const AttentionParams& p);
+
+}  // namespace dl::kernels

@@ -1,0 +1,125 @@
+// Chunk combine + softplus gate, and the generic slow attention kernel used only with
+// --allow-fallback.
+#include <cmath>
+
+#include "kernels/attention/attention_kernel.cuh"
+
+namespace dl::kernels {
+namespace dev {
+
+// out = bf16(attn); with a gate: out = bf16(out * bf16(softplus(g))) (reference order, §3.4).
+__device__ __forceinline__ uint16_t GateAndRound(const AttentionParams& a, int t, int h, int d,
+                                                 float attn) {
+  float o = RoundBf16(attn);
+  if (a.gate != nullptr) {
+    const size_t gi = static_cast<size_t>(t) * a.gate_stride +
+                      (a.gate_per_element ? static_cast<size_t>(h) * a.head_dim + d : h);
+    const float gamma = RoundBf16(Softplus(Bf16BitsToFloat(a.gate[gi])));
+    o = RoundBf16(o * gamma);
+  }
+  return FloatToBf16Bits(o);
+}
+
+// Grid (H, T), 128 threads; each thread owns dims d = tid, tid+128, ... Chunks are merged in
+// ascending order; empty chunks (l == 0) are skipped.
+__global__ void __launch_bounds__(128) AttentionCombineKernel(const AttentionParams a,
+                                                              int num_chunks) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int D = a.head_dim, H = a.num_q_heads;
+  const float* ws_o = static_cast<const float*>(a.workspace);
+  const size_t n_part = static_cast<size_t>(a.num_tokens) * H * num_chunks;
+  const float* ws_m = ws_o + n_part * D;
+  const float* ws_l = ws_m + n_part;
+  const size_t base = (static_cast<size_t>(t) * H + h) * num_chunks;
+  float mx = -INFINITY;
+  for (int c = 0; c < num_chunks; ++c)
+    if (ws_l[base + c] > 0.0f) mx = fmaxf(mx, ws_m[base + c]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float l = 0.0f, o = 0.0f;
+    for (int c = 0; c < num_chunks; ++c) {
+      const float lc = ws_l[base + c];
+      if (lc <= 0.0f) continue;
+      const float w = expf(ws_m[base + c] - mx);
+      l = fmaf(lc, w, l);
+      o = fmaf(ws_o[(base + c) * D + d], w, o);
+    }
+    const float attn = l > 0.0f ? o / l : 0.0f;
+    a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, attn);
+  }
+}
+
+// The generic path: any D <= 256, G, P, dtype and window at run time. One block per (query head,
+// token), one key at a time with an online softmax. Slow by design; it exists so that a missing
+// preset can still run under --allow-fallback, and it always reports itself as a fallback.
+__global__ void __launch_bounds__(128) AttentionFallbackKernel(const AttentionParams a) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int D = a.head_dim, H = a.num_q_heads, K = a.num_kv_heads, P = a.page_size;
+  const int kvh = h / (H / K);
+  const int pos = a.positions ? a.positions[t] : a.first_position + t;
+  const int start = a.window_kind == WindowKind::kSliding ? max(0, pos - a.window + 1) : 0;
+  const bool fp8 = a.kv_dtype == KvDtype::kFp8;
+  __shared__ float s_warp[4];
+  float q[2], acc[2] = {0.0f, 0.0f};
+  for (int i = 0; i < 2; ++i) {
+    const int d = threadIdx.x + 128 * i;
+    q[i] = d < D ? Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + h) * D + d]) : 0.0f;
+  }
+  auto load = [&](const void* pool, int s, int d) {
+    const size_t idx =
+        ((static_cast<size_t>(a.block_table[s / P]) * P + s % P) * K + kvh) * D + d;
+    return fp8 ? Fp8ToFloat(static_cast<const uint8_t*>(pool)[idx]) *
+                     (pool == a.k_pool ? a.k_scale : a.v_scale)
+               : Bf16BitsToFloat(static_cast<const uint16_t*>(pool)[idx]);
+  };
+  float m = -INFINITY, l = 0.0f;
+  for (int s = start; s <= pos; ++s) {
+    float part = 0.0f;
+    for (int i = 0; i < 2; ++i) {
+      const int d = threadIdx.x + 128 * i;
+      if (d < D) part = fmaf(q[i], load(a.k_pool, s, d), part);
+    }
+    part = WarpSum(part);
+    if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = part;
+    __syncthreads();
+    const float score = (s_warp[0] + s_warp[1] + s_warp[2] + s_warp[3]) * a.softmax_scale;
+    __syncthreads();
+    const float m_new = fmaxf(m, score);
+    const float corr = expf(m - m_new);
+    const float w = expf(score - m_new);
+    l = l * corr + w;
+    for (int i = 0; i < 2; ++i) {
+      const int d = threadIdx.x + 128 * i;
+      if (d < D) acc[i] = acc[i] * corr + w * load(a.v_pool, s, d);
+    }
+    m = m_new;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int d = threadIdx.x + 128 * i;
+    if (d < D) {
+      a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, acc[i] / l);
+    }
+  }
+}
+
+}  // namespace dev
+
+Status LaunchAttentionCombine(const AttentionParams& p, int num_chunks, Stream stream) {
+  dim3 grid(p.num_q_heads, p.num_tokens);
+  dev::AttentionCombineKernel<<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      p, num_chunks);
+  DL_KERNEL_LAUNCH_CHECK("attention combine");
+  return Status::Ok();
+}
+
+Status LaunchAttentionFallback(const AttentionParams& params, Stream stream) {
+  AttentionParams p = params;
+  if (p.softmax_scale <= 0.0f) {
+    p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  }
+  dim3 grid(p.num_q_heads, p.num_tokens);
+  dev::AttentionFallbackKernel<<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  DL_KERNEL_LAUNCH_CHECK("attn_generic_fallback");
+  return Status::Ok();
+}
+
+}  // namespace dl::kernels

@@ -1,0 +1,85 @@
+// Small device helpers shared by the kernels: BF16/FP8 conversions with the reference's rounding,
+// 16-byte vector loads, and fixed-order warp reductions (xor butterflies: every lane ends with the
+// same value, computed in the same order on every run).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "base/status.h"
+#include "cuda/check.h"
+#include "kernels/common.h"
+
+namespace dl::kernels::dev {
+
+
+__device__ __forceinline__ float Bf16BitsToFloat(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+__device__ __forceinline__ uint16_t FloatToBf16Bits(float f) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
+// The value after a round trip through BF16 (the reference's "compute in FP32, store BF16").
+__device__ __forceinline__ float RoundBf16(float f) {
+  return __bfloat162float(__float2bfloat16_rn(f));
+}
+__device__ __forceinline__ float Fp8ToFloat(uint8_t v) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), __NV_E4M3);
+  return __half2float(__half(h));
+}
+// Round to nearest even, saturating to +-448 (matches dl::FloatToFp8E4M3).
+__device__ __forceinline__ uint8_t FloatToFp8(float f) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3));
+}
+
+// 8 BF16 values (16 bytes) -> float.
+__device__ __forceinline__ void Bf16x8ToFloat(const uint4& u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+// 8 FP8 codes (8 bytes) -> float (code value; the caller applies the scale).
+__device__ __forceinline__ void Fp8x8ToFloat(const uint2& u, float* f) {
+  const uint32_t w[2] = {u.x, u.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) f[4 * i + b] = Fp8ToFloat(static_cast<uint8_t>(w[i] >> (8 * b)));
+  }
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float Softplus(float z) {
+  // PyTorch's softplus (beta 1, threshold 20).
+  return z > 20.0f ? z : log1pf(expf(z));
+}
+
+}  // namespace dl::kernels::dev
+
+// Turns the last launch error into a Status naming the kernel.
+#define DL_KERNEL_LAUNCH_CHECK(name)                                                      \
+  do {                                                                                    \
+    cudaError_t dl_launch_err_ = cudaGetLastError();                                      \
+    if (dl_launch_err_ != cudaSuccess) {                                                  \
+      return ::dl::Internal("launching {} failed: {}", name,                              \
+                            cudaGetErrorString(dl_launch_err_));                          \
+    }                                                                                     \
+  } while (0)

@@ -1,0 +1,104 @@
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "base/rng.h"
+#include "kernels/elementwise.h"
+
+namespace dl::kernels {
+namespace {
+
+__global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32_t* __restrict__ ids,
+                            __nv_bfloat16* __restrict__ out, int d, int vocab) {
+  const int t = blockIdx.x;
+  const int id = ids[t];
+  const bool valid = id >= 0 && id < vocab;
+  const uint4* src = reinterpret_cast<const uint4*>(table + static_cast<int64_t>(valid ? id : 0) * d);
+  uint4* dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(t) * d);
+  for (int i = threadIdx.x; i < d / 8; i += blockDim.x) dst[i] = valid ? src[i] : make_uint4(0, 0, 0, 0);
+}
+
+__global__ void SiluMulKernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
+                              int ffn) {
+  const int t = blockIdx.y;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= ffn) return;
+  const float g = __bfloat162float(gate_up[static_cast<int64_t>(t) * 2 * ffn + j]);
+  const float u = __bfloat162float(gate_up[static_cast<int64_t>(t) * 2 * ffn + ffn + j]);
+  const float s = __bfloat162float(__float2bfloat16(g / (1.0f + expf(-g))));
+  out[static_cast<int64_t>(t) * ffn + j] = __float2bfloat16(s * u);
+}
+
+__global__ void Bf16ToF32Kernel(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = __bfloat162float(src[i]);
+}
+
+__global__ void FillAffineKernel(__nv_bfloat16* dst, int64_t n, uint64_t key, float scale, float offset) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // No FMA: the host computes offset + scale * n as two rounded operations.
+    dst[i] = __float2bfloat16(__fadd_rn(offset, __fmul_rn(scale, NormalAt(key, static_cast<uint64_t>(i)))));
+  }
+}
+
+__global__ void AbsMaxKernel(const __nv_bfloat16* __restrict__ src, int64_t n, unsigned* out) {
+  float m = 0.0f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    m = fmaxf(m, fabsf(__bfloat162float(src[i])));
+  }
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  // Non-negative floats order like their bit patterns as unsigned integers.
+  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
+}
+
+Status LaunchStatus(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal("{} launch failed: {}", what, cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status EmbedLookup(const EmbedParams& p, Stream stream) {
+  if (p.d % 8 != 0 || p.num_tokens <= 0) return InvalidArgument("EmbedLookup: bad shape");
+  EmbedKernel<<<p.num_tokens, 128, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(p.table), p.ids,
+                                                reinterpret_cast<__nv_bfloat16*>(p.out), p.d, p.vocab);
+  return LaunchStatus("EmbedLookup");
+}
+
+Status SiluMul(const SiluMulParams& p, Stream stream) {
+  if (p.ffn <= 0 || p.num_tokens <= 0) return InvalidArgument("SiluMul: bad shape");
+  dim3 grid((p.ffn + 255) / 256, p.num_tokens);
+  SiluMulKernel<<<grid, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(p.gate_up),
+                                          reinterpret_cast<__nv_bfloat16*>(p.out), p.ffn);
+  return LaunchStatus("SiluMul");
+}
+
+Status FillAffineBf16(bf16* dst, int64_t n, uint64_t key, float scale, float offset, Stream stream) {
+  if (n <= 0) return Status::Ok();
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 8192);
+  FillAffineKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      reinterpret_cast<__nv_bfloat16*>(dst), n, key, scale, offset);
+  return LaunchStatus("FillAffineBf16");
+}
+
+Status AbsMaxBf16(const bf16* src, int64_t n, float* out, Stream stream) {
+  if (cudaMemsetAsync(out, 0, sizeof(float), stream) != cudaSuccess) return LaunchStatus("AbsMaxBf16");
+  if (n <= 0) return Status::Ok();
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 2048);
+  AbsMaxKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(src), n, reinterpret_cast<unsigned*>(out));
+  return LaunchStatus("AbsMaxBf16");
+}
+
+Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream) {
+  if (n <= 0) return Status::Ok();
+  Bf16ToF32Kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(src), dst, n);
+  return LaunchStatus("Bf16ToF32");
+}
+
+}  // namespace dl::kernels

@@ -1,0 +1,26 @@
+// CPU-only builds: the launchers exist so callers link, and say plainly that there is no CUDA backend.
+#include "kernels/attention/attention.h"
+#include "kernels/ops.h"
+
+namespace dl::kernels {
+namespace {
+Status NoCuda(const char* what) {
+  return Unavailable("{}: this build of decodelab has no CUDA backend", what);
+}
+}  // namespace
+
+Status AddRmsNorm(const AddRmsNormParams&, Stream) { return NoCuda("add_rmsnorm"); }
+Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
+  return NoCuda("qknorm_rope_append");
+}
+Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
+size_t MoeWorkspaceBytes(int, int, int, int) { return 0; }
+Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
+size_t ArgmaxWorkspaceBytes(int) { return 0; }
+Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
+Status FillRandomBf16(bf16*, size_t, uint64_t, float, Stream) { return NoCuda("fill_random_bf16"); }
+Status LaunchAttentionFallback(const AttentionParams&, Stream) {
+  return NoCuda("attn_generic_fallback");
+}
+
+}  // namespace dl::kernels

@@ -1,0 +1,46 @@
+// Small element-wise kernels of the decode step that belong to no bigger fusion yet.
+#pragma once
+
+#include <cstdint>
+
+#include "base/status.h"
+#include "kernels/common.h"
+
+namespace dl::kernels {
+
+// out[t, :] = table[ids[t], :] for t < T. Ids come from device memory so a captured decode graph
+// can feed the previous step's argmax straight back in. table: [V, d] BF16, out: [T, d].
+struct EmbedParams {
+  const bf16* table = nullptr;
+  const int32_t* ids = nullptr;  // [T] device
+  bf16* out = nullptr;
+  int num_tokens = 1;
+  int d = 0;      // % 8 == 0
+  int vocab = 0;  // ids outside [0, vocab) produce zeros (validated on the host before the copy)
+};
+Status EmbedLookup(const EmbedParams& p, Stream stream);
+
+// SwiGLU activation of a fused gate/up projection: h[t, j] = bf16(bf16(silu(g)) * u) with
+// g = gate_up[t, j], u = gate_up[t, F + j] (gate rows first, as the fused projection is laid out),
+// the reference's rounding points (silu in FP32 on the BF16 input, rounded, then a BF16 product).
+struct SiluMulParams {
+  const bf16* gate_up = nullptr;  // [T, 2F]
+  bf16* out = nullptr;            // [T, F]
+  int num_tokens = 1;
+  int ffn = 0;  // F
+};
+Status SiluMul(const SiluMulParams& p, Stream stream);
+
+// dst[i] = bf16(offset + scale * NormalAt(key, i)): synthetic weights generated on the device with the
+// counter-based generator of base/rng.h (the host's make-model uses the same formula; device and host
+// libm may differ in the last float bit, so a rare element can differ by one BF16 ulp).
+Status FillAffineBf16(bf16* dst, int64_t n, uint64_t key, float scale, float offset, Stream stream);
+
+// *out = max_i |src[i]| over n BF16 values (out: one device float, overwritten). Max is independent of
+// the reduction order, so the result is deterministic. Used to calibrate FP8 KV scales from a BF16 cache.
+Status AbsMaxBf16(const bf16* src, int64_t n, float* out, Stream stream);
+
+// dst[i] = float(src[i]) for logits copied back to the host.
+Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream);
+
+}  // namespace dl::kernels

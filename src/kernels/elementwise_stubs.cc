@@ -1,0 +1,18 @@
+// CPU-only builds: the element-wise launchers report that there is no CUDA backend.
+#include "kernels/elementwise.h"
+
+#if !defined(DECODELAB_HAVE_CUDA)
+namespace dl::kernels {
+Status EmbedLookup(const EmbedParams&, Stream) { return Unavailable("no CUDA backend in this build"); }
+Status SiluMul(const SiluMulParams&, Stream) { return Unavailable("no CUDA backend in this build"); }
+Status FillAffineBf16(bf16*, int64_t, uint64_t, float, float, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
+Status AbsMaxBf16(const bf16*, int64_t, float*, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
+Status Bf16ToF32(const bf16*, float*, int64_t, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
+}  // namespace dl::kernels
+#endif

@@ -1,0 +1,198 @@
+// CPU tests of the preset table, the registry and the CPU references (these run in CI without a GPU;
+// the GPU kernels are compared against the same references in tests/gpu/kernels_gpu_test.cc).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "base/dtype.h"
+#include "base/rng.h"
+#include "kernels/attention/attention.h"
+#include "kernels/reference/reference.h"
+
+namespace dl::kernels {
+namespace {
+
+std::vector<bf16> RandomBf16(size_t n, uint64_t key, float scale = 1.0f) {
+  std::vector<bf16> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = FloatToBf16(scale * NormalAt(key, i));
+  return v;
+}
+
+TEST(Presets, CanonicalNameFollowsTheTableColumns) {
+  EXPECT_EQ(CanonicalName({128, 8, 32, KvDtype::kFp8, WindowKind::kSliding}),
+            "attn_d128_g8_p32_fp8_sliding");
+  EXPECT_EQ(CanonicalName({32, 2, 16, KvDtype::kBf16, WindowKind::kGlobal}),
+            "attn_d32_g2_p16_bf16_global");
+}
+
+TEST(Presets, TableHasUniqueNamesAndDefaultCoversXs2) {
+  const auto all = AllPresets();
+  std::set<std::string> names, defaults;
+  for (const auto& p : all) {
+    EXPECT_TRUE(names.insert(p.name).second) << "duplicate " << p.name;
+    if (p.in_default_set) defaults.insert(p.name);
+  }
+  // XS.2: full layers G 6 global, sliding layers G 8, D 128, every page size and KV dtype.
+  for (int page : {16, 32, 64}) {
+    for (KvDtype kv : {KvDtype::kFp8, KvDtype::kBf16}) {
+      EXPECT_TRUE(defaults.count(CanonicalName({128, 6, page, kv, WindowKind::kGlobal})));
+      EXPECT_TRUE(defaults.count(CanonicalName({128, 8, page, kv, WindowKind::kSliding})));
+    }
+  }
+  // The tiny config (D 32: G 2 full, G 4 sliding).
+  EXPECT_TRUE(defaults.count("attn_d32_g2_p16_bf16_global"));
+  EXPECT_TRUE(defaults.count("attn_d32_g4_p16_fp8_sliding"));
+}
+
+TEST(Presets, BuiltPresetsComeFromTheTable) {
+  std::set<std::string> table;
+  for (const auto& p : AllPresets()) table.insert(p.name);
+  for (const auto& name : BuiltPresetNames()) EXPECT_TRUE(table.count(name)) << name;
+#if !defined(DECODELAB_HAVE_CUDA)
+  EXPECT_TRUE(BuiltPresetNames().empty());
+#endif
+}
+
+TEST(Registry, MissingPresetIsAnErrorNamingKeyAndBuiltList) {
+  const AttnPresetKey key{72, 3, 8, KvDtype::kBf16, WindowKind::kGlobal};
+  auto r = ResolveAttention(key);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(r.status().message().find("attn_d72_g3_p8_bf16_global"), std::string::npos);
+  EXPECT_NE(r.status().message().find("built presets: ["), std::string::npos);
+  EXPECT_NE(r.status().message().find("--allow-fallback"), std::string::npos);
+}
+
+TEST(Registry, FallbackOnlyWhenAskedAndSaysSo) {
+  const AttnPresetKey key{72, 3, 8, KvDtype::kBf16, WindowKind::kGlobal};
+  auto r = ResolveAttention(key, /*allow_fallback=*/true);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->fallback);
+  EXPECT_EQ(r->name, "attn_generic_fallback");
+  for (const auto& name : BuiltPresetNames()) {
+    for (const auto& p : AllPresets()) {
+      if (p.name != name) continue;
+      auto b = ResolveAttention(p.key, true);
+      ASSERT_TRUE(b.ok());
+      EXPECT_FALSE(b->fallback);
+      EXPECT_EQ(b->name, name);
+    }
+  }
+}
+
+TEST(Registry, ChunkCountFollowsAbsolutePositions) {
+  AttentionParams p;
+  p.num_tokens = 1;
+  p.num_q_heads = 8;
+  p.head_dim = 128;
+  p.max_position = 1000;
+  EXPECT_EQ(AttentionMaxChunks(p), 1000 / kAttnChunk + 1);
+  p.window_kind = WindowKind::kSliding;
+  p.window = 512;  // 511 past keys + current can straddle 5 chunks of 128
+  EXPECT_EQ(AttentionMaxChunks(p), 5);
+  p.max_position = 10;
+  EXPECT_EQ(AttentionMaxChunks(p), 1);
+  EXPECT_EQ(AttentionWorkspaceBytes(p), size_t{8} * 1 * 130 * 4);
+}
+
+TEST(Reference, RmsNormAddsResidualAndNormalisesToUnitRms) {
+  const int n = 256;
+  auto h = RandomBf16(n, 1, 3.0f), delta = RandomBf16(n, 2);
+  std::vector<bf16> w(n, FloatToBf16(1.0f)), out(n);
+  auto h0 = h;
+  AddRmsNormParams p{h.data(), delta.data(), w.data(), out.data(), 1, n, 1e-6f};
+  ref::AddRmsNorm(p);
+  double ss = 0;
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(h[i], FloatToBf16(Bf16ToFloat(h0[i]) + Bf16ToFloat(delta[i])));
+    ss += Bf16ToFloat(out[i]) * Bf16ToFloat(out[i]);
+  }
+  EXPECT_NEAR(std::sqrt(ss / n), 1.0, 1e-2);
+}
+
+TEST(Reference, RopeQuarterTurnSwapsHalves) {
+  // inv_freq = pi/2 and position 1: (x_j, x_{j+R/2}) -> (-x_{j+R/2}, x_j) exactly in BF16, and the
+  // dims past R pass through. Unit norm weights and a head with RMS 1 keep the values.
+  const int H = 1, K = 1, D = 16, R = 8;
+  std::vector<bf16> q(D), k(D), v(D), qn(D, FloatToBf16(1.0f)), kn(D, FloatToBf16(1.0f)), qo(D);
+  for (int e = 0; e < D; ++e) q[e] = k[e] = v[e] = FloatToBf16(e % 2 ? 1.0f : -1.0f);
+  q[1] = k[1] = FloatToBf16(1.0f);
+  std::vector<float> inv_freq(R / 2, static_cast<float>(M_PI / 2));
+  std::vector<bf16> kp(4 * D), vp(4 * D);
+  std::vector<int32_t> table = {3, 0};
+  QkNormRopeAppendParams p;
+  p.q = q.data(), p.k = k.data(), p.v = v.data(), p.qkv_stride = D;
+  p.q_norm_weight = qn.data(), p.k_norm_weight = kn.data(), p.inv_freq = inv_freq.data();
+  p.rotary_dim = R, p.first_position = 1, p.num_q_heads = H, p.num_kv_heads = K, p.head_dim = D;
+  p.q_out = qo.data(), p.k_pool = kp.data(), p.v_pool = vp.data(), p.block_table = table.data();
+  p.page_size = 1;
+  ref::QkNormRopeAppend(p);
+  for (int j = 0; j < R / 2; ++j) {
+    EXPECT_EQ(Bf16ToFloat(qo[j]), -Bf16ToFloat(q[j + R / 2])) << j;
+    EXPECT_EQ(Bf16ToFloat(qo[j + R / 2]), Bf16ToFloat(q[j])) << j;
+  }
+  for (int e = R; e < D; ++e) EXPECT_EQ(qo[e], q[e]);
+  // Position 1 with P = 1 lives in page table[1] = 0; v is stored raw.
+  for (int e = 0; e < D; ++e) EXPECT_EQ(vp[e], v[e]);
+  EXPECT_EQ(Bf16ToFloat(kp[0]), -Bf16ToFloat(k[R / 2]));
+}
+
+TEST(Reference, AttentionOverOneVisibleKeyReturnsItsValueTimesGate) {
+  // Sliding window of 1: only the current key is visible, so softmax is 1 and out = v * softplus(g).
+  const int D = 16, P = 4, pos = 6;
+  std::vector<bf16> q = RandomBf16(D, 5), kp = RandomBf16(3 * P * D, 6), vp = RandomBf16(3 * P * D, 7);
+  std::vector<int32_t> table = {2, 0, 1};
+  std::vector<bf16> gate = {FloatToBf16(0.3f)}, out(D);
+  AttentionParams p;
+  p.q = q.data(), p.k_pool = kp.data(), p.v_pool = vp.data(), p.block_table = table.data();
+  p.first_position = pos, p.max_position = pos, p.num_q_heads = 1, p.num_kv_heads = 1;
+  p.head_dim = D, p.page_size = P, p.window_kind = WindowKind::kSliding, p.window = 1;
+  p.gate = gate.data(), p.gate_stride = 1, p.out = out.data();
+  ref::Attention(p);
+  const float gamma = RoundBf16(std::log1p(std::exp(0.3f)));
+  const size_t base = (static_cast<size_t>(table[pos / P]) * P + pos % P) * D;
+  for (int d = 0; d < D; ++d) {
+    EXPECT_EQ(Bf16ToFloat(out[d]), RoundBf16(Bf16ToFloat(vp[base + d]) * gamma)) << d;
+  }
+}
+
+TEST(Reference, ArgmaxTiesGoToLowestIndexAndNanWins) {
+  std::vector<bf16> x = {FloatToBf16(1), FloatToBf16(5), FloatToBf16(2), FloatToBf16(5)};
+  EXPECT_EQ(ref::Argmax(x.data(), 4), 1);
+  x[2] = 0x7fc0;  // NaN
+  EXPECT_EQ(ref::Argmax(x.data(), 4), 2);
+}
+
+TEST(Reference, MoeBiasSelectsButDoesNotWeigh) {
+  // Expert 3 has the lowest score but a huge selection bias: it is selected, and its weight is
+  // computed from its unbiased score.
+  const int E = 4, k = 2, d = 8, F = 8;
+  std::vector<bf16> x(d, FloatToBf16(0.5f)), router(E * d);
+  const float logit_row[E] = {0.25f, 0.125f, -0.0625f, -0.25f};
+  for (int e = 0; e < E; ++e)
+    for (int i = 0; i < d; ++i) router[e * d + i] = FloatToBf16(logit_row[e] / (0.5f * d));
+  std::vector<bf16> bias = {0, 0, 0, FloatToBf16(4.0f)};
+  std::vector<std::vector<bf16>> ew;
+  for (int e = 0; e < 3 * E + 3; ++e) ew.push_back(RandomBf16(d * F, 100 + e, 0.2f));
+  std::vector<const bf16*> g(E), u(E), dn(E);
+  for (int e = 0; e < E; ++e) g[e] = ew[3 * e].data(), u[e] = ew[3 * e + 1].data(), dn[e] = ew[3 * e + 2].data();
+  std::vector<bf16> y(d);
+  std::vector<int32_t> ids(k);
+  std::vector<float> w(k);
+  MoeParams p;
+  p.x = x.data(), p.router_w = router.data(), p.router_bias = bias.data();
+  p.gate_w = g.data(), p.up_w = u.data(), p.down_w = dn.data();
+  p.shared_gate_w = ew[12].data(), p.shared_up_w = ew[13].data(), p.shared_down_w = ew[14].data();
+  p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+  p.y = y.data(), p.topk_ids = ids.data(), p.topk_weights = w.data();
+  ref::Moe(p);
+  EXPECT_EQ(ids[0], 3);
+  EXPECT_EQ(ids[1], 0);
+  const float s3 = 1 / (1 + std::exp(0.25f)), s0 = 1 / (1 + std::exp(-0.25f));
+  EXPECT_EQ(w[0], RoundBf16(s3 / (s3 + s0)));
+  EXPECT_EQ(w[1], RoundBf16(s0 / (s3 + s0)));
+}
+
+}  // namespace
+}  // namespace dl::kernels

@@ -1,0 +1,139 @@
+// Launchers of the batch-1 decode kernels (CUDA backend). Every pointer is a DEVICE pointer unless a
+// comment says otherwise; BF16 tensors are row-major, weights are [out, in] (PyTorch layout), and
+// vector loads need 16-byte aligned rows (row widths multiple of 8 elements). Activations are BF16
+// with FP32 accumulation; the rounding points follow the reference (laguna-architecture.md §3, §9)
+// and are spelled out at each function and in the CPU references (kernels/reference/reference.h).
+// Every reduction has a fixed order: results are bit-identical run to run (no value atomics).
+// In a build without CUDA every launcher returns Unavailable.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "base/status.h"
+#include "kernels/common.h"
+
+namespace dl::kernels {
+
+// ---- 1. Residual add + RMSNorm -------------------------------------------------------------------
+// For each of `rows` rows of width n:
+//   h   = bf16(residual + delta)          (skipped when delta == nullptr)
+//   x̂   = bf16(h_f32 * 1/sqrt(mean(h_f32²) + eps))
+//   out = bf16(x̂ * weight)                (BF16 x BF16, the reference's order, §3.3 / §9.5)
+// residual is updated in place with h. n % 8 == 0, n <= 8192.
+struct AddRmsNormParams {
+  bf16* residual = nullptr;     // [rows, n] in/out
+  const bf16* delta = nullptr;  // [rows, n] or nullptr (plain RMSNorm of residual)
+  const bf16* weight = nullptr; // [n]
+  bf16* out = nullptr;          // [rows, n]
+  int rows = 1;
+  int n = 0;
+  float eps = 1e-6f;
+};
+Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
+
+// ---- 2. QK-norm + partial/YaRN RoPE + KV quantise/append ------------------------------------------
+// For every token t (position pos_t) and head:
+//   q, k heads: y = RMSNorm(x; w_qn / w_kn, eps) (rounding as above), then RoPE on dims [0, R):
+//     pairs (j, j+R/2), φ = pos_t * inv_freq[j] (FP32), c = bf16(cos φ * m), s = bf16(sin φ * m),
+//     y_j' = bf16(bf16(y_j c) + bf16(-y_{j+R/2} s)),  y_{j+R/2}' = bf16(bf16(y_{j+R/2} c) + bf16(y_j s));
+//     dims [R, D) pass through.
+//   q goes to q_out; k and the raw v go to the paged cache at pos_t:
+//     page = block_table[pos_t / P], slot = pos_t % P, element ((page*P + slot)*K + head)*D + d,
+//     FP8: code = round_fp8_e4m3_satfinite(x / scale) (IEEE division), BF16: stored as is.
+// q_out may alias q (each head is staged in shared memory before it is written).
+struct QkNormRopeAppendParams {
+  const bf16* q = nullptr;  // [T, H, D] with row stride qkv_stride (elements per token)
+  const bf16* k = nullptr;  // [T, K, D] same stride
+  const bf16* v = nullptr;  // [T, K, D] same stride
+  int64_t qkv_stride = 0;   // elements between consecutive tokens (H*D for separate buffers,
+                            // (H+2K)*D for a fused qkv projection output)
+  const bf16* q_norm_weight = nullptr;  // [D]
+  const bf16* k_norm_weight = nullptr;  // [D]
+  const float* inv_freq = nullptr;      // [R/2] FP32 (model/config.h ComputeRopeTable)
+  float attention_factor = 1.0f;        // m: multiplies cos and sin
+  int rotary_dim = 0;                   // R (even, <= D)
+  float eps = 1e-6f;
+  const int32_t* positions = nullptr;   // [T] absolute positions, or nullptr: first_position + t
+  int32_t first_position = 0;
+  int num_tokens = 1;   // T
+  int num_q_heads = 0;  // H
+  int num_kv_heads = 0; // K
+  int head_dim = 0;     // D: multiple of 8, <= 256
+  bf16* q_out = nullptr;  // [T, H, D]
+  // Paged KV cache of this layer: [num_pages, P, K, D] each.
+  void* k_pool = nullptr;
+  void* v_pool = nullptr;
+  KvDtype kv_dtype = KvDtype::kBf16;
+  float k_scale = 1.0f, v_scale = 1.0f;  // FP8 only
+  const int32_t* block_table = nullptr;  // [max_pages] page ids of this sequence
+  int page_size = 16;                    // P
+};
+Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
+
+// ---- 5. GEMV / small-T GEMM ------------------------------------------------------------------------
+// y[t, o] = bf16( sum_i W[o, i] * x[t, i] ), FP32 accumulation in a FIXED order per output element that
+// does not depend on T: GEMM over T tokens is bit-identical to T separate GEMVs (batch invariance, so
+// prefill chunking cannot change results). One warp per output row, 16-byte loads of W.
+// cuBLASLt (tensor cores) would win for prefill T >~ 16, at the price of batch invariance.
+struct GemvParams {
+  const bf16* w = nullptr;  // [out, in]
+  const bf16* x = nullptr;  // [T, in] (row stride x_stride)
+  bf16* y = nullptr;        // [T, out] (row stride y_stride)
+  int out = 0, in = 0;      // in % 8 == 0
+  int num_tokens = 1;
+  int64_t x_stride = 0, y_stride = 0;  // 0 = dense (in / out)
+};
+Status Gemv(const GemvParams& p, Stream stream);
+
+// ---- 6. MoE for one token --------------------------------------------------------------------------
+// Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);
+// select the top-k of (s + bias) (ties: lowest expert id; descending order); w_e = bf16(s_e / sum_sel s)
+// (sum in selection order). Experts (two kernels): h_j = bf16(bf16(silu(bf16(G_j x))) * bf16(U_j x));
+// o_j = bf16(D_j h_j); y = bf16( bf16(alpha * bf16(sum_j bf16(o_j * w_j))) + bf16(D_s h_s) )
+// (5.17.0 grouped_mm order: per-slot BF16 products, FP32 sum over slots, one rounding). No host
+// round trip: expert ids stay on the device and index the pointer arrays.
+// Expert weights: arrays (in DEVICE memory) of E device pointers, one per expert tensor, matching the
+// loader's per-expert tensors: gate/up [F, d], down [d, F].
+struct MoeParams {
+  const bf16* x = nullptr;             // [d] normalised input u2
+  const bf16* router_w = nullptr;      // [E, d]
+  const bf16* router_bias = nullptr;   // [E] e_score_correction_bias (BF16, selection only)
+  const bf16* const* gate_w = nullptr; // [E] -> [F, d]
+  const bf16* const* up_w = nullptr;   // [E] -> [F, d]
+  const bf16* const* down_w = nullptr; // [E] -> [d, F]
+  const bf16* shared_gate_w = nullptr; // [Fs, d]
+  const bf16* shared_up_w = nullptr;   // [Fs, d]
+  const bf16* shared_down_w = nullptr; // [d, Fs]
+  int d = 0, num_experts = 0, top_k = 0, ffn = 0, shared_ffn = 0;  // d, F: multiples of 8; E <= 1024
+  float alpha = 1.0f;    // moe_routed_scaling_factor
+  float softcap = 0.0f;  // moe_router_logit_softcapping (0 = off)
+  bf16* y = nullptr;     // [d] output (routed*alpha + shared), NOT added to the residual
+  // Outputs of the router, kept for inspection: selected ids (descending biased score) and weights
+  // (the BF16-rounded values, as float).
+  int32_t* topk_ids = nullptr;      // [top_k]
+  float* topk_weights = nullptr;    // [top_k]
+  void* workspace = nullptr;        // MoeWorkspaceBytes(); contents need no initialisation
+  uint32_t* counter = nullptr;      // one word, zero before first use; kernels leave it zero
+};
+size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn);
+Status Moe(const MoeParams& p, Stream stream);
+
+// ---- 7. Argmax -------------------------------------------------------------------------------------
+// out[0] = argmax_i logits[i] (ties -> lowest index, NaN counts as the maximum, like torch.argmax).
+struct ArgmaxParams {
+  const bf16* logits = nullptr;  // [n]
+  int n = 0;
+  int32_t* out = nullptr;        // [1]
+  void* workspace = nullptr;     // ArgmaxWorkspaceBytes(n)
+  uint32_t* counter = nullptr;   // one word, zero before first use; the kernel leaves it zero
+};
+size_t ArgmaxWorkspaceBytes(int n);
+Status Argmax(const ArgmaxParams& p, Stream stream);
+
+// ---- Test and benchmark helper -----------------------------------------------------------------------
+// dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,
+// up to the last bits of the device's logf/cosf, so benchmarks can make big tensors on the device.
+Status FillRandomBf16(bf16* dst, size_t n, uint64_t key, float scale, Stream stream);
+
+}  // namespace dl::kernels

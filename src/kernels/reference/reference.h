@@ -1,0 +1,29 @@
+// Slow, obviously correct CPU references of the CUDA kernels. They take the SAME params structs as
+// the launchers, but every pointer is a HOST pointer (pools, block tables, pointer arrays included).
+// Accumulations are in double, so a reference differs from the reference model's FP32 order only
+// below BF16 resolution; the rounding points (to BF16 / FP8) are exactly the ones the kernels
+// document (laguna-architecture.md §3, §9).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/attention/attention.h"
+#include "kernels/ops.h"
+
+namespace dl::kernels::ref {
+
+void AddRmsNorm(const AddRmsNormParams& p);
+void QkNormRopeAppend(const QkNormRopeAppendParams& p);
+// Attention with the gate; ignores workspace.
+void Attention(const AttentionParams& p);
+void Gemv(const GemvParams& p);
+// Router + experts. `logits_override` ([E], optional): use these router logits (already BF16-rounded)
+// instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
+void Moe(const MoeParams& p, const float* logits_override = nullptr);
+int32_t Argmax(const bf16* logits, int n);
+
+// Softplus as PyTorch computes it (threshold 20).
+float Softplus(float z);
+
+}  // namespace dl::kernels::ref

@@ -1,0 +1,265 @@
+// Bandwidth of the decode kernels at Laguna XS.2 shapes against the device-to-device copy bandwidth
+// measured in the same run. Inputs rotate among several copies so that repeated calls do not run out
+// of L2; every figure is the median-free mean of back-to-back launches timed with events (launch gaps
+// included, no CUDA graph), so small kernels show their latency, not their bandwidth.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/buffer.h"
+#include "cuda/device.h"
+#include "kernels/attention/attention.h"
+#include "kernels/ops.h"
+
+using namespace dl;
+using namespace dl::kernels;
+
+namespace {
+
+#define CHECK_OK(expr)                                                              \
+  do {                                                                              \
+    const ::dl::Status s_ = (expr);                                                 \
+    if (!s_.ok()) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, s_.message().c_str()); \
+      std::exit(1);                                                                 \
+    }                                                                               \
+  } while (0)
+
+cuda::DeviceBuffer Alloc(size_t bytes) {
+  auto b = cuda::DeviceBuffer::Create(bytes);
+  if (!b.ok()) {
+    std::fprintf(stderr, "%s\n", b.status().message().c_str());
+    std::exit(1);
+  }
+  return std::move(b).value();
+}
+cuda::DeviceBuffer Random(size_t elems, uint64_t key, float scale) {
+  auto b = Alloc(elems * 2);
+  CHECK_OK(FillRandomBf16(b.as<bf16>(), elems, key, scale, nullptr));
+  return b;
+}
+template <typename T>
+cuda::DeviceBuffer Upload(const std::vector<T>& v) {
+  auto b = Alloc(v.size() * sizeof(T));
+  CHECK_OK(b.CopyFromHost(v.data(), v.size() * sizeof(T)));
+  return b;
+}
+
+// Mean milliseconds per call of fn(i) over `iters` calls after a warm-up.
+double TimeMs(const std::function<void(int)>& fn, int iters) {
+  for (int i = 0; i < 3; ++i) fn(i);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a), cudaEventCreate(&b);
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) fn(i);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a), cudaEventDestroy(b);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
+    std::exit(1);
+  }
+  return ms / iters;
+}
+
+struct Row {
+  std::string name, shape;
+  double us, bytes;
+};
+
+}  // namespace
+
+int main() {
+  std::string why;
+  if (cuda::DeviceCount(&why) == 0) {
+    std::fprintf(stderr, "kernels_bench: no CUDA device: %s\n", why.c_str());
+    return 1;
+  }
+  auto info = cuda::GetDeviceInfo(0);
+  std::printf("device: %s, %d SMs, L2 %zu MB\n", info->name.c_str(), info->sm_count,
+              info->l2_bytes >> 20);
+  std::vector<Row> rows;
+
+  // Copy bandwidth (read + write).
+  {
+    const size_t n = size_t{1} << 31;
+    auto src = Alloc(n), dst = Alloc(n);
+    CHECK_OK(src.Fill(0x3c));
+    const double ms = TimeMs([&](int) { cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice); }, 10);
+    rows.push_back({"d2d copy", "2 GiB", ms * 1e3, 2.0 * n});
+  }
+  const double copy_gbs = rows[0].bytes / (rows[0].us * 1e-6) / 1e9;
+
+  // GEMV: q_proj (sliding), o_proj, lm_head; 8 rotating weight copies (> L2).
+  auto x = Random(8192, 1, 1.0f);
+  auto y = Alloc(100352 * 2);
+  for (auto [name, out, in, copies] : {std::tuple{"gemv q_proj", 8192, 2048, 8},
+                                       std::tuple{"gemv o_proj", 2048, 8192, 8},
+                                       std::tuple{"gemv lm_head", 100352, 2048, 1}}) {
+    std::vector<cuda::DeviceBuffer> w;
+    for (int c = 0; c < copies; ++c) w.push_back(Random(size_t(out) * in, 10 + c, 0.02f));
+    const double ms = TimeMs([&](int i) {
+      GemvParams p{w[i % copies].as<bf16>(), x.as<bf16>(), y.as<bf16>(), out, in, 1, 0, 0};
+      CHECK_OK(Gemv(p, nullptr));
+    }, 200);
+    rows.push_back({name, std::to_string(out) + "x" + std::to_string(in), ms * 1e3,
+                    2.0 * out * in});
+  }
+
+  // Residual add + RMSNorm, d = 2048.
+  {
+    auto h = Random(2048, 2, 1.0f), dl = Random(2048, 3, 1.0f), w = Random(2048, 4, 1.0f);
+    auto o = Alloc(4096);
+    const double ms = TimeMs([&](int) {
+      AddRmsNormParams p{h.as<bf16>(), dl.as<bf16>(), w.as<bf16>(), o.as<bf16>(), 1, 2048, 1e-6f};
+      CHECK_OK(AddRmsNorm(p, nullptr));
+    }, 500);
+    rows.push_back({"add_rmsnorm", "d 2048", ms * 1e3, 2.0 * 2048 * 5});
+  }
+
+  // QK-norm + RoPE + FP8 append, sliding layer (H 64, K 8, D 128, R 128), one token.
+  {
+    const int H = 64, K = 8, D = 128, P = 32;
+    auto qkv = Random((H + 2 * K) * D, 5, 1.0f), qn = Random(D, 6, 1.0f), kn = Random(D, 7, 1.0f);
+    std::vector<float> f(64);
+    for (int j = 0; j < 64; ++j) f[j] = std::pow(10000.0f, -j / 64.0f);
+    auto d_f = Upload(f);
+    std::vector<int32_t> table(256);
+    std::iota(table.begin(), table.end(), 0);
+    auto d_t = Upload(table);
+    auto kp = Alloc(size_t(256) * P * K * D), vp = Alloc(size_t(256) * P * K * D);
+    auto qo = Alloc(H * D * 2);
+    const double ms = TimeMs([&](int i) {
+      QkNormRopeAppendParams p;
+      p.q = qkv.as<bf16>(), p.k = p.q + H * D, p.v = p.k + K * D, p.qkv_stride = (H + 2 * K) * D;
+      p.q_norm_weight = qn.as<bf16>(), p.k_norm_weight = kn.as<bf16>(), p.inv_freq = d_f.as<float>();
+      p.rotary_dim = 128, p.first_position = 4000 + i % 64, p.num_q_heads = H, p.num_kv_heads = K;
+      p.head_dim = D, p.q_out = qo.as<bf16>(), p.k_pool = kp.data(), p.v_pool = vp.data();
+      p.kv_dtype = KvDtype::kFp8, p.k_scale = p.v_scale = 0.05f, p.block_table = d_t.as<int32_t>();
+      p.page_size = P;
+      CHECK_OK(QkNormRopeAppend(p, nullptr));
+    }, 500);
+    rows.push_back({"qknorm_rope_append", "H64 K8 D128 fp8", ms * 1e3, 2.0 * (H + 4 * K) * D});
+  }
+
+  // Attention: sliding (G 8, W 512) at position 4095 over 30 layers' pools; global (G 6) at 32767.
+  struct AttnCase {
+    const char* label;
+    AttnPresetKey key;
+    int pos, copies;
+  };
+  for (const AttnCase& c :
+       {AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kFp8, WindowKind::kSliding}, 4095, 30},
+        AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kBf16, WindowKind::kSliding}, 4095, 30},
+        AttnCase{"attn global ctx1k", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 1023, 30},
+        AttnCase{"attn global ctx32k", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 32767, 4},
+        AttnCase{"attn global ctx32k", {128, 6, 64, KvDtype::kBf16, WindowKind::kGlobal}, 32767, 4}}) {
+    auto kernel = ResolveAttention(c.key);
+    if (!kernel.ok()) {
+      std::printf("skip %s: %s\n", c.label, kernel.status().message().c_str());
+      continue;
+    }
+    const int K = 8, D = 128, P = c.key.page_size, H = K * c.key.group;
+    const int pages = (c.pos + 1 + P - 1) / P;
+    const size_t esz = c.key.kv_dtype == KvDtype::kFp8 ? 1 : 2;
+    const size_t pool = size_t(pages) * P * K * D * esz;
+    std::vector<int32_t> table(pages);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(1));
+    auto d_t = Upload(table);
+    std::vector<cuda::DeviceBuffer> kp, vp;
+    for (int l = 0; l < c.copies; ++l) {
+      kp.push_back(esz == 1 ? Alloc(pool) : Random(pool / 2, 100 + l, 1.0f));
+      vp.push_back(esz == 1 ? Alloc(pool) : Random(pool / 2, 200 + l, 1.0f));
+      if (esz == 1) {  // FP8 codes 1.25 / 0.8125: finite, non-zero
+        CHECK_OK(kp.back().Fill(0x3a));
+        CHECK_OK(vp.back().Fill(0x35));
+      }
+    }
+    auto q = Random(H * D, 8, 1.0f), g = Random(H, 9, 1.0f), o = Alloc(H * D * 2);
+    AttentionParams p;
+    p.q = q.as<bf16>(), p.block_table = d_t.as<int32_t>(), p.first_position = c.pos;
+    p.max_position = c.pos, p.num_q_heads = H, p.num_kv_heads = K, p.head_dim = D;
+    p.page_size = P, p.kv_dtype = c.key.kv_dtype, p.window_kind = c.key.window, p.window = 512;
+    p.k_scale = p.v_scale = 0.1f, p.gate = g.as<bf16>(), p.gate_stride = H, p.out = o.as<bf16>();
+    auto ws = Alloc(AttentionWorkspaceBytes(p));
+    p.workspace = ws.data(), p.workspace_bytes = ws.size();
+    const double ms = TimeMs([&](int i) {
+      AttentionParams a = p;
+      a.k_pool = kp[i % c.copies].data(), a.v_pool = vp[i % c.copies].data();
+      CHECK_OK(RunAttention(*kernel, a, nullptr));
+    }, 200);
+    const int keys = c.key.window == WindowKind::kSliding ? std::min(512, c.pos + 1) : c.pos + 1;
+    rows.push_back({c.label, kernel->name, ms * 1e3, 2.0 * keys * K * D * esz});
+  }
+
+  // MoE, XS.2 layer: E 256, top-8, F 512, shared 512, d 2048; 2 layers' experts, 16 inputs.
+  {
+    const int E = 256, k = 8, d = 2048, F = 512;
+    const int layers = 2;
+    std::vector<cuda::DeviceBuffer> experts;
+    std::vector<cuda::DeviceBuffer> ptr_arrays;
+    std::vector<cuda::DeviceBuffer> routers, biases, shared;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<const bf16*> gp(E), up(E), dp(E);
+      for (int e = 0; e < E; ++e) {
+        experts.push_back(Random(size_t(3) * F * d, 1000 + l * E + e, 0.02f));
+        const bf16* base = experts.back().as<bf16>();
+        gp[e] = base, up[e] = base + size_t(F) * d, dp[e] = base + size_t(2) * F * d;
+      }
+      ptr_arrays.push_back(Upload(gp)), ptr_arrays.push_back(Upload(up));
+      ptr_arrays.push_back(Upload(dp));
+      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
+      biases.push_back(Random(E, 60 + l, 0.05f));
+      shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
+    }
+    auto xs = Random(size_t(16) * d, 80, 1.0f);
+    auto yv = Alloc(d * 2), ws = Alloc(MoeWorkspaceBytes(E, k, F, F)), counter = Alloc(4);
+    CHECK_OK(counter.Fill(0));
+    const double ms = TimeMs([&](int i) {
+      const int l = i % layers;
+      MoeParams p;
+      p.x = xs.as<bf16>() + size_t(i % 16) * d, p.router_w = routers[l].as<bf16>();
+      p.router_bias = biases[l].as<bf16>();
+      p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
+      p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
+      p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
+      p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
+      p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      CHECK_OK(Moe(p, nullptr));
+    }, 200);
+    rows.push_back({"moe (router+8+shared)", "E256 k8 F512 d2048", ms * 1e3,
+                    2.0 * (size_t(E) * d + size_t(k + 1) * 3 * F * d)});
+  }
+
+  // Argmax over the vocabulary.
+  {
+    auto logits = Random(100352, 90, 3.0f);
+    auto ws = Alloc(ArgmaxWorkspaceBytes(100352)), counter = Alloc(4), out = Alloc(4);
+    CHECK_OK(counter.Fill(0));
+    const double ms = TimeMs([&](int) {
+      ArgmaxParams p{logits.as<bf16>(), 100352, out.as<int32_t>(), ws.data(), counter.as<uint32_t>()};
+      CHECK_OK(Argmax(p, nullptr));
+    }, 500);
+    rows.push_back({"argmax", "V 100352", ms * 1e3, 2.0 * 100352});
+  }
+
+  std::printf("\n%-24s %-32s %10s %10s %8s\n", "kernel", "shape", "us/call", "GB/s", "%copy");
+  for (const Row& r : rows) {
+    const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
+    std::printf("%-24s %-32s %10.2f %10.1f %7.1f%%\n", r.name.c_str(), r.shape.c_str(), r.us, gbs,
+                100.0 * gbs / copy_gbs);
+  }
+  return 0;
+}

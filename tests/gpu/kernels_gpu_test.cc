@@ -1,0 +1,503 @@
+// GPU kernels against their CPU references (src/kernels/reference), on random data, with explicit
+// tolerances, plus bit-identity: run to run, across page sizes, across prefill chunkings and between
+// prefill and decode of the same token. Every test skips visibly where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include <cuda_runtime.h>
+
+#include "base/dtype.h"
+#include "base/rng.h"
+#include "cuda/buffer.h"
+#include "cuda/device.h"
+#include "kernels/attention/attention.h"
+#include "kernels/ops.h"
+#include "kernels/reference/reference.h"
+
+namespace dl::kernels {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    std::string why;                                                        \
+    if (dl::cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why; \
+  } while (0)
+
+#define ASSERT_OK(expr)                                          \
+  do {                                                           \
+    const ::dl::Status s_ = (expr);                              \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.message();       \
+  } while (0)
+
+std::vector<bf16> RandomBf16(size_t n, uint64_t key, float scale = 1.0f) {
+  std::vector<bf16> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = FloatToBf16(scale * NormalAt(key, i));
+  return v;
+}
+
+template <typename T>
+cuda::DeviceBuffer Upload(const std::vector<T>& v) {
+  auto b = cuda::DeviceBuffer::Create(std::max<size_t>(v.size() * sizeof(T), 16));
+  EXPECT_TRUE(b.ok()) << b.status().message();
+  if (!v.empty()) EXPECT_TRUE(b->CopyFromHost(v.data(), v.size() * sizeof(T)).ok());
+  return std::move(b).value();
+}
+template <typename T>
+std::vector<T> Download(const cuda::DeviceBuffer& b, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_TRUE(b.CopyToHost(v.data(), n * sizeof(T)).ok());
+  return v;
+}
+cuda::DeviceBuffer Alloc(size_t bytes, int poison = 0xff) {
+  auto b = cuda::DeviceBuffer::Create(std::max<size_t>(bytes, 16));
+  EXPECT_TRUE(b.ok()) << b.status().message();
+  EXPECT_TRUE(b->Fill(poison).ok());
+  return std::move(b).value();
+}
+void Sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+
+// |got - want| <= atol + rtol * |want| for every element; NaN (poison left unwritten) never passes.
+void ExpectClose(const std::vector<bf16>& got, const std::vector<bf16>& want, float atol, float rtol,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  size_t bad = 0, first = 0;
+  float worst = 0.0f;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const float g = Bf16ToFloat(got[i]), w = Bf16ToFloat(want[i]);
+    const float err = std::fabs(g - w);
+    if (!(err <= atol + rtol * std::fabs(w))) {
+      if (bad++ == 0) first = i;
+    }
+    if (err > worst || std::isnan(err)) worst = err;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
+                     << " elements outside tolerance; first at " << first << " got "
+                     << Bf16ToFloat(got[first]) << " want " << Bf16ToFloat(want[first])
+                     << "; max abs err " << worst;
+}
+
+// ---------------------------------------------------------------------------------------------------
+TEST(AddRmsNormGpu, MatchesReferenceAndIsDeterministic) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {2048, 64, 8192}) {
+    const int rows = 3;
+    auto h = RandomBf16(rows * n, 11, 4.0f), delta = RandomBf16(rows * n, 12), w = RandomBf16(n, 13);
+    auto d_h = Upload(h), d_delta = Upload(delta), d_w = Upload(w);
+    auto d_out = Alloc(rows * n * 2);
+    AddRmsNormParams p{d_h.as<bf16>(), d_delta.as<bf16>(), d_w.as<bf16>(), d_out.as<bf16>(), rows,
+                       n, 1e-6f};
+    ASSERT_OK(AddRmsNorm(p, nullptr));
+    Sync();
+    std::vector<bf16> out_ref(rows * n), h_ref = h;
+    AddRmsNormParams r{h_ref.data(), delta.data(), w.data(), out_ref.data(), rows, n, 1e-6f};
+    ref::AddRmsNorm(r);
+    // The BF16 add has one correct rounding: exact. The norm differs only in the sum order: 1 ulp.
+    EXPECT_EQ(Download<bf16>(d_h, rows * n), h_ref) << "residual n=" << n;
+    const auto out1 = Download<bf16>(d_out, rows * n);
+    ExpectClose(out1, out_ref, 1e-6f, 1.0f / 128, "rmsnorm n=" + std::to_string(n));
+    // Plain RMSNorm (no delta) of the updated residual, twice: bit-identical.
+    p.delta = nullptr;
+    ASSERT_OK(AddRmsNorm(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_out, rows * n), out1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+struct RopeCase {
+  int H, K, D, R, P;
+  KvDtype kv;
+  float m;
+};
+
+TEST(QkNormRopeAppendGpu, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  for (const RopeCase& c : {RopeCase{48, 8, 128, 64, 16, KvDtype::kFp8, 1.0f},
+                            RopeCase{64, 8, 128, 128, 32, KvDtype::kBf16, 1.0f},
+                            RopeCase{8, 2, 32, 16, 16, KvDtype::kFp8, 1.3466f},
+                            RopeCase{4, 2, 16, 16, 64, KvDtype::kBf16, 1.0f}}) {
+    SCOPED_TRACE(testing::Message() << "H " << c.H << " D " << c.D << " R " << c.R << " P " << c.P);
+    const int T = 5, stride = (c.H + 2 * c.K) * c.D;  // fused qkv rows
+    auto qkv = RandomBf16(T * stride, 21, 2.0f);
+    auto qn = RandomBf16(c.D, 22), kn = RandomBf16(c.D, 23);
+    std::vector<float> inv_freq(c.R / 2);
+    for (int j = 0; j < c.R / 2; ++j)  // YaRN-like: high-frequency dims kept, the rest / 32
+      inv_freq[j] = std::pow(500000.0f, -2.0f * j / c.R) / (j > c.R / 8 ? 32.0f : 1.0f);
+    std::vector<int32_t> positions = {1000, 1001, 1002, 4095, 131071};
+    // Logical pages map to a few physical pages in reverse order; unused entries are -1 (the
+    // kernel must never read them).
+    const int num_pages = 8;
+    std::vector<int32_t> table(131072 / c.P + 1, -1);
+    int next_page = num_pages - 1;
+    for (int pos : positions)
+      if (table[pos / c.P] < 0) table[pos / c.P] = next_page--;
+    const size_t esz = c.kv == KvDtype::kFp8 ? 1 : 2;
+    const size_t pool_elems = static_cast<size_t>(num_pages) * c.P * c.K * c.D;
+    auto d_qkv = Upload(qkv), d_qn = Upload(qn), d_kn = Upload(kn), d_f = Upload(inv_freq);
+    auto d_pos = Upload(positions), d_table = Upload(table);
+    auto d_kp = Alloc(pool_elems * esz), d_vp = Alloc(pool_elems * esz);
+    auto d_qo = Alloc(T * c.H * c.D * 2);
+    QkNormRopeAppendParams p;
+    p.q = d_qkv.as<bf16>(), p.k = p.q + c.H * c.D, p.v = p.k + c.K * c.D, p.qkv_stride = stride;
+    p.q_norm_weight = d_qn.as<bf16>(), p.k_norm_weight = d_kn.as<bf16>();
+    p.inv_freq = d_f.as<float>(), p.attention_factor = c.m, p.rotary_dim = c.R;
+    p.positions = d_pos.as<int32_t>(), p.num_tokens = T, p.num_q_heads = c.H;
+    p.num_kv_heads = c.K, p.head_dim = c.D, p.q_out = d_qo.as<bf16>();
+    p.k_pool = d_kp.data(), p.v_pool = d_vp.data(), p.kv_dtype = c.kv;
+    p.k_scale = 0.05f, p.v_scale = 0.03f, p.block_table = d_table.as<int32_t>(), p.page_size = c.P;
+    ASSERT_OK(QkNormRopeAppend(p, nullptr));
+    Sync();
+    // Reference on host copies of the pools (poisoned like the device ones).
+    std::vector<uint8_t> kp(pool_elems * esz, 0xff), vp(pool_elems * esz, 0xff);
+    std::vector<bf16> qo(T * c.H * c.D);
+    QkNormRopeAppendParams r = p;
+    r.q = qkv.data(), r.k = r.q + c.H * c.D, r.v = r.k + c.K * c.D;
+    r.q_norm_weight = qn.data(), r.k_norm_weight = kn.data(), r.inv_freq = inv_freq.data();
+    r.positions = positions.data(), r.q_out = qo.data(), r.k_pool = kp.data(), r.v_pool = vp.data();
+    r.block_table = table.data();
+    ref::QkNormRopeAppend(r);
+    ExpectClose(Download<bf16>(d_qo, qo.size()), qo, 1e-6f, 1.0f / 64, "q_out");
+    const auto gk = Download<uint8_t>(d_kp, kp.size()), gv = Download<uint8_t>(d_vp, vp.size());
+    // Compare the written slots (dequantised); every other byte must still hold the poison.
+    size_t written = 0;
+    for (int t = 0; t < T; ++t) {
+      const int pos = positions[t];
+      for (int kvh = 0; kvh < c.K; ++kvh) {
+        for (int e = 0; e < c.D; ++e) {
+          const size_t idx =
+              ((static_cast<size_t>(table[pos / c.P]) * c.P + pos % c.P) * c.K + kvh) * c.D + e;
+          for (int which = 0; which < 2; ++which) {
+            const auto& g = which ? gv : gk;
+            const auto& w = which ? vp : kp;
+            float gf, wf, tol;
+            if (c.kv == KvDtype::kFp8) {
+              gf = Fp8E4M3ToFloat(g[idx]), wf = Fp8E4M3ToFloat(w[idx]);
+              tol = 1.0f / 8 * std::fabs(wf) + 1e-3f;  // one E4M3 step after a 1-ulp BF16 change
+            } else {
+              uint16_t gb, wb;
+              std::memcpy(&gb, &g[2 * idx], 2), std::memcpy(&wb, &w[2 * idx], 2);
+              gf = Bf16ToFloat(gb), wf = Bf16ToFloat(wb);
+              tol = std::fabs(wf) / 64 + 1e-6f;
+            }
+            ASSERT_LE(std::fabs(gf - wf), tol) << (which ? "v" : "k") << " t " << t << " e " << e;
+            ++written;
+          }
+        }
+      }
+    }
+    size_t untouched_ok = 0, differs = 0;
+    for (size_t i = 0; i < gk.size(); ++i) {
+      if (gk[i] == kp[i] && gv[i] == vp[i]) ++untouched_ok;
+      else ++differs;
+    }
+    EXPECT_LE(differs, written) << "bytes outside the appended slots changed";
+    (void)untouched_ok;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A paged KV cache filled with the same logical content for any page size.
+struct Cache {
+  int K, D, P, num_pages;
+  KvDtype kv;
+  std::vector<int32_t> table;
+  std::vector<uint8_t> k, v;  // raw bytes
+};
+Cache MakeCache(int K, int D, int P, KvDtype kv, int tokens, uint64_t key, float scale_k,
+                float scale_v) {
+  Cache c{K, D, P, (tokens + P - 1) / P + 1, kv, {}, {}, {}};
+  c.table.resize(c.num_pages);
+  std::iota(c.table.begin(), c.table.end(), 0);
+  std::shuffle(c.table.begin(), c.table.end(), std::mt19937(static_cast<uint32_t>(key + P)));
+  const size_t esz = kv == KvDtype::kFp8 ? 1 : 2;
+  const size_t n = static_cast<size_t>(c.num_pages) * P * K * D;
+  c.k.assign(n * esz, 0xff);  // poison: NaN in both dtypes, never read
+  c.v.assign(n * esz, 0xff);
+  for (int s = 0; s < tokens; ++s) {
+    for (int h = 0; h < K; ++h) {
+      for (int d = 0; d < D; ++d) {
+        const size_t logical = (static_cast<size_t>(s) * K + h) * D + d;
+        const size_t idx = ((static_cast<size_t>(c.table[s / P]) * P + s % P) * K + h) * D + d;
+        const float kf = NormalAt(key, 2 * logical), vf = NormalAt(key, 2 * logical + 1);
+        if (kv == KvDtype::kFp8) {
+          c.k[idx] = FloatToFp8E4M3(kf / scale_k * 0.5f);
+          c.v[idx] = FloatToFp8E4M3(vf / scale_v * 0.5f);
+        } else {
+          const bf16 kb = FloatToBf16(kf), vb = FloatToBf16(vf);
+          std::memcpy(&c.k[2 * idx], &kb, 2), std::memcpy(&c.v[2 * idx], &vb, 2);
+        }
+      }
+    }
+  }
+  return c;
+}
+
+struct AttnRun {
+  std::vector<bf16> out;
+  std::vector<bf16> ref;
+};
+
+// Runs `kernel` for T queries at positions first..first+T-1 over `c`; returns output and reference.
+AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
+                int first, int T, int max_position, bool per_element_gate, uint64_t key,
+                bool want_ref = true) {
+  const int D = c.D;
+  auto q = RandomBf16(static_cast<size_t>(max_position + 1) * H * D, key, 1.5f);
+  const int gate_w = per_element_gate ? H * D : H;
+  auto gate = RandomBf16(static_cast<size_t>(max_position + 1) * gate_w, key + 1, 1.0f);
+  // Query token at position s always has the same q and gate rows, whatever the chunking.
+  std::vector<bf16> q_rows(q.begin() + static_cast<size_t>(first) * H * D,
+                           q.begin() + static_cast<size_t>(first + T) * H * D);
+  std::vector<bf16> g_rows(gate.begin() + static_cast<size_t>(first) * gate_w,
+                           gate.begin() + static_cast<size_t>(first + T) * gate_w);
+  auto d_q = Upload(q_rows), d_g = Upload(g_rows), d_k = Upload(c.k), d_v = Upload(c.v);
+  auto d_t = Upload(c.table);
+  auto d_o = Alloc(static_cast<size_t>(T) * H * D * 2);
+  AttentionParams p;
+  p.q = d_q.as<bf16>(), p.k_pool = d_k.data(), p.v_pool = d_v.data();
+  p.block_table = d_t.as<int32_t>(), p.first_position = first, p.max_position = max_position;
+  p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = c.K, p.head_dim = D, p.page_size = c.P;
+  p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
+  p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
+  p.out = d_o.as<bf16>();
+  auto d_ws = Alloc(AttentionWorkspaceBytes(p));
+  p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
+  AttnRun r;
+  const Status st = RunAttention(kernel, p, nullptr);
+  EXPECT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.out = Download<bf16>(d_o, static_cast<size_t>(T) * H * D);
+  if (want_ref) {
+    r.ref.resize(r.out.size());
+    AttentionParams h = p;
+    h.q = q_rows.data(), h.k_pool = c.k.data(), h.v_pool = c.v.data(), h.block_table = c.table.data();
+    h.gate = g_rows.data(), h.out = r.ref.data();
+    ref::Attention(h);
+  }
+  return r;
+}
+
+std::vector<bf16> Rows(const std::vector<bf16>& v, size_t row_elems, int first, int n) {
+  return std::vector<bf16>(v.begin() + first * row_elems, v.begin() + (first + n) * row_elems);
+}
+
+TEST(AttentionGpu, EveryBuiltPresetMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    SCOPED_TRACE(info.name);
+    const AttnPresetKey& k = info.key;
+    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group;
+    const bool sliding = k.window == WindowKind::kSliding;
+    const int window = k.head_dim == 128 ? 512 : 8;
+    // Long enough for the window to bite and for several chunks; T = 3 prefill then checks.
+    const int tokens = k.head_dim == 128 ? 1300 : 300;
+    Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, tokens, 31, 0.5f, 0.25f);
+    auto kernel = ResolveAttention(k);
+    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
+    const int T = 3, first = tokens - T;
+    AttnRun a = RunAttn(*kernel, c, H, k.window, window, first, T, tokens - 1,
+                        /*per_element_gate=*/k.group == 4, 41);
+    // FP32 accumulation vs the double reference: 1-2 BF16 ulps, plus a small absolute term for
+    // outputs near zero (averages of many values).
+    ExpectClose(a.out, a.ref, 2e-3f, 1.0f / 64, info.name);
+    // Run to run: bit-identical.
+    AttnRun b = RunAttn(*kernel, c, H, k.window, window, first, T, tokens - 1, k.group == 4, 41,
+                        false);
+    EXPECT_EQ(a.out, b.out) << "run-to-run";
+    // Decode of the last token alone (and with a larger grid bound) equals its prefill row.
+    AttnRun dcd = RunAttn(*kernel, c, H, k.window, window, tokens - 1, 1, tokens + 700,
+                          k.group == 4, 41, false);
+    EXPECT_EQ(dcd.out, Rows(a.out, static_cast<size_t>(H) * k.head_dim, T - 1, 1))
+        << "decode vs prefill";
+    (void)sliding;
+  }
+}
+
+TEST(AttentionGpu, BitIdenticalAcrossPageSizesAndPrefillChunking) {
+  SKIP_WITHOUT_GPU();
+  for (KvDtype kv : {KvDtype::kFp8, KvDtype::kBf16}) {
+    for (WindowKind win : {WindowKind::kSliding, WindowKind::kGlobal}) {
+      const int G = win == WindowKind::kSliding ? 8 : 6, K = 8, H = G * K, D = 128;
+      std::vector<std::vector<bf16>> outs;
+      for (int P : {16, 32, 64}) {
+        const AttnPresetKey key{D, G, P, kv, win};
+        auto kernel = ResolveAttention(key);
+        if (!kernel.ok()) continue;  // a focused build may lack some page sizes
+        Cache c = MakeCache(K, D, P, kv, 900, 51, 0.5f, 0.25f);
+        AttnRun whole = RunAttn(*kernel, c, H, win, 512, 890, 10, 899, false, 61, false);
+        // Same 10 tokens prefilled as chunks of 4 + 6: identical rows.
+        AttnRun c1 = RunAttn(*kernel, c, H, win, 512, 890, 4, 899, false, 61, false);
+        AttnRun c2 = RunAttn(*kernel, c, H, win, 512, 894, 6, 899, false, 61, false);
+        std::vector<bf16> joined = c1.out;
+        joined.insert(joined.end(), c2.out.begin(), c2.out.end());
+        EXPECT_EQ(joined, whole.out) << CanonicalName(key) << " prefill chunking";
+        outs.push_back(whole.out);
+      }
+      for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[i], outs[0]) << "page sizes differ";
+    }
+  }
+}
+
+TEST(AttentionGpu, MissingPresetErrorsAndFallbackMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const AttnPresetKey key{64, 4, 8, KvDtype::kBf16, WindowKind::kSliding};  // not in presets.def
+  auto missing = ResolveAttention(key);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find(CanonicalName(key)), std::string::npos);
+  auto fb = ResolveAttention(key, true);
+  ASSERT_TRUE(fb.ok());
+  EXPECT_TRUE(fb->fallback);
+  Cache c = MakeCache(2, 64, 8, KvDtype::kBf16, 200, 71, 1.0f, 1.0f);
+  AttnRun a = RunAttn(*fb, c, 8, WindowKind::kSliding, 37, 197, 3, 199, true, 81);
+  ExpectClose(a.out, a.ref, 2e-3f, 1.0f / 64, "fallback");
+  // A preset kernel refuses parameters of another preset.
+  auto names = BuiltPresetNames();
+  if (!names.empty()) {
+    for (const auto& info : AllPresets()) {
+      if (!info.built) continue;
+      AttentionKernel wrong = *ResolveAttention(info.key);
+      AttentionParams p;
+      p.q = reinterpret_cast<const bf16*>(16), p.k_pool = p.v_pool = p.q, p.out = nullptr;
+      p.block_table = reinterpret_cast<const int32_t*>(16);
+      p.out = reinterpret_cast<bf16*>(16);
+      p.num_q_heads = 8, p.num_kv_heads = 2, p.head_dim = 64, p.page_size = 8;
+      p.window_kind = WindowKind::kGlobal;
+      EXPECT_FALSE(RunAttention(wrong, p, nullptr).ok());
+      break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  for (auto [out, in] : {std::pair{1000, 2048}, std::pair{64, 512}, std::pair{2048, 8192}}) {
+    const int T = 11;
+    auto w = RandomBf16(static_cast<size_t>(out) * in, 91, 0.05f), x = RandomBf16(T * in, 92);
+    auto d_w = Upload(w), d_x = Upload(x);
+    auto d_y = Alloc(T * out * 2), d_y1 = Alloc(out * 2);
+    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y.as<bf16>(), out, in, T, 0, 0};
+    ASSERT_OK(Gemv(p, nullptr));
+    std::vector<bf16> ref(T * out);
+    GemvParams r{w.data(), x.data(), ref.data(), out, in, T, 0, 0};
+    ref::Gemv(r);
+    const auto y = Download<bf16>(d_y, T * out);
+    ExpectClose(y, ref, 1e-4f, 1.0f / 128, "gemm out " + std::to_string(out));
+    for (int t : {0, 7, 10}) {
+      GemvParams one{d_w.as<bf16>(), d_x.as<bf16>() + t * in, d_y1.as<bf16>(), out, in, 1, 0, 0};
+      ASSERT_OK(Gemv(one, nullptr));
+      EXPECT_EQ(Download<bf16>(d_y1, out), Rows(y, out, t, 1)) << "token " << t;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+struct MoeCase {
+  int E, k, d, F, Fs;
+  float softcap;
+};
+
+TEST(MoeGpu, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  for (const MoeCase& c : {MoeCase{8, 3, 64, 32, 16, 0.0f}, MoeCase{64, 8, 512, 128, 64, 0.0f},
+                           MoeCase{256, 8, 256, 64, 64, 5.0f}}) {
+    SCOPED_TRACE(testing::Message() << "E " << c.E << " k " << c.k << " d " << c.d);
+    auto x = RandomBf16(c.d, 101), router = RandomBf16(static_cast<size_t>(c.E) * c.d, 102, 0.1f);
+    auto bias = RandomBf16(c.E, 103, 0.05f);
+    std::vector<std::vector<bf16>> hw;
+    std::vector<cuda::DeviceBuffer> dw;
+    std::vector<const bf16*> hg(c.E), hu(c.E), hd(c.E), dg(c.E), du(c.E), dd(c.E);
+    for (int e = 0; e <= c.E; ++e) {
+      const int F = e == c.E ? c.Fs : c.F;
+      for (int m = 0; m < 3; ++m) {
+        hw.push_back(RandomBf16(static_cast<size_t>(F) * c.d, 1000 + 3 * e + m, 0.08f));
+        dw.push_back(Upload(hw.back()));
+      }
+    }
+    for (int e = 0; e < c.E; ++e) {
+      hg[e] = hw[3 * e].data(), hu[e] = hw[3 * e + 1].data(), hd[e] = hw[3 * e + 2].data();
+      dg[e] = dw[3 * e].as<bf16>(), du[e] = dw[3 * e + 1].as<bf16>(), dd[e] = dw[3 * e + 2].as<bf16>();
+    }
+    auto d_x = Upload(x), d_router = Upload(router), d_bias = Upload(bias);
+    auto d_g = Upload(dg), d_u = Upload(du), d_d = Upload(dd);
+    auto d_y = Alloc(c.d * 2), d_ids = Alloc(c.k * 4), d_w = Alloc(c.k * 4);
+    auto d_ws = Alloc(MoeWorkspaceBytes(c.E, c.k, c.F, c.Fs)), d_counter = Alloc(4, 0);
+    MoeParams p;
+    p.x = d_x.as<bf16>(), p.router_w = d_router.as<bf16>(), p.router_bias = d_bias.as<bf16>();
+    p.gate_w = d_g.as<const bf16*>(), p.up_w = d_u.as<const bf16*>(), p.down_w = d_d.as<const bf16*>();
+    p.shared_gate_w = dw[3 * c.E].as<bf16>(), p.shared_up_w = dw[3 * c.E + 1].as<bf16>();
+    p.shared_down_w = dw[3 * c.E + 2].as<bf16>();
+    p.d = c.d, p.num_experts = c.E, p.top_k = c.k, p.ffn = c.F, p.shared_ffn = c.Fs;
+    p.alpha = 2.5f, p.softcap = c.softcap, p.y = d_y.as<bf16>();
+    p.topk_ids = d_ids.as<int32_t>(), p.topk_weights = d_w.as<float>();
+    p.workspace = d_ws.data(), p.counter = d_counter.as<uint32_t>();
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    const auto y1 = Download<bf16>(d_y, c.d);
+    const auto ids = Download<int32_t>(d_ids, c.k);
+    const auto wts = Download<float>(d_w, c.k);
+    const auto logits = Download<float>(d_ws, c.E);  // workspace starts with the router logits
+    // Router logits: BF16-rounded FP32 sums vs double sums: at most one BF16 ulp apart.
+    std::vector<bf16> ref_logits(c.E), gpu_logits(c.E);
+    for (int e = 0; e < c.E; ++e) {
+      double s = 0;
+      for (int i = 0; i < c.d; ++i)
+        s += static_cast<double>(Bf16ToFloat(router[e * c.d + i])) * Bf16ToFloat(x[i]);
+      ref_logits[e] = FloatToBf16(static_cast<float>(s));
+      gpu_logits[e] = FloatToBf16(logits[e]);
+      EXPECT_EQ(logits[e], Bf16ToFloat(gpu_logits[e])) << "logit not BF16-rounded";
+    }
+    ExpectClose(gpu_logits, ref_logits, 1e-6f, 1.0f / 128, "router logits");
+    // Selection and weights from the kernel's own logits: exact.
+    std::vector<bf16> y_ref(c.d);
+    std::vector<int32_t> ids_ref(c.k);
+    std::vector<float> w_ref(c.k);
+    MoeParams r = p;
+    r.x = x.data(), r.router_w = router.data(), r.router_bias = bias.data();
+    r.gate_w = hg.data(), r.up_w = hu.data(), r.down_w = hd.data();
+    r.shared_gate_w = hw[3 * c.E].data(), r.shared_up_w = hw[3 * c.E + 1].data();
+    r.shared_down_w = hw[3 * c.E + 2].data(), r.y = y_ref.data();
+    r.topk_ids = ids_ref.data(), r.topk_weights = w_ref.data();
+    ref::Moe(r, logits.data());
+    EXPECT_EQ(ids, ids_ref);
+    EXPECT_EQ(wts, w_ref);
+    ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe y");
+    // Again (the counter was reset by the kernel): bit-identical.
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y, c.d), y1);
+    EXPECT_EQ(Download<uint32_t>(d_counter, 1)[0], 0u);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+TEST(ArgmaxGpu, MatchesReferenceWithTiesAndNan) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {100352, 1001, 512}) {
+    auto x = RandomBf16(n, 111);
+    auto d_ws = Alloc(ArgmaxWorkspaceBytes(n)), d_counter = Alloc(4, 0), d_out = Alloc(4);
+    auto run = [&](const std::vector<bf16>& v) {
+      auto d_x = Upload(v);
+      ArgmaxParams p{d_x.as<bf16>(), n, d_out.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>()};
+      EXPECT_TRUE(Argmax(p, nullptr).ok());
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return Download<int32_t>(d_out, 1)[0];
+    };
+    EXPECT_EQ(run(x), ref::Argmax(x.data(), n)) << "n " << n;
+    // Plant a tie for the maximum at two places: the lower index wins.
+    x[n - 1] = FloatToBf16(100.0f), x[n / 3] = FloatToBf16(100.0f);
+    EXPECT_EQ(run(x), n / 3);
+    x[n - 2] = 0x7fc0;  // NaN beats everything (torch.argmax)
+    EXPECT_EQ(run(x), n - 2);
+    EXPECT_EQ(Download<uint32_t>(d_counter, 1)[0], 0u);
+  }
+}
+
+}  // namespace
+}  // namespace dl::kernels
