@@ -1,0 +1,56 @@
+// decodelab calibrate: FP8 KV scales over the fixed built-in prompt set, written to a file.
+#include <cstdio>
+
+#include "apps/decodelab/commands.h"
+#include "apps/decodelab/engine_flags.h"
+
+namespace dl::app {
+namespace {
+
+struct CalibrateFlags {
+  EngineFlags engine;
+  std::string out;
+};
+
+int RunCalibrate(const CalibrateFlags& f) {
+  auto opts = f.engine.ToOptions();
+  if (!opts.ok()) return ReportError(opts.status());
+  if (f.out.empty()) return ReportError(InvalidArgument("--out FILE is required"));
+  opts->kv_dtype = DType::kF32;  // calibration observes unquantised K/V
+  opts->max_seq_len = 256;
+  auto engine = LoadEngine(*opts);
+  if (!engine.ok()) return ReportError(engine.status());
+  std::fprintf(stderr, "backend: %s (%s)\n", (*engine)->runner->backend_name().c_str(),
+               (*engine)->backend_choice_reason.c_str());
+  std::fprintf(stderr, "calibrating over the built-in prompt set (%s)\n", kCalibrationMethod);
+  auto scales = CalibrateKvScales(*(*engine)->checkpoint);
+  if (!scales.ok()) return ReportError(scales.status());
+  const ModelConfig& c = (*engine)->config();
+  nlohmann::json identity = {
+      {"source", f.engine.model_dir.empty() ? "shape:" + f.engine.shape : f.engine.model_dir},
+      {"seed", f.engine.seed},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"hidden_size", c.hidden_size},
+      {"vocab_size", c.vocab_size}};
+  Status st = WriteKvScalesFile(f.out, *scales, kCalibrationMethod, identity);
+  if (!st.ok()) return ReportError(st);
+  for (size_t l = 0; l < scales->k.size(); ++l) {
+    std::printf("layer %2zu  k_scale %.6g (%s)  v_scale %.6g (%s)\n", l, scales->k[l],
+                FloatBitsHex(scales->k[l]).c_str(), scales->v[l], FloatBitsHex(scales->v[l]).c_str());
+  }
+  std::printf("wrote %s\n", f.out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void AddCalibrateCommand(CLI::App& root, CommandContext& ctx) {
+  auto flags = std::make_shared<CalibrateFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "calibrate", "Compute per-layer FP8 KV scales over the fixed built-in prompt set");
+  flags->engine.Add(cmd, /*with_kv=*/false);
+  cmd->add_option("--out", flags->out, "Scales file to write (JSON, docs/kv-scales.md)")->required();
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunCalibrate(*flags); });
+}
+
+}  // namespace dl::app

@@ -1,0 +1,99 @@
+// decodelab generate: greedy decoding of one prompt given as token ids.
+#include <algorithm>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/decodelab/commands.h"
+#include "apps/decodelab/engine_flags.h"
+#include "base/sha256.h"
+
+namespace dl::app {
+namespace {
+
+struct GenerateFlags {
+  EngineFlags engine;
+  std::string prompt_ids;
+  int max_tokens = 16;
+  bool ignore_eos = false;
+  bool json = false;
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int RunGenerate(const GenerateFlags& f) {
+  auto opts = f.engine.ToOptions();
+  if (!opts.ok()) return ReportError(opts.status());
+  auto prompt = ParseIdList(f.prompt_ids);
+  if (!prompt.ok()) return ReportError(prompt.status());
+  opts->max_seq_len = std::max<int>(opts->max_seq_len,
+                                    static_cast<int>(prompt->size()) + f.max_tokens);
+  auto engine = LoadEngine(*opts);
+  if (!engine.ok()) return ReportError(engine.status());
+  std::fprintf(stderr, "backend: %s (%s)\n", (*engine)->runner->backend_name().c_str(),
+               (*engine)->backend_choice_reason.c_str());
+  GenerateOptions g;
+  g.max_tokens = f.max_tokens;
+  g.ignore_eos = f.ignore_eos;
+  g.prefill_chunk = opts->prefill_chunk;
+  auto r = GenerateGreedy(**engine, *prompt, g);
+  if (!r.ok()) return ReportError(r.status());
+
+  const double tpot = Median(r->decode_step_seconds);
+  const double tok_s = tpot > 0 ? 1.0 / tpot : 0.0;
+  FILE* text_out = f.json ? stderr : stdout;
+  std::string ids;
+  for (size_t i = 0; i < r->tokens.size(); ++i) ids += (i ? "," : "") + std::to_string(r->tokens[i]);
+  std::fprintf(text_out, "tokens: %s\n", ids.c_str());
+  std::fprintf(text_out,
+               "generated %zu tokens (finish: %s); prefill %zu tokens in %.3f ms; decode median "
+               "%.3f ms/token = %.1f tok/s\n",
+               r->tokens.size(), r->finish_reason.c_str(), prompt->size(), r->prefill_seconds * 1e3,
+               tpot * 1e3, tok_s);
+  if (f.json) {
+    nlohmann::json j = {
+        {"tokens", r->tokens},
+        {"finish_reason", r->finish_reason},
+        {"prompt_tokens", prompt->size()},
+        {"prefill_ms", r->prefill_seconds * 1e3},
+        {"decode_median_tpot_ms", tpot * 1e3},
+        {"decode_tok_s", tok_s},
+        {"decode_step_ms", [&] {
+           std::vector<double> ms;
+           for (double s : r->decode_step_seconds) ms.push_back(s * 1e3);
+           return ms;
+         }()},
+        {"backend", (*engine)->runner->Describe()},
+        {"kv_dtype", f.engine.kv_dtype},
+        {"page_size", f.engine.page_size},
+        {"ignore_eos", f.ignore_eos},
+        {"kv_scales_source", (*engine)->runner->kv_scales().source},
+    };
+    std::printf("%s\n", j.dump().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddGenerateCommand(CLI::App& root, CommandContext& ctx) {
+  auto flags = std::make_shared<GenerateFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "generate", "Greedy decoding of one prompt of token ids; prints the generated ids and speed");
+  flags->engine.Add(cmd);
+  cmd->add_option("--prompt-ids", flags->prompt_ids, "Prompt token ids, comma-separated: 5,17,42")
+      ->required();
+  cmd->add_option("--max-tokens", flags->max_tokens, "Tokens to generate")->default_val(16)
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_flag("--ignore-eos", flags->ignore_eos, "Do not stop at an end-of-sequence token");
+  cmd->add_flag("--json", flags->json,
+                "Print one single-line JSON object as the last line of stdout (text goes to stderr)");
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunGenerate(*flags); });
+}
+
+}  // namespace dl::app

@@ -1,0 +1,175 @@
+// decodelab inspect: what a checkpoint (or a built-in shape) is -- config summary, per-layer
+// attention/MLP types and head counts, parameter counts, bytes read per decoded token, KV bytes.
+#include <cstdio>
+#include <memory>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/decodelab/commands.h"
+#include "model/checkpoint.h"
+#include "model/param_count.h"
+#include "model/shapes.h"
+
+namespace dl::app {
+namespace {
+
+struct InspectFlags {
+  std::string model;
+  std::string shape;
+  int num_layers = 0;
+  bool json = false;
+  bool config_only = false;
+};
+
+std::string Human(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+std::string RopeSummary(const RopeParams& p, int64_t head_dim) {
+  const RopeTable t = ComputeRopeTable(p, head_dim);
+  if (p.rope_type == "yarn") {
+    return fmt::format("yarn theta={:g} factor={:g} orig={} beta={:g}/{:g} attention_factor={:.6g} rotary={}/{} "
+                       "ramp=[{:g},{:g}]",
+                       p.theta, p.factor, p.original_max_position_embeddings, p.beta_fast, p.beta_slow,
+                       p.attention_factor, t.rotary_dim, head_dim, t.yarn_low, t.yarn_high);
+  }
+  return fmt::format("default theta={:g} rotary={}/{}", p.theta, t.rotary_dim, head_dim);
+}
+
+int RunInspect(const InspectFlags& f) {
+  if (f.model.empty() == f.shape.empty()) return ReportError(InvalidArgument("give exactly one of --model or --shape"));
+  ModelConfig c;
+  std::optional<Checkpoint> ck;
+  std::string source;
+  if (!f.shape.empty()) {
+    auto r = ShapeConfig(f.shape, f.num_layers > 0 ? std::optional<int>(f.num_layers) : std::nullopt);
+    if (!r.ok()) return ReportError(r.status());
+    c = *r;
+    source = "shape " + f.shape;
+  } else if (f.config_only) {
+    auto r = ModelConfig::FromFile(f.model + "/config.json");
+    if (!r.ok()) return ReportError(r.status());
+    c = *r;
+    source = f.model + "/config.json";
+  } else {
+    auto r = Checkpoint::Open(f.model);
+    if (!r.ok()) return ReportError(r.status());
+    ck.emplace(std::move(r).value());
+    c = ck->config();
+    source = f.model;
+  }
+  const ParamCounts p = CountParams(c);
+  const int64_t ctxs[] = {4096, 32768, 131072};
+  if (f.json) {
+    nlohmann::ordered_json j;
+    j["source"] = source;
+    j["config"] = c.ToJson();
+    j["params"] = {{"total", p.total},
+                   {"active", p.active},
+                   {"embedding_row", p.embedding_row},
+                   {"embedding", p.embedding},
+                   {"lm_head", p.lm_head},
+                   {"attention", p.attention},
+                   {"dense_mlp", p.dense_mlp},
+                   {"routed_experts", p.routed_experts},
+                   {"active_routed_experts", p.active_routed},
+                   {"shared_experts", p.shared_experts},
+                   {"routers", p.routers},
+                   {"correction_biases", p.correction_biases},
+                   {"block_norms", p.block_norms}};
+    j["bytes_per_token"] = {{"bf16", p.bytes_per_token_bf16()},
+                            {"fp8_routed_experts", p.bytes_per_token_fp8_experts()},
+                            {"fp8_linears", p.bytes_per_token_fp8_linears()}};
+    j["kv_bytes_per_token"] = {{"bf16", KvBytesPerToken(c, 2)}, {"fp8", KvBytesPerToken(c, 1)}};
+    nlohmann::ordered_json kr = nlohmann::ordered_json::object();
+    for (int64_t t : ctxs) kr[std::to_string(t)] = {{"bf16", KvBytesReadPerToken(c, t, 2)}, {"fp8", KvBytesReadPerToken(c, t, 1)}};
+    j["kv_bytes_read_per_token"] = kr;
+    if (ck) {
+      j["files"] = ck->files();
+      j["tensors"] = ck->tensors().size();
+      j["weight_bytes"] = ck->weight_bytes();
+      j["fused_experts"] = ck->fused_experts();
+    }
+    j["warnings"] = c.warnings;
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("model: %s\n", source.c_str());
+  if (ck) {
+    std::printf("files: %zu safetensors, %zu tensors, %s of weights%s\n", ck->files().size(), ck->tensors().size(),
+                Human(static_cast<double>(ck->weight_bytes())).c_str(), ck->fused_experts() ? ", fused experts" : "");
+  }
+  std::printf("vocab %lld, hidden %lld, layers %lld, head_dim %lld, kv heads %lld, window %lld, max positions %lld\n",
+              (long long)c.vocab_size, (long long)c.hidden_size, (long long)c.num_hidden_layers, (long long)c.head_dim,
+              (long long)c.num_key_value_heads, (long long)c.sliding_window, (long long)c.max_position_embeddings);
+  std::printf("experts %lld (top %lld), widths routed/shared/dense %lld/%lld/%lld, alpha %g, softcap %g, gating %s, "
+              "eps %g, tied %s, dtype %s\n",
+              (long long)c.num_experts, (long long)c.num_experts_per_tok, (long long)c.moe_intermediate_size,
+              (long long)c.shared_expert_intermediate_size, (long long)c.intermediate_size, c.moe_routed_scaling_factor,
+              c.moe_router_logit_softcapping, c.gating == GatingKind::kPerHead ? "per-head" : "per-element",
+              c.rms_norm_eps, c.tie_word_embeddings ? "yes" : "no", c.dtype.c_str());
+  std::printf("rope full:    %s\n", RopeSummary(c.rope_full, c.head_dim).c_str());
+  std::printf("rope sliding: %s\n", RopeSummary(c.rope_sliding, c.head_dim).c_str());
+  if (c.has_quantization_config) std::printf("quantization_config: %s\n", c.quant_method.c_str());
+  for (const auto& w : c.warnings) std::printf("warning: %s\n", w.c_str());
+  std::printf("\nlayer  attention  heads  gqa  rotary  mlp     kv_scales\n");
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    std::string scales = "-";
+    if (ck && ck->weights().layers[l].k_scale) {
+      scales = fmt::format("k={:g} v={:g}", *ck->weights().layers[l].k_scale, ck->weights().layers[l].v_scale.value_or(0.f));
+    }
+    std::printf("%5lld  %-9s  %5lld  %3lld  %6lld  %-6s  %s\n", (long long)l, c.is_sliding(l) ? "sliding" : "full",
+                (long long)c.heads(l), (long long)(c.heads(l) / c.num_key_value_heads), (long long)c.rotary_dim(l),
+                c.is_sparse(l) ? "sparse" : "dense", scales.c_str());
+  }
+  std::printf("\nparameters: total %lld (%.3f B)\n", (long long)p.total, p.total / 1e9);
+  std::printf("  attention %.3f B, routed experts %.3f B, shared %.3f B, dense %.3f B, routers+bias %.3f M, "
+              "embedding %.3f B, lm_head %.3f B, norms %.3f M\n",
+              p.attention / 1e9, p.routed_experts / 1e9, p.shared_experts / 1e9, p.dense_mlp / 1e9,
+              (p.routers + p.correction_biases) / 1e6, p.embedding / 1e9, p.lm_head / 1e9, p.block_norms / 1e6);
+  std::printf("active per token: %lld (%.3f B) + %lld embedding row\n", (long long)p.active, p.active / 1e9,
+              (long long)p.embedding_row);
+  std::printf("weight bytes read per decoded token (batch 1):\n");
+  std::printf("  all BF16                       %15lld B  (%.2f GB)\n", (long long)p.bytes_per_token_bf16(),
+              p.bytes_per_token_bf16() / 1e9);
+  std::printf("  FP8 routed experts, rest BF16  %15lld B  (%.2f GB)\n", (long long)p.bytes_per_token_fp8_experts(),
+              p.bytes_per_token_fp8_experts() / 1e9);
+  std::printf("  FP8 linears exc. head/router/g %15lld B  (%.2f GB)  (scales not counted)\n",
+              (long long)p.bytes_per_token_fp8_linears(), p.bytes_per_token_fp8_linears() / 1e9);
+  std::printf("KV cache per token: %lld B BF16, %lld B FP8\n", (long long)KvBytesPerToken(c, 2),
+              (long long)KvBytesPerToken(c, 1));
+  std::printf("KV bytes read per decoded token:");
+  for (int64_t t : ctxs) {
+    std::printf("  T=%lld: %s BF16 / %s FP8", (long long)t, Human(KvBytesReadPerToken(c, t, 2)).c_str(),
+                Human(KvBytesReadPerToken(c, t, 1)).c_str());
+  }
+  std::printf("\n");
+  return 0;
+}
+
+}  // namespace
+
+void AddInspectCommand(CLI::App& root, CommandContext& ctx) {
+  auto flags = std::make_shared<InspectFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "inspect",
+      "Describe a Laguna checkpoint (validating every tensor) or a built-in shape: config, per-layer\n"
+      "attention and MLP types, parameter counts, weight and KV bytes per decoded token");
+  cmd->add_option("--model", flags->model, "Checkpoint directory (config.json + safetensors)");
+  cmd->add_option("--shape", flags->shape, "Built-in shape instead of a directory: tiny, xs2, s21")
+      ->check(CLI::IsMember({"tiny", "xs2", "s21"}));
+  cmd->add_option("--num-layers", flags->num_layers, "With --shape: keep only the first N layers")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_flag("--config-only", flags->config_only, "With --model: read config.json only, skip the weights");
+  cmd->add_flag("--json", flags->json, "Print one JSON object instead of text");
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunInspect(*flags); });
+}
+
+}  // namespace dl::app

@@ -1,0 +1,115 @@
+// decodelab make-model: writes a synthetic Laguna checkpoint (random but deterministic weights) in
+// the exact layout transformers' save_pretrained writes, streaming it to disk.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <optional>
+
+#include "apps/decodelab/commands.h"
+#include "model/model_writer.h"
+#include "model/param_count.h"
+#include "model/shapes.h"
+
+namespace dl::app {
+namespace {
+
+std::atomic<bool> g_cancel{false};
+extern "C" void OnInterrupt(int) { g_cancel.store(true); }
+
+struct MakeModelFlags {
+  std::string shape = "tiny";
+  std::string out;
+  uint64_t seed = 0;
+  std::string dtype = "bf16";
+  int num_layers = 0;
+  std::string max_shard_size = "5GB";
+  int threads = 2;
+};
+
+int RunMakeModel(const MakeModelFlags& f) {
+  std::optional<int> layers;
+  if (f.num_layers > 0) layers = f.num_layers;
+  auto config = ShapeConfig(f.shape, layers);
+  if (!config.ok()) return ReportError(config.status());
+  auto dtype = DTypeFromName(f.dtype);
+  if (!dtype || (*dtype != DType::kBF16 && *dtype != DType::kF32)) {
+    return ReportError(InvalidArgument("--dtype must be bf16 or f32, got '{}'", f.dtype));
+  }
+  auto shard = ParseByteSize(f.max_shard_size);
+  if (!shard.ok()) return ReportError(shard.status().WithContext("--max-shard-size"));
+
+  MakeModelOptions o;
+  o.config = *config;
+  o.config.dtype = *dtype == DType::kF32 ? "float32" : "bfloat16";
+  o.seed = f.seed;
+  o.dtype = *dtype;
+  o.out_dir = f.out;
+  o.max_shard_size = *shard;
+  o.threads = f.threads;
+  o.cancel = &g_cancel;
+  const ParamCounts pc = CountParams(o.config);
+  std::fprintf(stderr, "make-model: shape %s, %lld layers, %.3f M parameters, %s, %.3f GB -> %s\n",
+               f.shape.c_str(), static_cast<long long>(o.config.num_hidden_layers), pc.total / 1e6,
+               f.dtype.c_str(), pc.total * DTypeSize(*dtype) / 1e9, f.out.c_str());
+  const bool tty = ::isatty(STDERR_FILENO);
+  auto t0 = std::chrono::steady_clock::now();
+  auto last = t0 - std::chrono::seconds(10);
+  o.progress = [&](const MakeModelProgress& p) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool done = p.bytes_done == p.bytes_total;
+    if (!done && now - last < std::chrono::milliseconds(tty ? 500 : 10000)) return;
+    last = now;
+    const double s = std::chrono::duration<double>(now - t0).count();
+    const double rate = s > 0 ? p.bytes_done / s : 0;
+    const double eta = rate > 0 ? (p.bytes_total - p.bytes_done) / rate : 0;
+    std::fprintf(stderr, "%s  %s  %.2f / %.2f GB (%.0f%%)  %.0f MB/s  ETA %.0f s%s", tty ? "\r" : "",
+                 p.file.c_str(), p.bytes_done / 1e9, p.bytes_total / 1e9,
+                 p.bytes_total ? 100.0 * p.bytes_done / p.bytes_total : 100.0, rate / 1e6, eta,
+                 tty ? "   " : "\n");
+    std::fflush(stderr);
+  };
+  auto prev_int = std::signal(SIGINT, OnInterrupt);
+  auto prev_term = std::signal(SIGTERM, OnInterrupt);
+  auto r = WriteSyntheticModel(o);
+  std::signal(SIGINT, prev_int);
+  std::signal(SIGTERM, prev_term);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!r.ok()) return ReportError(r.status());
+  std::fprintf(stderr, "wrote %zu safetensors file(s), %.2f GB in %.1f s (%.0f MB/s) to %s\n", r->files.size(),
+               r->file_bytes / 1e9, r->seconds, r->seconds > 0 ? r->file_bytes / r->seconds / 1e6 : 0.0,
+               f.out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void AddMakeModelCommand(CLI::App& root, CommandContext& ctx) {
+  auto flags = std::make_shared<MakeModelFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "make-model",
+      "Write a synthetic Laguna checkpoint (config.json, generation_config.json, safetensors) with\n"
+      "deterministic random weights, in the layout transformers' save_pretrained writes. Large shapes\n"
+      "stream to disk (free space is checked first; the directory appears only when complete).");
+  cmd->add_option("--shape", flags->shape, "Model shape: tiny (spec §7), xs2 (Laguna-XS.2, ~67 GB BF16), "
+                                           "s21 (Laguna S 2.1, ~235 GB BF16)")
+      ->default_val("tiny")
+      ->check(CLI::IsMember({"tiny", "xs2", "s21"}));
+  cmd->add_option("--out", flags->out, "Output directory (must not exist, or be empty)")->required();
+  cmd->add_option("--seed", flags->seed, "Seed: weights depend only on (seed, tensor name, index)")->default_val(0);
+  cmd->add_option("--dtype", flags->dtype, "Weight dtype: bf16 or f32")->default_val("bf16");
+  cmd->add_option("--num-layers", flags->num_layers,
+                  "Keep the shape's dimensions but only the first N layers (tests, small disks)")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--max-shard-size", flags->max_shard_size,
+                  "Largest safetensors shard, as transformers: 5GB, 500MB, 2GiB; one shard is written as "
+                  "model.safetensors, more as model-0000i-of-0000N.safetensors + index")
+      ->default_val("5GB");
+  cmd->add_option("--threads", flags->threads, "Value generation threads")->default_val(2)->check(CLI::Range(1, 64));
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunMakeModel(*flags); });
+}
+
+}  // namespace dl::app

@@ -1,0 +1,78 @@
+#include "apps/decodelab/engine_flags.h"
+
+#include <charconv>
+
+namespace dl::app {
+
+void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
+  cmd->add_option("--model", model_dir, "Hugging Face model directory (config.json + safetensors)");
+  cmd->add_option("--shape", shape,
+                  "Build random weights in memory instead of loading: tiny, xs2 or s21");
+  cmd->add_option("--seed", seed, "Seed of the random weights for --shape")->default_val(0);
+  cmd->add_option("--num-layers", num_layers,
+                  "Keep the shape's dimensions with fewer layers (--shape only)");
+  cmd->add_option("--backend", backend, "auto (CUDA where a GPU is usable, else CPU), cpu or cuda")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  if (with_kv) {
+    cmd->add_option("--kv-dtype", kv_dtype, "KV cache element type: f32, bf16 or fp8 (E4M3)")
+        ->default_val("f32")
+        ->check(CLI::IsMember({"f32", "bf16", "fp8"}));
+    cmd->add_option("--kv-scales", kv_scales,
+                    "FP8 KV scales file (from `decodelab calibrate`); default: the checkpoint's "
+                    "k_scale/v_scale, else the built-in calibration");
+    cmd->add_option("--page-size", page_size, "KV page size in tokens")
+        ->default_val(16)
+        ->check(CLI::IsMember({16, 32, 64}));
+  }
+  cmd->add_option("--max-seq-len", max_seq_len, "Longest sequence (prompt + generated) to plan for")
+      ->default_val(4096);
+  cmd->add_option("--prefill-chunk", prefill_chunk, "Prompt tokens per forward during prefill")
+      ->default_val(512);
+}
+
+Result<EngineOptions> EngineFlags::ToOptions() const {
+  EngineOptions o;
+  o.model_dir = model_dir;
+  o.shape = shape;
+  o.seed = seed;
+  if (num_layers > 0) {
+    if (shape.empty()) return InvalidArgument("--num-layers applies only with --shape");
+    o.num_layers = num_layers;
+  }
+  DL_ASSIGN_OR_RETURN(o.backend, ParseBackend(backend));
+  auto dt = DTypeFromName(kv_dtype);
+  if (!dt) return InvalidArgument("--kv-dtype must be f32, bf16 or fp8");
+  o.kv_dtype = *dt;
+  o.kv_scales_file = kv_scales;
+  o.page_size = page_size;
+  if (max_seq_len < 1) return InvalidArgument("--max-seq-len must be positive");
+  o.max_seq_len = max_seq_len;
+  if (prefill_chunk < 1) return InvalidArgument("--prefill-chunk must be positive");
+  o.prefill_chunk = prefill_chunk;
+  return o;
+}
+
+Result<std::vector<int32_t>> ParseIdList(const std::string& text) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t j = text.find(',', i);
+    if (j == std::string::npos) j = text.size();
+    std::string item = text.substr(i, j - i);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    int64_t v = 0;
+    auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || ec != std::errc() || p != item.data() + item.size() || v < 0 ||
+        v > INT32_MAX) {
+      return InvalidArgument("--prompt-ids: \"{}\" is not a non-negative token id", item);
+    }
+    ids.push_back(static_cast<int32_t>(v));
+    i = j + 1;
+  }
+  if (ids.empty()) return InvalidArgument("--prompt-ids is empty");
+  return ids;
+}
+
+}  // namespace dl::app

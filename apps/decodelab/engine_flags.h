@@ -1,0 +1,33 @@
+// Flags shared by every subcommand that loads a model (generate, calibrate, bench, serve, lab).
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/engine.h"
+
+namespace dl::app {
+
+struct EngineFlags {
+  std::string model_dir;
+  std::string shape;
+  uint64_t seed = 0;
+  int num_layers = 0;  // 0 = the shape's own count
+  std::string backend = "auto";
+  std::string kv_dtype = "f32";
+  std::string kv_scales;
+  int page_size = 16;
+  int max_seq_len = 4096;
+  int prefill_chunk = 512;
+
+  // Adds the flags; `with_kv` adds the cache options too.
+  void Add(CLI::App* cmd, bool with_kv = true);
+  // Validates and converts to EngineOptions.
+  Result<EngineOptions> ToOptions() const;
+};
+
+// "5,17,42" -> {5, 17, 42}.
+Result<std::vector<int32_t>> ParseIdList(const std::string& text);
+
+}  // namespace dl::app

@@ -1,0 +1,304 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <spdlog/spdlog.h>
+
+#include "base/rng.h"
+#include "cuda/device.h"
+#include "model/cpu_runner.h"
+#include "model/cuda_runner.h"
+#include "model/shapes.h"
+#include "model/synthetic.h"
+
+namespace dl {
+
+const char* const kCalibrationMethod =
+    "builtin-v1: amax/448 of post-norm, post-RoPE K and of V per layer over 4 fixed prompts "
+    "(lengths 32, 64, 96, 128) on the CPU reference with an F32 cache";
+
+Result<BackendKind> ParseBackend(const std::string& name) {
+  if (name == "auto") return BackendKind::kAuto;
+  if (name == "cpu") return BackendKind::kCpu;
+  if (name == "cuda") return BackendKind::kCuda;
+  return InvalidArgument("--backend must be auto, cpu or cuda (got \"{}\")", name);
+}
+
+std::pair<int32_t, float> ArgmaxWithMargin(std::span<const float> logits) {
+  int32_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i) {
+    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
+  }
+  float second = -INFINITY;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (static_cast<int32_t>(i) != best) second = std::max(second, logits[i]);
+  }
+  return {best, logits[best] - second};
+}
+
+std::vector<std::vector<int32_t>> BuiltinCalibrationPrompts(int64_t vocab_size) {
+  const uint64_t key = StreamKey(0, "decodelab-calibration-v1");
+  std::vector<std::vector<int32_t>> prompts;
+  uint64_t counter = 0;
+  for (int len : {32, 64, 96, 128}) {
+    std::vector<int32_t> p(len);
+    for (auto& t : p) t = static_cast<int32_t>(SplitMix64(key ^ SplitMix64(counter++)) % vocab_size);
+    prompts.push_back(std::move(p));
+  }
+  return prompts;
+}
+
+std::optional<KvScales> CheckpointKvScales(const Checkpoint& checkpoint) {
+  KvScales s;
+  for (const LayerWeights& l : checkpoint.weights().layers) {
+    if (!l.k_scale || !l.v_scale) return std::nullopt;
+    s.k.push_back(*l.k_scale);
+    s.v.push_back(*l.v_scale);
+  }
+  if (s.k.empty()) return std::nullopt;
+  s.source = "checkpoint";
+  return s;
+}
+
+namespace {
+
+class AmaxObserver : public KvObserver {
+ public:
+  AmaxObserver(int layers, int64_t width) : k_(layers, 0.0f), v_(layers, 0.0f), width_(width) {}
+  void Observe(int32_t layer, const float* k, const float* v, int32_t n) override {
+    for (int64_t i = 0; i < width_ * n; ++i) {
+      k_[layer] = std::max(k_[layer], std::fabs(k[i]));
+      v_[layer] = std::max(v_[layer], std::fabs(v[i]));
+    }
+  }
+  std::vector<float> k_, v_;
+
+ private:
+  int64_t width_;
+};
+
+KvCacheSpec MakeKvSpec(const ModelConfig& c, DType dtype, int32_t page_size, int32_t max_len,
+                       int32_t max_sequences, int32_t max_chunk) {
+  KvCacheSpec s;
+  s.num_layers = static_cast<int32_t>(c.num_hidden_layers);
+  s.num_kv_heads = static_cast<int32_t>(c.num_key_value_heads);
+  s.head_dim = static_cast<int32_t>(c.head_dim);
+  s.page_size = page_size;
+  s.dtype = dtype;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    s.layer_groups.push_back(c.is_sliding(l) ? KvGroup::kSliding : KvGroup::kFull);
+  }
+  s.sliding_window = static_cast<int32_t>(c.sliding_window);
+  s.pages_full = PagesNeededFull(max_len, page_size) * max_sequences;
+  s.pages_sliding =
+      PagesNeededSliding(max_len, std::max<int32_t>(1, s.sliding_window), max_chunk, page_size) *
+      max_sequences;
+  return s;
+}
+
+}  // namespace
+
+Result<KvScales> CalibrateKvScales(const Checkpoint& checkpoint) {
+  const ModelConfig& c = checkpoint.config();
+  const auto prompts = BuiltinCalibrationPrompts(c.vocab_size);
+  const int32_t max_len = 128, chunk = 128;
+  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kF32, 16, max_len, 1, chunk)));
+  DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::Create(checkpoint, kv.spec(), {}));
+  AmaxObserver observer(static_cast<int>(c.num_hidden_layers), c.num_key_value_heads * c.head_dim);
+  runner->set_kv_observer(&observer);
+  std::vector<float> logits;
+  for (const auto& p : prompts) {
+    SequenceKv seq;
+    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
+    Status st = runner->Forward(seq, p, false, &logits);
+    DL_RETURN_IF_ERROR(kv.Release(seq));
+    DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
+  }
+  KvScales scales;
+  for (size_t l = 0; l < observer.k_.size(); ++l) {
+    scales.k.push_back(Fp8ScaleFromAmax(observer.k_[l]));
+    scales.v.push_back(Fp8ScaleFromAmax(observer.v_[l]));
+  }
+  scales.source = "calibration:builtin-v1";
+  return scales;
+}
+
+Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const CudaRunnerOptions& base) {
+  // The same prompts through a temporary BF16 cache; the scales come from the cached (post-norm,
+  // post-RoPE, BF16-rounded) K and V. The runner is freed before the real one is built, so the
+  // weights are never on the device twice.
+  const ModelConfig& c = checkpoint.config();
+  const auto prompts = BuiltinCalibrationPrompts(c.vocab_size);
+  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kBF16, 16, 128, 1, 128)));
+  CudaRunnerOptions co = base;
+  co.max_seq_len = 128;
+  co.max_chunk = 128;
+  co.use_graph = false;
+  DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(checkpoint, kv.spec(), {}, co));
+  std::vector<float> logits;
+  for (const auto& p : prompts) {
+    SequenceKv seq;
+    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
+    Status st = runner->Forward(seq, p, false, &logits);
+    DL_RETURN_IF_ERROR(kv.Release(seq));
+    DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
+  }
+  DL_ASSIGN_OR_RETURN(auto amax, runner->KvPoolAbsMax());
+  KvScales scales;
+  for (size_t l = 0; l < amax.first.size(); ++l) {
+    scales.k.push_back(Fp8ScaleFromAmax(amax.first[l]));
+    scales.v.push_back(Fp8ScaleFromAmax(amax.second[l]));
+  }
+  scales.source = "calibration:builtin-v1-cuda-bf16";
+  return scales;
+}
+
+Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
+  auto engine = std::make_unique<Engine>();
+  if (o.model_dir.empty() == o.shape.empty()) {
+    return InvalidArgument("give exactly one of --model DIR or --shape NAME");
+  }
+  if (o.kv_dtype == DType::kF16) return InvalidArgument("--kv-dtype must be f32, bf16 or fp8");
+
+  // Backend choice: auto takes CUDA where a GPU is usable, else the CPU reference.
+  std::string why;
+  const int gpus = cuda::DeviceCount(&why);
+  BackendKind chosen = o.backend;
+  if (o.backend == BackendKind::kAuto) {
+    chosen = gpus > 0 ? BackendKind::kCuda : BackendKind::kCpu;
+    engine->backend_choice_reason =
+        gpus > 0 ? fmt::format("auto: {} usable GPU(s); using cuda on device 0", gpus)
+                 : fmt::format("auto: no usable GPU ({}); using cpu-reference", why);
+  } else if (o.backend == BackendKind::kCuda) {
+    if (gpus == 0) return Unavailable("--backend cuda: no usable GPU ({})", why);
+    engine->backend_choice_reason = "cuda: requested";
+  } else {
+    engine->backend_choice_reason = "cpu: requested";
+  }
+  EngineOptions effective = o;
+  if (chosen == BackendKind::kCuda && o.kv_dtype == DType::kF32) {
+    if (o.backend == BackendKind::kCuda) {
+      return InvalidArgument("--kv-dtype f32 is the CPU backend's; the CUDA backend takes bf16 or fp8");
+    }
+    effective.kv_dtype = DType::kBF16;  // auto with the f32 default: the CUDA cache is BF16
+    engine->backend_choice_reason += "; KV cache bf16 (f32 is CPU-only)";
+  }
+  engine->options = effective;
+
+  // Weights: a checkpoint directory, or random weights for a shape (generated on the device for
+  // CUDA, so large shapes need neither a file nor a host copy).
+  if (!o.model_dir.empty()) {
+    DL_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::Open(o.model_dir));
+    engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
+  } else {
+    DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
+    if (chosen == BackendKind::kCuda) {
+      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeShapeOnlyCheckpoint(cfg));
+      engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
+    } else {
+      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeSyntheticCheckpoint(cfg, o.seed, DType::kBF16));
+      engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
+    }
+  }
+  const ModelConfig& cfg = engine->config();
+  CudaRunnerOptions co;
+  co.allow_fallback = o.allow_fallback;
+  co.use_graph = o.use_graph;
+  co.max_seq_len = o.max_seq_len;
+  co.max_chunk = o.prefill_chunk;
+  co.synthetic_seed = o.seed;
+
+  // KV scales for FP8: file, else checkpoint, else built-in calibration. Never from a request.
+  KvScales scales;
+  if (effective.kv_dtype == DType::kF8E4M3) {
+    if (!o.kv_scales_file.empty()) {
+      DL_ASSIGN_OR_RETURN(scales,
+                          ReadKvScalesFile(o.kv_scales_file, static_cast<int>(cfg.num_hidden_layers)));
+    } else if (auto from_checkpoint = CheckpointKvScales(*engine->checkpoint)) {
+      scales = *from_checkpoint;
+    } else if (chosen == BackendKind::kCuda) {
+      spdlog::info("calibrating FP8 KV scales over the built-in prompt set (cuda, bf16 cache)");
+      DL_ASSIGN_OR_RETURN(scales, CalibrateKvScalesOnCuda(*engine->checkpoint, co));
+    } else {
+      spdlog::info("calibrating FP8 KV scales over the built-in prompt set");
+      DL_ASSIGN_OR_RETURN(scales, CalibrateKvScales(*engine->checkpoint));
+    }
+  } else if (!o.kv_scales_file.empty()) {
+    return InvalidArgument("--kv-scales applies only to --kv-dtype fp8");
+  } else {
+    scales = KvScales::Unit(static_cast<int>(cfg.num_hidden_layers));
+  }
+
+  DL_ASSIGN_OR_RETURN(KvCache kv,
+                      KvCache::Create(MakeKvSpec(cfg, effective.kv_dtype, o.page_size, o.max_seq_len,
+                                                 o.max_sequences, o.prefill_chunk)));
+  engine->kv = std::make_unique<KvCache>(std::move(kv));
+  if (chosen == BackendKind::kCuda) {
+    DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),
+                                                        std::move(scales), co));
+    engine->runner = std::move(runner);
+  } else {
+    DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::Create(*engine->checkpoint, engine->kv->spec(),
+                                                       std::move(scales)));
+    engine->runner = std::move(runner);
+  }
+  return engine;
+}
+
+Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> prompt,
+                                      const GenerateOptions& opts) {
+  using Clock = std::chrono::steady_clock;
+  if (prompt.empty()) return InvalidArgument("empty prompt");
+  if (opts.max_tokens < 0) return InvalidArgument("max_tokens must be >= 0");
+  const int64_t total = static_cast<int64_t>(prompt.size()) + opts.max_tokens;
+  if (total > engine.options.max_seq_len) {
+    return InvalidArgument("prompt ({} tokens) + max_tokens ({}) exceeds the context limit of {}",
+                           prompt.size(), opts.max_tokens, engine.options.max_seq_len);
+  }
+  const auto& eos = engine.config().eos_token_ids;
+  GenerateResult r;
+  SequenceKv seq;
+  KvCache& kv = *engine.kv;
+  ModelRunner& runner = *engine.runner;
+  std::vector<float> logits;
+  auto run = [&](std::span<const int32_t> chunk) -> Status {
+    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(chunk.size())));
+    DL_RETURN_IF_ERROR(runner.Forward(seq, chunk, false, &logits));
+    return kv.Commit(seq, static_cast<int32_t>(chunk.size()));
+  };
+  Status status = [&]() -> Status {
+    const auto t0 = Clock::now();
+    const int32_t chunk = std::max(1, opts.prefill_chunk);
+    for (size_t i = 0; i < prompt.size(); i += chunk) {
+      DL_RETURN_IF_ERROR(run(prompt.subspan(i, std::min<size_t>(chunk, prompt.size() - i))));
+    }
+    r.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    r.last_prompt_logits = logits;
+    r.finish_reason = "length";
+    for (int32_t step = 0; step < opts.max_tokens; ++step) {
+      auto [tok, margin] = ArgmaxWithMargin(logits);
+      r.tokens.push_back(tok);
+      r.margins.push_back(margin);
+      if (opts.keep_step_logits) r.step_logits.push_back(logits);
+      if (!opts.ignore_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) {
+        r.finish_reason = "stop";
+        break;
+      }
+      if (step + 1 == opts.max_tokens) break;
+      const int32_t next = step < static_cast<int32_t>(opts.forced_tokens.size())
+                               ? opts.forced_tokens[step]
+                               : tok;
+      const auto ts = Clock::now();
+      DL_RETURN_IF_ERROR(run(std::span<const int32_t>(&next, 1)));
+      r.decode_step_seconds.push_back(std::chrono::duration<double>(Clock::now() - ts).count());
+    }
+    return Status::Ok();
+  }();
+  Status release = kv.Release(seq);
+  DL_RETURN_IF_ERROR(status);
+  DL_RETURN_IF_ERROR(release);
+  return r;
+}
+
+}  // namespace dl

@@ -1,0 +1,89 @@
+// Loading a model into a backend, choosing KV scales, and greedy generation for one sequence.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "model/runner.h"
+
+namespace dl {
+
+enum class BackendKind { kAuto, kCpu, kCuda };
+Result<BackendKind> ParseBackend(const std::string& name);
+
+struct EngineOptions {
+  // Exactly one of model_dir or shape.
+  std::string model_dir;
+  std::string shape;
+  uint64_t seed = 0;
+  std::optional<int> num_layers;
+  BackendKind backend = BackendKind::kAuto;
+  DType kv_dtype = DType::kF32;
+  std::string kv_scales_file;  // FP8 only
+  int32_t page_size = 16;
+  int32_t max_seq_len = 4096;  // per sequence, bounds the KV pools
+  int32_t max_sequences = 1;
+  int32_t prefill_chunk = 512;  // tokens per forward during prefill
+  bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
+  bool use_graph = true;        // CUDA: one captured graph per decode step
+};
+
+// A loaded model: checkpoint, KV bookkeeping and a backend runner.
+struct Engine {
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<KvCache> kv;
+  std::unique_ptr<ModelRunner> runner;
+  std::string backend_choice_reason;  // printed: why this backend was chosen
+  EngineOptions options;
+  const ModelConfig& config() const { return checkpoint->config(); }
+};
+
+// Resolves the backend (auto = CUDA where a GPU is usable, else CPU), chooses KV scales (--kv-scales
+// file, else the checkpoint's k_scale/v_scale, else the built-in calibration) and builds the runner.
+Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& options);
+
+// The checkpoint's self_attn.k_scale / v_scale, when every layer has both.
+std::optional<KvScales> CheckpointKvScales(const Checkpoint& checkpoint);
+
+// The fixed built-in calibration prompt set: deterministic token ids for a vocabulary size.
+std::vector<std::vector<int32_t>> BuiltinCalibrationPrompts(int64_t vocab_size);
+extern const char* const kCalibrationMethod;
+// Runs the built-in prompts through `checkpoint` on the CPU reference with an F32 cache and returns
+// per-layer scales amax/448.
+Result<KvScales> CalibrateKvScales(const Checkpoint& checkpoint);
+
+struct GenerateOptions {
+  int32_t max_tokens = 16;
+  bool ignore_eos = false;
+  int32_t prefill_chunk = 512;
+  // Teacher forcing: when set, these tokens are fed instead of the argmax (the argmax is still
+  // reported), for checking logits along a fixed sequence.
+  std::vector<int32_t> forced_tokens;
+  bool keep_step_logits = false;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;         // argmax at each step
+  std::vector<float> margins;          // top-1 minus top-2 logit at each step
+  std::vector<float> last_prompt_logits;
+  std::vector<std::vector<float>> step_logits;  // when keep_step_logits
+  std::string finish_reason;           // "length" or "stop"
+  double prefill_seconds = 0;
+  std::vector<double> decode_step_seconds;  // steps after the first token
+};
+
+// Greedy decoding of one prompt; releases the sequence's pages before returning (also on error).
+Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> prompt,
+                                      const GenerateOptions& options);
+
+// Index of the largest logit (lowest index on ties) and the top-1 minus top-2 margin.
+std::pair<int32_t, float> ArgmaxWithMargin(std::span<const float> logits);
+
+}  // namespace dl

@@ -1,0 +1,68 @@
+#include "model/cpu_ops.h"
+
+#include <cmath>
+
+namespace dl::cpu {
+namespace {
+
+template <typename Load>
+void MatVecImpl(const uint8_t* base, int64_t rows, int64_t cols, const float* x, float* y, Load load) {
+  // Parallel only when the matrix is big enough to pay for the fork/join.
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 18))
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < cols; ++c) acc += load(base, r * cols + c) * x[c];
+    y[r] = acc;
+  }
+}
+
+}  // namespace
+
+float WeightAt(const TensorView& w, int64_t i) { return LoadAsFloat(w.data, w.dtype, static_cast<size_t>(i)); }
+
+void MatVec(const TensorView& w, const float* x, float* y) {
+  const int64_t rows = w.shape[0];
+  const int64_t cols = w.shape.size() > 1 ? w.shape[1] : 1;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data);
+  switch (w.dtype) {
+    case DType::kF32:
+      MatVecImpl(base, rows, cols, x, y, [](const uint8_t* p, int64_t i) {
+        return reinterpret_cast<const float*>(p)[i];
+      });
+      break;
+    case DType::kBF16:
+      MatVecImpl(base, rows, cols, x, y, [](const uint8_t* p, int64_t i) {
+        return Bf16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+      });
+      break;
+    case DType::kF16:
+      MatVecImpl(base, rows, cols, x, y, [](const uint8_t* p, int64_t i) {
+        return F16ToFloat(reinterpret_cast<const uint16_t*>(p)[i]);
+      });
+      break;
+    case DType::kF8E4M3:
+      MatVecImpl(base, rows, cols, x, y, [](const uint8_t* p, int64_t i) {
+        return Fp8E4M3ToFloat(p[i]);
+      });
+      break;
+  }
+}
+
+void MatMul(const TensorView& w, const float* x, int64_t n, float* y) {
+  const int64_t rows = w.shape[0];
+  const int64_t cols = w.shape.size() > 1 ? w.shape[1] : 1;
+  for (int64_t t = 0; t < n; ++t) MatVec(w, x + t * cols, y + t * rows);
+}
+
+void RmsNorm(const float* x, const TensorView& w, int64_t size, float eps, float* out) {
+  float sum_sq = 0.0f;
+  for (int64_t i = 0; i < size; ++i) sum_sq += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(size) + eps);
+  for (int64_t i = 0; i < size; ++i) out[i] = WeightAt(w, i) * (x[i] * inv);
+}
+
+float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+float Softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+}  // namespace dl::cpu

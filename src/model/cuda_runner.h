@@ -1,0 +1,60 @@
+// The CUDA backend for batch-1 decode: BF16 weights on the GPU, a paged BF16 or FP8 KV cache in device
+// memory managed by the same kv_cache bookkeeping as the CPU backend, attention kernels resolved per
+// layer from the preset table (no silent fallback), and one CUDA graph per decode step (embedding
+// through argmax) that is independent of the sequence length: positions, token ids and block tables are
+// read from device memory, so one capture serves every step.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "model/runner.h"
+
+namespace dl {
+
+struct CudaRunnerOptions {
+  int device = 0;
+  bool allow_fallback = false;  // run a generic attention kernel where a preset is not built
+  bool use_graph = true;        // capture the decode step as one CUDA graph
+  int32_t max_seq_len = 4096;   // positions the graph and the workspaces are sized for
+  int32_t max_chunk = 512;      // most tokens in one forward (prefill chunk)
+  // For a shape-only checkpoint (null data): generate each tensor on the device with this seed,
+  // by the formula of model/synthetic.h.
+  uint64_t synthetic_seed = 0;
+};
+
+class CudaRunner : public ModelRunner {
+ public:
+  static Result<std::unique_ptr<CudaRunner>> Create(const Checkpoint& checkpoint,
+                                                    const KvCacheSpec& kv, KvScales scales,
+                                                    const CudaRunnerOptions& options);
+  ~CudaRunner() override;
+
+  std::string backend_name() const override { return "cuda"; }
+  const KvCacheSpec& kv_spec() const override;
+  const KvScales& kv_scales() const override;
+  Status Forward(const SequenceKv& seq, std::span<const int32_t> tokens, bool all_logits,
+                 std::vector<float>* logits) override;
+  nlohmann::json Describe() const override;
+
+  // The decode fast path: one token in, the argmax out, logits stay on the device.
+  Result<int32_t> DecodeArgmax(const SequenceKv& seq, int32_t token);
+  // Per-layer max |x| over the K and V pools (BF16 caches only): FP8 scale calibration runs the
+  // built-in prompts through a BF16 cache, then reads these.
+  Result<std::pair<std::vector<float>, std::vector<float>>> KvPoolAbsMax();
+  // Kernel nodes of the captured decode graph (0 before the first decode).
+  int kernel_nodes() const;
+  // Attention preset (canonical name) per layer, and whether any layer runs a fallback kernel.
+  const std::vector<std::string>& layer_presets() const;
+  bool fallback() const;
+
+  struct Impl;
+
+ private:
+  explicit CudaRunner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dl

@@ -1,0 +1,58 @@
+#include "model/param_count.h"
+
+#include <gtest/gtest.h>
+
+#include "model/shapes.h"
+
+namespace dl {
+namespace {
+
+// Expected values are the spec's hand arithmetic (laguna-architecture §6, laguna-checkpoints §1.5-1.6),
+// which also matches the published safetensors index totals.
+TEST(ParamCountTest, Xs2MatchesSpec) {
+  auto c = ShapeConfig("xs2");
+  ASSERT_TRUE(c.ok());
+  ParamCounts p = CountParams(*c);
+  EXPECT_EQ(p.total, 33'442'617'088);
+  EXPECT_EQ(p.total * 2, 66'885'234'176);  // BF16 checkpoint bytes
+  EXPECT_EQ(p.active, 2'811'614'976);
+  EXPECT_EQ(p.embedding_row, 2048);
+  EXPECT_EQ(p.bytes_per_token_bf16(), 5'623'229'952);
+  EXPECT_EQ(p.bytes_per_token_fp8_experts(), 4'641'762'816);
+  EXPECT_EQ(p.bytes_per_token_fp8_linears(), 3'042'684'416);
+  EXPECT_EQ(p.attention, 1'430'988'800);
+  EXPECT_EQ(p.embedding, 205'520'896);
+  EXPECT_EQ(p.lm_head, 205'520'896);
+  EXPECT_EQ(p.dense_mlp, 50'331'648);
+  EXPECT_EQ(p.block_norms, 165'888);
+  EXPECT_EQ(p.active_routed, 981'467'136);
+  EXPECT_EQ(p.routed_experts + p.shared_experts + p.routers + p.correction_biases, 31'550'088'960);
+}
+
+TEST(ParamCountTest, S21MatchesSpec) {
+  auto c = ShapeConfig("s21");
+  ASSERT_TRUE(c.ok());
+  ParamCounts p = CountParams(*c);
+  EXPECT_EQ(p.total, 117'561'977'600);
+  EXPECT_EQ(p.total * 2, 235'123'955'200);
+  EXPECT_EQ(p.active, 8'140'974'848);
+  EXPECT_EQ(p.bytes_per_token_bf16(), 16'281'949'696);
+  EXPECT_EQ(p.attention, 2'803'150'848);
+  EXPECT_EQ(p.routed_experts, 113'548'197'888);
+  EXPECT_EQ(p.shared_experts, 443'547'648);
+  EXPECT_EQ(p.routers, 36'962'304);
+  EXPECT_EQ(p.correction_biases, 12'032);
+}
+
+TEST(ParamCountTest, KvBytes) {
+  auto c = ShapeConfig("xs2");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(KvBytesPerToken(*c, 2), 40 * 4096);  // 4 KiB per layer per token in BF16
+  // Spec §6: 80 MiB at T = 512, 220 MiB at 4K (BF16).
+  EXPECT_EQ(KvBytesReadPerToken(*c, 512, 2), 80ll << 20);
+  EXPECT_EQ(KvBytesReadPerToken(*c, 4096, 2), 220ll << 20);
+  EXPECT_EQ(KvBytesReadPerToken(*c, 4096, 1), 110ll << 20);
+}
+
+}  // namespace
+}  // namespace dl
