@@ -46,6 +46,8 @@ Result<KvCache> KvCache::Create(const KvCacheSpec& spec) {
   c.spec_ = spec;
   c.allocators_[0] = PageAllocator(spec.pages_full);
   c.allocators_[1] = PageAllocator(spec.pages_sliding);
+  c.refs_[0].assign(static_cast<size_t>(spec.pages_full), 0);
+  c.refs_[1].assign(static_cast<size_t>(spec.pages_sliding), 0);
   return c;
 }
 
@@ -66,12 +68,13 @@ Status KvCache::Reserve(SequenceKv& seq, int32_t n) {
         // Undo this call's allocations in every group, so a failed reserve changes nothing.
         for (int h = 0; h <= g; ++h) {
           auto& t = seq.tables_[h];
-          for (size_t i = old_sizes[h]; i < t.size(); ++i) (void)allocators_[h].Free(t[i]);
+          for (size_t i = old_sizes[h]; i < t.size(); ++i) (void)Unref(h, t[i]);
           t.resize(old_sizes[h]);
         }
         return page.status().WithContext(group == KvGroup::kFull ? "full-attention layers"
                                                                  : "sliding-window layers");
       }
+      refs_[g][static_cast<size_t>(*page)] = 1;
       table.push_back(*page);
     }
   }
@@ -88,7 +91,7 @@ Status KvCache::Commit(SequenceKv& seq, int32_t n) {
     const int32_t page_end = static_cast<int32_t>(i + 1) * spec_.page_size;  // exclusive
     if (page_end > first_live) break;
     if (table[i] >= 0) {
-      DL_RETURN_IF_ERROR(allocators_[1].Free(table[i]));
+      DL_RETURN_IF_ERROR(Unref(1, table[i]));
       table[i] = -1;
     }
   }
@@ -98,11 +101,79 @@ Status KvCache::Commit(SequenceKv& seq, int32_t n) {
 Status KvCache::Release(SequenceKv& seq) {
   for (int g = 0; g < 2; ++g) {
     for (int32_t p : seq.tables_[g]) {
-      if (p >= 0) DL_RETURN_IF_ERROR(allocators_[g].Free(p));
+      if (p >= 0) DL_RETURN_IF_ERROR(Unref(g, p));
     }
     seq.tables_[g].clear();
   }
   seq.length_ = 0;
+  return Status::Ok();
+}
+
+Status KvCache::Unref(int g, int32_t page) {
+  auto& refs = refs_[g];
+  if (page < 0 || page >= static_cast<int32_t>(refs.size()) || refs[static_cast<size_t>(page)] <= 0) {
+    return Internal("KV page {} of the {} group released but it is not in use", page,
+                    g == 0 ? "full-attention" : "sliding-window");
+  }
+  if (--refs[static_cast<size_t>(page)] == 0) return allocators_[g].Free(page);
+  return Status::Ok();
+}
+
+bool KvCache::has_group(KvGroup g) const {
+  return std::find(spec_.layer_groups.begin(), spec_.layer_groups.end(), g) != spec_.layer_groups.end();
+}
+
+Status KvCache::RetainPage(KvGroup g, int32_t page) {
+  auto& refs = refs_[static_cast<int>(g)];
+  if (page < 0 || page >= static_cast<int32_t>(refs.size()) || refs[static_cast<size_t>(page)] <= 0) {
+    return Internal("KV page {} retained but it is not in use", page);
+  }
+  ++refs[static_cast<size_t>(page)];
+  return Status::Ok();
+}
+
+Status KvCache::ReleasePage(KvGroup g, int32_t page) { return Unref(static_cast<int>(g), page); }
+
+int32_t KvCache::page_refs(KvGroup g, int32_t page) const {
+  const auto& refs = refs_[static_cast<int>(g)];
+  if (page < 0 || page >= static_cast<int32_t>(refs.size())) return 0;
+  return refs[static_cast<size_t>(page)];
+}
+
+Status KvCache::AttachPrefix(SequenceKv& seq, int32_t length, const std::vector<int32_t>& full_pages,
+                             const std::vector<int32_t>& sliding_pages) {
+  if (seq.length_ != 0 || !seq.tables_[0].empty() || !seq.tables_[1].empty()) {
+    return FailedPrecondition("KV AttachPrefix on a sequence that already holds pages");
+  }
+  if (length <= 0 || length % spec_.page_size != 0) {
+    return InvalidArgument("KV AttachPrefix: length {} is not a positive multiple of the page size {}",
+                           length, spec_.page_size);
+  }
+  const size_t n = static_cast<size_t>(length / spec_.page_size);
+  const std::vector<int32_t>* tables[2] = {&full_pages, &sliding_pages};
+  for (int g = 0; g < 2; ++g) {
+    const bool used = has_group(static_cast<KvGroup>(g));
+    if (used && tables[g]->size() != n) {
+      return InvalidArgument("KV AttachPrefix: {} pages given for the {} group, {} needed",
+                             tables[g]->size(), g == 0 ? "full-attention" : "sliding-window", n);
+    }
+    if (!used && !tables[g]->empty()) {
+      return InvalidArgument("KV AttachPrefix: pages given for a group the model does not have");
+    }
+    for (int32_t p : *tables[g]) {
+      if (p < 0 && g == 0) return InvalidArgument("KV AttachPrefix: a full-attention page is missing");
+      if (p >= 0 && page_refs(static_cast<KvGroup>(g), p) <= 0) {
+        return Internal("KV AttachPrefix: page {} is not in use", p);
+      }
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    for (int32_t p : *tables[g]) {
+      if (p >= 0) ++refs_[g][static_cast<size_t>(p)];
+    }
+    seq.tables_[g] = *tables[g];
+  }
+  seq.length_ = length;
   return Status::Ok();
 }
 

@@ -73,14 +73,34 @@ class KvCache {
   // Returns every page of the sequence (finish, error or cancellation) and resets it to empty.
   Status Release(SequenceKv& seq);
 
+  // Page sharing for prefix caching. Every handed-out page carries a reference count: Reserve gives
+  // a new page one reference; Commit (sliding pages leaving the window) and Release drop the
+  // sequence's references, and a page returns to its pool when its last reference goes. A prefix
+  // cache holds its own references through RetainPage/ReleasePage, so a page written by one request
+  // can back another request's prompt prefix. Shared pages are never written again: sharing is only
+  // allowed on whole pages (AttachPrefix takes a page-aligned length).
+  Status RetainPage(KvGroup g, int32_t page);
+  Status ReleasePage(KvGroup g, int32_t page);
+  int32_t page_refs(KvGroup g, int32_t page) const;
+  // Makes an empty `seq` start with `length` (a multiple of page_size) already-written positions
+  // whose pages are `full_pages` and `sliding_pages` (length / page_size entries each for the groups
+  // the model has; -1 allowed in the sliding table for pages no future query can see), taking one
+  // reference on each. On failure nothing changes.
+  Status AttachPrefix(SequenceKv& seq, int32_t length, const std::vector<int32_t>& full_pages,
+                      const std::vector<int32_t>& sliding_pages);
+  bool has_group(KvGroup g) const;
+
   int32_t used_pages(KvGroup g) const { return allocators_[static_cast<int>(g)].used_count(); }
   int32_t total_pages(KvGroup g) const { return allocators_[static_cast<int>(g)].capacity(); }
   // Fraction of all pages in use, for the server's kv usage gauge.
   double usage() const;
 
  private:
+  Status Unref(int g, int32_t page);
+
   KvCacheSpec spec_;
   PageAllocator allocators_[2] = {PageAllocator(0), PageAllocator(0)};
+  std::vector<int32_t> refs_[2];  // per page: references held (0 = free)
 };
 
 // Where position `pos` lives: (page id, slot), or page -1 when it is not held.

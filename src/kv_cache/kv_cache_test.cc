@@ -159,5 +159,68 @@ TEST(KvScalesTest, FileRoundTripIsBitExactAndBadFilesAreRejected) {
   EXPECT_EQ(Fp8ScaleFromAmax(448.0f), 1.0f);
 }
 
+
+TEST(KvCacheRefcountTest, SharedPrefixPagesReturnOnlyWithTheirLastReference) {
+  auto cache = KvCache::Create(TwoGroupSpec(16, 8, 8));
+  ASSERT_TRUE(cache.ok());
+  SequenceKv a;
+  ASSERT_TRUE(cache->Reserve(a, 32).ok());
+  ASSERT_TRUE(cache->Commit(a, 32).ok());
+  // Window 8: after 32 tokens the sliding group keeps only page 1 (positions 25..31 are live).
+  const auto full = a.block_table(KvGroup::kFull);
+  const auto sliding = a.block_table(KvGroup::kSliding);
+  ASSERT_EQ(full.size(), 2u);
+  ASSERT_EQ(sliding.size(), 2u);
+  EXPECT_EQ(sliding[0], -1);
+  ASSERT_GE(sliding[1], 0);
+  // A cache entry keeps its own references.
+  for (int32_t p : full) ASSERT_TRUE(cache->RetainPage(KvGroup::kFull, p).ok());
+  ASSERT_TRUE(cache->RetainPage(KvGroup::kSliding, sliding[1]).ok());
+  EXPECT_EQ(cache->page_refs(KvGroup::kFull, full[0]), 2);
+
+  SequenceKv b;
+  ASSERT_TRUE(cache->AttachPrefix(b, 32, full, sliding).ok());
+  EXPECT_EQ(b.length(), 32);
+  EXPECT_EQ(cache->page_refs(KvGroup::kFull, full[1]), 3);
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 2);
+  // b grows into a page of its own; the shared ones are not written.
+  ASSERT_TRUE(cache->Reserve(b, 1).ok());
+  ASSERT_EQ(b.block_table(KvGroup::kFull).size(), 3u);
+  EXPECT_NE(b.block_table(KvGroup::kFull)[2], full[0]);
+  EXPECT_NE(b.block_table(KvGroup::kFull)[2], full[1]);
+  ASSERT_TRUE(cache->Commit(b, 1).ok());
+
+  ASSERT_TRUE(cache->Release(a).ok());
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 3);  // still referenced by b and the cache entry
+  ASSERT_TRUE(cache->Release(b).ok());
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 2);  // the cache entry's
+  for (int32_t p : full) ASSERT_TRUE(cache->ReleasePage(KvGroup::kFull, p).ok());
+  ASSERT_TRUE(cache->ReleasePage(KvGroup::kSliding, sliding[1]).ok());
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 0);
+  EXPECT_EQ(cache->used_pages(KvGroup::kSliding), 0);
+  // One release too many is a caller bug, reported, not a crash.
+  EXPECT_EQ(cache->ReleasePage(KvGroup::kFull, full[0]).code(), StatusCode::kInternal);
+  EXPECT_FALSE(cache->RetainPage(KvGroup::kFull, full[0]).ok());
+}
+
+TEST(KvCacheRefcountTest, AttachPrefixRejectsBadInputWithoutChangingAnything) {
+  auto cache = KvCache::Create(TwoGroupSpec(16, 8, 8));
+  ASSERT_TRUE(cache.ok());
+  SequenceKv a;
+  ASSERT_TRUE(cache->Reserve(a, 16).ok());
+  ASSERT_TRUE(cache->Commit(a, 16).ok());
+  const auto full = a.block_table(KvGroup::kFull);
+  const auto sliding = a.block_table(KvGroup::kSliding);
+  SequenceKv b;
+  EXPECT_FALSE(cache->AttachPrefix(b, 8, full, sliding).ok());        // not page aligned
+  EXPECT_FALSE(cache->AttachPrefix(b, 32, full, sliding).ok());       // too few pages
+  EXPECT_FALSE(cache->AttachPrefix(b, 16, {5}, sliding).ok());        // page 5 not in use
+  EXPECT_FALSE(cache->AttachPrefix(a, 16, full, sliding).ok());       // a already holds pages
+  EXPECT_EQ(b.length(), 0);
+  EXPECT_EQ(cache->page_refs(KvGroup::kFull, full[0]), 1);
+  ASSERT_TRUE(cache->Release(a).ok());
+  EXPECT_EQ(cache->used_pages(KvGroup::kFull), 0);
+}
+
 }  // namespace
 }  // namespace dl

@@ -1,0 +1,190 @@
+// decodelab serve: the OpenAI-compatible HTTP endpoint (src/server) over the continuous-batching
+// scheduler (src/engine/scheduler.h).
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+
+#include <pthread.h>
+#include <spdlog/spdlog.h>
+
+#include "apps/decodelab/commands.h"
+#include "apps/decodelab/engine_flags.h"
+#include "server/server.h"
+#include "tokenizer/tokenizer_writer.h"
+
+namespace dl::app {
+namespace {
+
+struct ServeFlags {
+  EngineFlags engine;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  int max_batch = 8;
+  int max_waiting = 1024;
+  bool prefix_caching = false;
+  size_t max_body_bytes = 16u << 20;
+  std::string served_model_name;
+  int http_threads = 160;
+};
+
+int RunServe(const ServeFlags& f) {
+  // Signals go to one waiting thread (below), never to a worker in the middle of a step: block them
+  // before any thread exists so every thread inherits the mask.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a vanished client must not kill the server
+
+  auto opts = f.engine.ToOptions();
+  if (!opts.ok()) return ReportError(opts.status());
+  if (f.max_batch < 1) return ReportError(InvalidArgument("--max-batch must be at least 1"));
+  if (f.max_waiting < 0) return ReportError(InvalidArgument("--max-waiting must be >= 0"));
+  // Pools for max_batch full-length sequences; with prefix caching, as much again for cached pages.
+  opts->max_sequences = f.max_batch * (f.prefix_caching ? 2 : 1);
+  std::fprintf(stderr, "decodelab serve: loading %s ...\n",
+               opts->model_dir.empty() ? ("--shape " + opts->shape).c_str() : opts->model_dir.c_str());
+  auto engine = LoadEngine(*opts);
+  if (!engine.ok()) return ReportError(engine.status());
+  Engine& e = **engine;
+  std::fprintf(stderr, "backend: %s (%s)\n", e.runner->backend_name().c_str(),
+               e.backend_choice_reason.c_str());
+
+  SchedulerOptions so;
+  so.max_batch = f.max_batch;
+  so.max_waiting = f.max_waiting;
+  so.prefill_chunk = opts->prefill_chunk;
+  so.enable_prefix_caching = f.prefix_caching;
+  if (e.runner->backend_name() != "cpu-reference" && so.max_batch > 1) {
+    std::fprintf(stderr,
+                 "note: batched decode is not implemented for the %s backend yet: one sequence "
+                 "runs at a time and the rest queue (--max-batch %d ignored)\n",
+                 e.runner->backend_name().c_str(), f.max_batch);
+    so.max_batch = 1;
+  }
+
+  // Tokenizer and chat template: from the model directory; --shape gets the generated small
+  // tokenizer make-model would write for the same vocabulary (and no chat template).
+  std::optional<Tokenizer> tokenizer;
+  std::optional<ChatTemplate> chat_template;
+  std::string template_error;
+  nlohmann::json identity;
+  if (!opts->model_dir.empty()) {
+    identity = {{"model_dir", std::filesystem::absolute(opts->model_dir).string()}};
+    if (std::filesystem::exists(std::filesystem::path(opts->model_dir) / "tokenizer.json")) {
+      auto t = Tokenizer::FromFile(opts->model_dir);
+      if (!t.ok()) return ReportError(t.status());
+      tokenizer = std::move(t).value();
+    } else {
+      std::fprintf(stderr, "warning: %s has no tokenizer.json: only token-id prompts will work\n",
+                   opts->model_dir.c_str());
+    }
+    auto tmpl = LoadChatTemplateForModel(opts->model_dir);
+    if (tmpl.ok()) {
+      chat_template = std::move(tmpl).value();
+    } else if (tmpl.status().code() == StatusCode::kNotFound) {
+      template_error = "this model has no chat template (chat_template.jinja): use /v1/completions";
+    } else {
+      template_error = "the model's chat template cannot be used: " + tmpl.status().message();
+      std::fprintf(stderr, "warning: %s\n", template_error.c_str());
+    }
+  } else {
+    identity = {{"shape", opts->shape}, {"seed", opts->seed},
+                {"num_layers", e.config().num_hidden_layers}};
+    if (e.config().vocab_size >= MinSmallTokenizerVocabSize()) {
+      auto text = BuildSmallTokenizerJson(static_cast<int32_t>(e.config().vocab_size));
+      if (text.ok()) {
+        auto t = Tokenizer::FromJson(*text, "generated tokenizer for --shape " + opts->shape);
+        if (t.ok()) tokenizer = std::move(t).value();
+      }
+    }
+    template_error = "models built in memory with --shape have no chat template: use "
+                     "/v1/completions, or serve a make-model directory";
+  }
+
+  Scheduler scheduler(e, so);
+  scheduler.Start();
+  ServerOptions sopts;
+  sopts.host = f.host;
+  sopts.port = f.port;
+  sopts.api_key = f.api_key;
+  sopts.max_body_bytes = f.max_body_bytes;
+  sopts.http_threads = f.http_threads;
+  sopts.served_model_name = !f.served_model_name.empty() ? f.served_model_name
+                            : !opts->model_dir.empty()   ? opts->model_dir
+                                                         : opts->shape;
+  sopts.model_root = opts->model_dir.empty() ? "shape:" + opts->shape : opts->model_dir;
+  sopts.model_identity = identity;
+  Server server(e, scheduler, sopts, std::move(tokenizer), std::move(chat_template), template_error);
+  if (Status st = server.Bind(); !st.ok()) return ReportError(st);
+
+  std::atomic<bool> finished{false};
+  std::thread signal_thread([&] {
+    timespec ts{0, 200'000'000};
+    while (!finished.load()) {
+      const int sig = sigtimedwait(&sigs, nullptr, &ts);
+      if (sig == SIGINT || sig == SIGTERM) {
+        std::fprintf(stderr, "\ndecodelab serve: %s received, stopping (in-flight requests end "
+                             "with an error)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        server.Stop();
+        return;
+      }
+    }
+  });
+  std::printf("decodelab serve: model %s on %s, max batch %d%s, ready at %s\n",
+              sopts.served_model_name.c_str(), e.runner->backend_name().c_str(), so.max_batch,
+              so.enable_prefix_caching ? ", prefix caching on" : "", server.url().c_str());
+  std::fflush(stdout);
+  Status st = server.Run();
+  server.Stop();
+  finished.store(true);
+  signal_thread.join();
+  if (!st.ok()) return ReportError(st);
+  std::fprintf(stderr, "decodelab serve: stopped\n");
+  return 0;
+}
+
+}  // namespace
+
+void AddServeCommand(CLI::App& root, CommandContext& ctx) {
+  auto flags = std::make_shared<ServeFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "serve",
+      "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+      "/metrics, /v1/decodelab/state");
+  flags->engine.Add(cmd);
+  cmd->add_option("--host", flags->host, "Address to bind (loopback by default)")
+      ->default_val("127.0.0.1");
+  cmd->add_option("--port", flags->port, "TCP port (0 = any free port; the URL is printed)")
+      ->default_val(8000)
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--api-key", flags->api_key,
+                  "Require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)");
+  cmd->add_option("--max-batch", flags->max_batch,
+                  "Sequences decoded together (continuous batching); the rest wait")
+      ->default_val(8)
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-waiting", flags->max_waiting,
+                  "Queued requests beyond which new ones get HTTP 503")
+      ->default_val(1024);
+  cmd->add_flag("--enable-prefix-caching", flags->prefix_caching,
+                "Reuse KV pages of shared prompt prefixes (off by default: the lab requires "
+                "cached_tokens == 0)");
+  cmd->add_option("--max-body-bytes", flags->max_body_bytes,
+                  "Largest request body accepted (larger: HTTP 413)")
+      ->default_val(16u << 20);
+  cmd->add_option("--served-model-name", flags->served_model_name,
+                  "Model id in /v1/models and responses (default: the --model path or shape)");
+  cmd->add_option("--http-threads", flags->http_threads,
+                  "HTTP worker threads; each open stream holds one")
+      ->default_val(160)
+      ->check(CLI::Range(4, 4096));
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunServe(*flags); });
+}
+
+}  // namespace dl::app

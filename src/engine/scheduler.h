@@ -1,0 +1,221 @@
+// The serving scheduler: one engine thread owns the model runner and the KV cache; HTTP threads hand it
+// parsed requests through a queue and read results back from a per-request RequestState (llama.cpp's
+// server_context / server_queue split).
+//
+// Continuous batching: sequences join and leave the running set between steps. Each step runs, for
+// every running sequence, one Forward call: a prefill chunk of at most `prefill_chunk` prompt tokens,
+// or one decode token. A long prompt therefore costs running streams at most one chunk per step. The
+// CPU runner processes one sequence per Forward call, so a sequence's logits never depend on what
+// else is running: greedy outputs equal GenerateGreedy's for the same prompt and chunk size.
+//
+// KV pages are reserved chunk by chunk and returned when a sequence finishes, fails or is cancelled
+// (RequestState::Cancel, e.g. on client disconnect). Pools are sized for max_batch full-length
+// sequences (EngineOptions.max_sequences), so an admitted sequence never runs out of pages; admission
+// control is the running-set size plus a bounded waiting queue (Submit returns ResourceExhausted when
+// it is full: HTTP 503).
+//
+// Prefix caching (off by default): whole prompt pages are registered in a block cache keyed by a
+// chained hash of their tokens; a new prompt that starts with cached blocks attaches those pages
+// (full-attention pages, and the sliding-window pages its window still needs) instead of
+// recomputing them, and reports them as cached tokens.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/engine.h"
+
+namespace dl {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // 0 = greedy (argmax, lowest id on ties, as GenerateGreedy)
+  float top_p = 1.0f;        // (0, 1]
+  int32_t top_k = 0;         // 0 or -1 = off
+  std::optional<uint64_t> seed;  // sampling seed; absent = a fresh random seed per request
+  int32_t max_tokens = 16;       // >= 1; exact unless a stop condition ends the sequence first
+  bool ignore_eos = false;       // do not stop at the model's eos_token_ids
+  std::vector<int32_t> stop_token_ids;  // extra stop ids (honoured even with ignore_eos)
+  int32_t logprobs = -1;  // -1: none; N >= 0: the sampled token's logprob and the top N alternatives
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+};
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+
+struct TokenEvent {
+  int32_t token = 0;
+  float logprob = 0.0f;             // when SamplingParams.logprobs >= 0
+  std::vector<TokenLogprob> top;    // the top N, best first
+};
+
+enum class FinishReason { kNone, kLength, kStop, kCancelled, kError };
+const char* FinishReasonName(FinishReason r);
+
+// One request's mailbox between the engine thread (producer) and an HTTP thread (consumer).
+class RequestState {
+ public:
+  struct Update {
+    std::vector<TokenEvent> tokens;  // new since the last Poll
+    bool finished = false;
+    FinishReason reason = FinishReason::kNone;
+    Status error;                    // when reason is kError / kCancelled
+    int32_t prompt_tokens = 0;
+    int32_t cached_tokens = 0;       // prompt tokens whose KV came from the prefix cache
+  };
+
+  // Waits up to `timeout` for news and moves it into `out`. Returns true when `out` holds tokens or
+  // the final state.
+  bool Poll(Update* out, std::chrono::milliseconds timeout);
+  // Asks the engine to stop this request and return its pages (client gone, stop string matched).
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+  uint64_t id() const { return id_; }
+
+  // Engine side.
+  void PushToken(TokenEvent event);
+  void Finish(FinishReason reason, Status error = Status::Ok());
+  void SetPromptInfo(int32_t prompt_tokens, int32_t cached_tokens);
+
+ private:
+  friend class Scheduler;
+  uint64_t id_ = 0;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<TokenEvent> pending_;
+  bool finished_ = false;
+  bool finish_reported_ = false;
+  FinishReason reason_ = FinishReason::kNone;
+  Status error_;
+  int32_t prompt_tokens_ = 0;
+  int32_t cached_tokens_ = 0;
+};
+
+// A Prometheus histogram (cumulative buckets are computed when printing).
+struct Histogram {
+  std::vector<double> bounds;   // upper bounds, ascending
+  std::vector<uint64_t> counts;  // per bucket (non-cumulative), plus one for +Inf
+  double sum = 0.0;
+  uint64_t count = 0;
+  explicit Histogram(std::vector<double> b = {}) : bounds(std::move(b)), counts(bounds.size() + 1, 0) {}
+  void Observe(double v);
+};
+
+struct SchedulerStats {
+  int32_t running = 0;
+  int32_t waiting = 0;
+  double kv_usage = 0.0;  // fraction of KV pages in use (prefix-cache pages included)
+  int32_t kv_pages_used = 0;
+  int32_t kv_pages_total = 0;
+  int32_t prefix_cache_blocks = 0;
+  uint64_t prompt_tokens_total = 0;
+  uint64_t generation_tokens_total = 0;
+  uint64_t cached_prompt_tokens_total = 0;
+  std::map<std::string, uint64_t> finished_total;  // by finish reason
+  uint64_t steps_total = 0;
+  Histogram ttft, itl, e2e, queue_time;
+};
+
+struct SchedulerOptions {
+  int32_t max_batch = 8;       // running sequences at once (1 = one at a time, the rest queue)
+  int32_t max_waiting = 1024;  // queued requests beyond which Submit refuses (503)
+  int32_t prefill_chunk = 512;
+  bool enable_prefix_caching = false;
+};
+
+class Scheduler {
+ public:
+  // `engine` must outlive the scheduler; its KV pools must hold max_batch sequences of
+  // engine.options.max_seq_len (EngineOptions.max_sequences >= max_batch).
+  Scheduler(Engine& engine, SchedulerOptions options);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  void Start();
+  // Ends every queued and running request with a kCancelled error ("server shutting down"),
+  // returns their pages and joins the engine thread. Idempotent.
+  void Stop();
+
+  // Validates the request against the model (non-empty prompt, ids in the vocabulary, prompt +
+  // max_tokens within the context) and queues it. InvalidArgument for bad input, ResourceExhausted
+  // when the waiting queue is full, Unavailable after Stop.
+  Result<std::shared_ptr<RequestState>> Submit(GenerationRequest request);
+
+  SchedulerStats Stats() const;
+  int32_t max_context() const { return engine_.options.max_seq_len; }
+  const SchedulerOptions& options() const { return options_; }
+  // Pages held by the prefix cache (for leak checks: used pages minus these must be 0 when idle).
+  int32_t prefix_cache_pages() const;
+  // Drops every prefix-cache entry (returns their pages). Runs on the engine thread at its next step.
+  void ClearPrefixCache();
+
+ private:
+  struct Sequence;
+  struct CachedBlock {
+    int32_t full_page = -1;
+    int32_t sliding_page = -1;
+    int32_t depth = 0;       // block index in its prompt
+    uint64_t last_use = 0;   // stamp of the last request that used it
+  };
+
+  void Loop();
+  // Runs one Forward for `s` and, when its logits are for a new position, samples and emits a token.
+  Status Step(Sequence& s);
+  void FinishSequence(Sequence& s, FinishReason reason, Status error = Status::Ok());
+  Status AttachCachedPrefix(Sequence& s);
+  void RegisterPromptBlocks(Sequence& s, int32_t begin, int32_t end);
+  Status ReserveWithEviction(Sequence& s, int32_t n);
+  // Drops the least recently used block whose pages only the cache holds (deepest first, so a
+  // chain loses its tail before its head). False when no block would free a page.
+  bool EvictOneBlock();
+  void DropBlock(std::unordered_map<uint64_t, CachedBlock>::iterator it);
+  void DropPrefixCacheLocked();
+  void PublishStats();
+
+  Engine& engine_;
+  SchedulerOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> incoming_;
+  bool stop_ = false;
+  bool started_ = false;
+  std::atomic<bool> clear_cache_{false};
+  uint64_t next_id_ = 1;
+  std::thread thread_;
+
+  // Engine thread only.
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  std::unordered_map<uint64_t, CachedBlock> blocks_;  // chained hash of a page of tokens -> pages
+  uint64_t use_clock_ = 0;
+
+  mutable std::mutex stats_mu_;
+  SchedulerStats stats_;
+  std::atomic<int32_t> cache_pages_{0};
+};
+
+// Samples a token from `logits` with `p` (temperature 0 = argmax). `step` and `key` make the choice a
+// pure function of (seed, step).
+int32_t SampleToken(std::span<const float> logits, const SamplingParams& p, uint64_t key, uint64_t step);
+// log_softmax(logits)[token] and the top `n` (token, logprob) pairs, best first.
+void ComputeLogprobs(std::span<const float> logits, int32_t token, int32_t n, TokenEvent* event);
+
+}  // namespace dl

@@ -1,0 +1,294 @@
+#include "engine/scheduler.h"
+
+#include <cmath>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+namespace dl {
+namespace {
+
+std::unique_ptr<Engine> TinyEngine(int32_t max_sequences, int32_t prefill_chunk = 16,
+                                   int32_t max_seq_len = 256) {
+  EngineOptions o;
+  o.shape = "tiny";
+  o.seed = 7;
+  o.backend = BackendKind::kCpu;
+  o.max_sequences = max_sequences;
+  o.prefill_chunk = prefill_chunk;
+  o.max_seq_len = max_seq_len;
+  auto e = LoadEngine(o);
+  EXPECT_TRUE(e.ok()) << e.status().message();
+  return std::move(e).value();
+}
+
+std::vector<int32_t> Prompt(int32_t n, int32_t salt) {
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) p[i] = 30 + (i * 37 + salt * 11) % 400;  // avoids eos ids 2, 24
+  return p;
+}
+
+struct Collected {
+  std::vector<int32_t> tokens;
+  std::vector<TokenEvent> events;
+  RequestState::Update last;
+};
+
+Collected Drain(RequestState& st) {
+  Collected c;
+  for (int i = 0; i < 20000; ++i) {
+    RequestState::Update u;
+    st.Poll(&u, std::chrono::milliseconds(50));
+    for (auto& e : u.tokens) {
+      c.tokens.push_back(e.token);
+      c.events.push_back(e);
+    }
+    if (u.finished) {
+      c.last = u;
+      break;
+    }
+  }
+  return c;
+}
+
+int32_t UsedPages(const Engine& e) {
+  return e.kv->used_pages(KvGroup::kFull) + e.kv->used_pages(KvGroup::kSliding);
+}
+
+TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
+  // Reference: one sequence at a time through GenerateGreedy.
+  auto ref_engine = TinyEngine(1);
+  std::vector<std::vector<int32_t>> prompts = {Prompt(5, 1), Prompt(40, 2), Prompt(23, 3),
+                                               Prompt(70, 4)};
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& p : prompts) {
+    GenerateOptions g;
+    g.max_tokens = 12;
+    g.ignore_eos = true;
+    g.prefill_chunk = 16;
+    auto r = GenerateGreedy(*ref_engine, p, g);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    expected.push_back(r->tokens);
+  }
+  // All at once through the scheduler, batch 3 (one waits), with a long prompt prefilled in chunks
+  // while others decode.
+  auto engine = TinyEngine(3);
+  Scheduler sched(*engine, {.max_batch = 3, .max_waiting = 16, .prefill_chunk = 16});
+  sched.Start();
+  std::vector<std::shared_ptr<RequestState>> states;
+  for (const auto& p : prompts) {
+    GenerationRequest r;
+    r.prompt = p;
+    r.sampling.max_tokens = 12;
+    r.sampling.ignore_eos = true;
+    auto st = sched.Submit(r);
+    ASSERT_TRUE(st.ok()) << st.status().message();
+    states.push_back(*st);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Collected c = Drain(*states[i]);
+    EXPECT_EQ(c.last.reason, FinishReason::kLength);
+    EXPECT_EQ(c.tokens, expected[i]) << "prompt " << i;
+    EXPECT_EQ(c.last.prompt_tokens, static_cast<int32_t>(prompts[i].size()));
+    EXPECT_EQ(c.last.cached_tokens, 0);
+  }
+  sched.Stop();
+  EXPECT_EQ(UsedPages(*engine), 0);
+  auto stats = sched.Stats();
+  EXPECT_EQ(stats.finished_total["length"], 4u);
+  EXPECT_EQ(stats.generation_tokens_total, 48u);
+  EXPECT_EQ(stats.ttft.count, 4u);
+  EXPECT_EQ(stats.itl.count, 44u);
+}
+
+TEST(SchedulerTest, ValidatesRequests) {
+  auto engine = TinyEngine(1, 16, 64);
+  Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 4});
+  sched.Start();
+  GenerationRequest r;
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);  // empty
+  r.prompt = {5, 600};
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);  // out of vocab
+  r.prompt = {5, -1};
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);
+  r.prompt = Prompt(60, 1);
+  r.sampling.max_tokens = 5;  // 65 > 64
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);
+  r.sampling.max_tokens = 0;
+  r.prompt = {5};
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);
+  r.sampling.max_tokens = 1;
+  r.sampling.top_p = 0.0f;
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kInvalidArgument);
+  r.sampling.top_p = 1.0f;
+  auto ok = sched.Submit(r);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(Drain(**ok).tokens.size(), 1u);
+}
+
+TEST(SchedulerTest, CancellationAndShutdownReturnEveryPage) {
+  auto engine = TinyEngine(2, 16, 256);
+  Scheduler sched(*engine, {.max_batch = 2, .max_waiting = 8});
+  sched.Start();
+  GenerationRequest r;
+  r.prompt = Prompt(30, 5);
+  r.sampling.max_tokens = 200;
+  r.sampling.ignore_eos = true;
+  auto a = sched.Submit(r);
+  auto b = sched.Submit(r);
+  auto c = sched.Submit(r);  // waits: batch 2
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  // Let a few tokens flow, then cancel a (running) and c (queued).
+  RequestState::Update u;
+  int got = 0;
+  while (got < 3) {
+    (*a)->Poll(&u, std::chrono::milliseconds(100));
+    got += static_cast<int>(u.tokens.size());
+  }
+  (*a)->Cancel();
+  (*c)->Cancel();
+  Collected ca = Drain(**a);
+  EXPECT_EQ(ca.last.reason, FinishReason::kCancelled);
+  Collected cc = Drain(**c);
+  EXPECT_EQ(cc.last.reason, FinishReason::kCancelled);
+  EXPECT_TRUE(cc.tokens.empty());
+  // b still running: shutting down ends it with an error rather than hanging.
+  sched.Stop();
+  Collected cb = Drain(**b);
+  EXPECT_TRUE(cb.last.finished);
+  EXPECT_EQ(cb.last.reason, FinishReason::kCancelled);
+  EXPECT_EQ(cb.last.error.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(UsedPages(*engine), 0);
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(SchedulerTest, QueueLimitRefusesWithResourceExhausted) {
+  auto engine = TinyEngine(1, 16, 512);
+  Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 2});
+  // Not started: everything stays queued, so the limit is hit deterministically.
+  GenerationRequest r;
+  r.prompt = Prompt(8, 1);
+  r.sampling.max_tokens = 4;
+  ASSERT_TRUE(sched.Submit(r).ok());
+  ASSERT_TRUE(sched.Submit(r).ok());
+  EXPECT_EQ(sched.Submit(r).status().code(), StatusCode::kResourceExhausted);
+  sched.Stop();
+}
+
+TEST(SchedulerTest, StopTokensAndEos) {
+  auto engine = TinyEngine(1);
+  Scheduler sched(*engine, {.max_batch = 1});
+  sched.Start();
+  GenerationRequest r;
+  r.prompt = Prompt(9, 2);
+  r.sampling.max_tokens = 10;
+  r.sampling.ignore_eos = true;
+  auto first = sched.Submit(r);
+  ASSERT_TRUE(first.ok());
+  Collected full = Drain(**first);
+  ASSERT_EQ(full.tokens.size(), 10u);
+  // Stop at the 4th token's id: the output ends at its first occurrence, reason stop.
+  r.sampling.stop_token_ids = {full.tokens[3]};
+  auto second = sched.Submit(r);
+  ASSERT_TRUE(second.ok());
+  Collected stopped = Drain(**second);
+  EXPECT_EQ(stopped.last.reason, FinishReason::kStop);
+  size_t first_at = 0;
+  while (full.tokens[first_at] != full.tokens[3]) ++first_at;
+  EXPECT_EQ(stopped.tokens,
+            std::vector<int32_t>(full.tokens.begin(), full.tokens.begin() + first_at + 1));
+}
+
+TEST(SchedulerTest, SeededSamplingIsReproducibleAndLogprobsAreNormalised) {
+  auto engine = TinyEngine(2);
+  Scheduler sched(*engine, {.max_batch = 2});
+  sched.Start();
+  GenerationRequest r;
+  r.prompt = Prompt(12, 9);
+  r.sampling.max_tokens = 16;
+  r.sampling.ignore_eos = true;
+  r.sampling.temperature = 1.5f;
+  r.sampling.top_k = 50;
+  r.sampling.top_p = 0.9f;
+  r.sampling.seed = 1234;
+  r.sampling.logprobs = 3;
+  auto a = sched.Submit(r);
+  auto b = sched.Submit(r);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Collected ca = Drain(**a), cb = Drain(**b);
+  EXPECT_EQ(ca.tokens, cb.tokens);
+  ASSERT_EQ(ca.events.size(), 16u);
+  for (const auto& e : ca.events) {
+    ASSERT_EQ(e.top.size(), 3u);
+    EXPECT_LE(e.logprob, 0.0f);
+    EXPECT_GE(e.top[0].logprob, e.top[1].logprob);
+    EXPECT_GE(e.top[0].logprob, e.logprob);
+  }
+  r.sampling.seed = 99;
+  auto c = sched.Submit(r);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(Drain(**c).tokens, ca.tokens);  // 16 draws at T=1.5: a collision is astronomically rare
+}
+
+TEST(SamplingTest, TopKOneIsGreedyAndLogprobsSumToOne) {
+  std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f, 1.0f};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 1;
+  for (uint64_t step = 0; step < 20; ++step) EXPECT_EQ(SampleToken(logits, p, 42, step), 1);
+  p.top_k = 0;
+  p.top_p = 1e-6f;  // only the most likely token survives
+  for (uint64_t step = 0; step < 20; ++step) EXPECT_EQ(SampleToken(logits, p, 42, step), 1);
+  TokenEvent ev;
+  ComputeLogprobs(logits, 4, 5, &ev);
+  double total = 0;
+  for (const auto& t : ev.top) total += std::exp(t.logprob);
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_EQ(ev.top[0].token, 1);  // tie with 3 goes to the lower id
+  EXPECT_EQ(ev.top[1].token, 3);
+  EXPECT_NEAR(ev.logprob, ev.top[2].logprob, 1e-7);  // token 4 (logit 1.0) is third
+}
+
+TEST(SchedulerPrefixCacheTest, SharedPrefixLongerThanTheWindowGivesIdenticalOutputs) {
+  // Tiny: sliding window 8, pages of 16. Prefix of 50 tokens: 3 whole pages are reusable.
+  std::vector<int32_t> prefix = Prompt(50, 3);
+  std::vector<int32_t> a = prefix, b = prefix;
+  for (int i = 0; i < 7; ++i) a.push_back(100 + i);
+  for (int i = 0; i < 11; ++i) b.push_back(200 + i);
+  auto run = [&](bool caching, std::vector<int32_t>* cached_b) {
+    // Pools for 4 sequences: room for the cache's pages beside the running one (as serve does).
+    auto engine = TinyEngine(4, 16, 256);
+    Scheduler sched(*engine, {.max_batch = 1, .prefill_chunk = 16, .enable_prefix_caching = caching});
+    sched.Start();
+    std::vector<std::vector<int32_t>> outs;
+    for (const auto* p : {&a, &b}) {
+      GenerationRequest r;
+      r.prompt = *p;
+      r.sampling.max_tokens = 10;
+      r.sampling.ignore_eos = true;
+      auto st = sched.Submit(r);
+      EXPECT_TRUE(st.ok());
+      Collected c = Drain(**st);
+      outs.push_back(c.tokens);
+      cached_b->push_back(c.last.cached_tokens);
+    }
+    // Idle: the only pages still held are the cache's.
+    EXPECT_EQ(UsedPages(*engine), sched.prefix_cache_pages());
+    sched.ClearPrefixCache();
+    for (int i = 0; i < 100 && UsedPages(*engine) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(UsedPages(*engine), 0);
+    sched.Stop();
+    return outs;
+  };
+  std::vector<int32_t> cached_off, cached_on;
+  auto off = run(false, &cached_off);
+  auto on = run(true, &cached_on);
+  EXPECT_EQ(off, on);
+  EXPECT_EQ(cached_off, (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(cached_on, (std::vector<int32_t>{0, 48}));
+}
+
+}  // namespace
+}  // namespace dl

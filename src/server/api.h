@@ -1,0 +1,98 @@
+// The OpenAI request/response layer of the server, without HTTP: request bodies parsed into native
+// types (with the OpenAI error envelope for anything wrong), streamed text assembly with stop
+// strings, and response JSON builders. Shapes follow shared/design/ecosystem.md §3.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/scheduler.h"
+#include "template/chat_template.h"
+#include "tokenizer/incremental_decoder.h"
+#include "tokenizer/tokenizer.h"
+
+namespace dl::api {
+
+struct ApiError {
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::optional<std::string> param;
+  std::optional<std::string> code;
+};
+// {"error": {"message", "type", "param", "code"}}
+nlohmann::json ErrorBody(const ApiError& e);
+ApiError BadRequest(std::string message, std::optional<std::string> param = std::nullopt);
+// Maps a scheduler/engine Status to an HTTP error (InvalidArgument 400, ResourceExhausted and
+// Unavailable 503, anything else 500).
+ApiError FromStatus(const Status& s, std::optional<std::string> param = std::nullopt);
+
+struct ParsedRequest {
+  bool chat = false;
+  std::string model;                          // empty when the body names none
+  std::vector<std::vector<int32_t>> prompts;  // one choice per prompt (chat: exactly one)
+  SamplingParams sampling;
+  std::vector<std::string> stop_strings;
+  bool stream = false;
+  bool include_usage = false;
+  int32_t logprobs = -1;  // top-N alternatives per token; -1 = no logprobs
+};
+
+struct ParseContext {
+  const Tokenizer* tokenizer = nullptr;        // null: only token-id prompts
+  const ChatTemplate* chat_template = nullptr;  // null: chat refused with `no_template_reason`
+  std::string no_template_reason;
+  int32_t max_context = 0;
+  int64_t vocab_size = 0;
+};
+
+// Parses and validates a /v1/completions (chat = false) or /v1/chat/completions body. Unknown
+// fields are ignored, as OpenAI does.
+std::optional<ApiError> ParseRequest(const std::string& body, bool chat, const ParseContext& ctx,
+                                     ParsedRequest* out);
+
+// Text of one choice as tokens arrive: UTF-8-safe incremental detokenisation, stop strings (the
+// text ends before the first match; text that could be the start of a stop string is held back
+// until it is known not to be), and no text for the token that ended the sequence by a stop id.
+class ChoiceText {
+ public:
+  ChoiceText(const Tokenizer* tokenizer, std::vector<std::string> stop_strings);
+  // Text that can be sent now for `token`. `suppress` drops the token's own text (eos / stop id).
+  std::string Add(int32_t token, bool suppress);
+  // End of the sequence: whatever is held back.
+  std::string Finish();
+  bool stopped() const { return stopped_; }
+  const std::string& text() const { return text_; }
+
+ private:
+  std::string Release(bool final);
+
+  const Tokenizer* tokenizer_;
+  std::optional<IncrementalDecoder> decoder_;
+  std::vector<std::string> stops_;
+  std::string text_;
+  size_t sent_ = 0;
+  size_t searched_ = 0;
+  bool stopped_ = false;
+};
+
+// One token's string for logprobs output.
+std::string TokenString(const Tokenizer* tokenizer, int32_t id);
+
+// usage object with prompt_tokens_details.cached_tokens.
+nlohmann::json Usage(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
+
+// Completions logprobs object for a run of tokens ({tokens, token_logprobs, top_logprobs,
+// text_offset}); `offset0` is the text offset of the first token.
+nlohmann::json CompletionLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>& events,
+                                  size_t offset0);
+// Chat logprobs object ({content: [{token, logprob, bytes, top_logprobs}]}).
+nlohmann::json ChatLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>& events);
+
+std::string NewRequestId(bool chat);
+
+}  // namespace dl::api

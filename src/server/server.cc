@@ -1,0 +1,527 @@
+#include "server/server.h"
+
+#include <chrono>
+#include <ctime>
+
+#include <httplib.h>
+#include <sys/socket.h>
+#include <spdlog/spdlog.h>
+
+#include "base/sha256.h"
+#include "server/api.h"
+
+namespace dl {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+void SendJson(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(body.dump(), "application/json");
+}
+
+void SendError(httplib::Response& res, const api::ApiError& e) {
+  SendJson(res, e.http_status, api::ErrorBody(e));
+}
+
+std::string Sse(const json& j) { return "data: " + j.dump() + "\n\n"; }
+
+// Everything one generation request needs while its tokens come back, shared between the handler
+// and (for streams) the content provider, which outlives the handler call.
+struct Job {
+  api::ParsedRequest req;
+  std::vector<std::shared_ptr<RequestState>> states;
+  std::vector<api::ChoiceText> texts;
+  std::vector<std::vector<TokenEvent>> events;  // per choice, for non-streaming output
+  std::vector<int32_t> counts;                  // tokens consumed per choice
+  std::vector<std::string> finish;              // "" while running
+  std::vector<size_t> text_offsets;
+  std::vector<int32_t> cached;                  // per choice
+  std::vector<int32_t> prompt_tokens;
+  std::vector<int64_t> stop_ids;                // ids that end a sequence (eos unless ignored, stop ids)
+  std::string id;
+  std::string model;
+  int64_t created = 0;
+  const Tokenizer* tokenizer = nullptr;
+
+  void CancelAll() {
+    for (auto& s : states) s->Cancel();
+  }
+  bool IsStopId(int32_t t) const {
+    return std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end();
+  }
+  // Feeds one token of choice i; returns the text to send for it and sets finish[i] when it is
+  // the last one (max_tokens reached, a stop id, or a stop string).
+  std::string Consume(size_t i, const TokenEvent& ev) {
+    const bool stop_id = IsStopId(ev.token);
+    ++counts[i];
+    std::string delta = texts[i].Add(ev.token, stop_id);
+    if (texts[i].stopped() || stop_id) {
+      finish[i] = "stop";
+    } else if (counts[i] >= req.sampling.max_tokens) {
+      finish[i] = "length";
+    }
+    if (!finish[i].empty()) {
+      delta += texts[i].Finish();
+      // A stop string can still complete in the flushed text.
+      if (texts[i].stopped()) finish[i] = "stop";
+      states[i]->Cancel();  // no-op when the engine already finished it; frees pages otherwise
+    }
+    return delta;
+  }
+};
+
+json ChunkJson(const Job& job, size_t i, const std::string& delta, const TokenEvent& ev,
+               bool first) {
+  json choice = {{"index", i}};
+  if (job.req.chat) {
+    json d = {{"content", delta}};
+    if (first) d = {{"role", "assistant"}, {"content", delta}};
+    choice["delta"] = d;
+    choice["logprobs"] = job.req.logprobs >= 0 ? api::ChatLogprobs(job.tokenizer, {ev}) : json(nullptr);
+  } else {
+    choice["text"] = delta;
+    choice["logprobs"] = job.req.logprobs >= 0
+                             ? api::CompletionLogprobs(job.tokenizer, {ev}, job.text_offsets[i])
+                             : json(nullptr);
+  }
+  choice["finish_reason"] = job.finish[i].empty() ? json(nullptr) : json(job.finish[i]);
+  choice["token_ids"] = {ev.token};
+  json chunk = {{"id", job.id},
+                {"object", job.req.chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", job.created},
+                {"model", job.model},
+                {"choices", json::array({choice})}};
+  if (job.req.include_usage) chunk["usage"] = nullptr;
+  return chunk;
+}
+
+
+json UsageOf(const Job& job) {
+  int64_t prompt = 0, completion = 0, cached = 0;
+  for (size_t i = 0; i < job.states.size(); ++i) {
+    prompt += job.prompt_tokens[i];
+    completion += job.counts[i];
+    cached += job.cached[i];
+  }
+  return api::Usage(prompt, completion, cached);
+}
+
+// Collects state updates of choice i; returns false with `error` set when the engine ended the
+// request early (shutdown, internal error).
+bool PollChoice(Job& job, size_t i, std::chrono::milliseconds wait, std::vector<TokenEvent>* out,
+                Status* error) {
+  RequestState::Update u;
+  job.states[i]->Poll(&u, wait);
+  job.prompt_tokens[i] = u.prompt_tokens;
+  job.cached[i] = u.cached_tokens;
+  for (auto& ev : u.tokens) {
+    if (!job.finish[i].empty()) break;
+    out->push_back(std::move(ev));
+    // The caller consumes; we only need to know when the engine gave up early.
+  }
+  if (u.finished && job.finish[i].empty() &&
+      (u.reason == FinishReason::kError || u.reason == FinishReason::kCancelled)) {
+    // Tokens in `out` are still delivered; the error comes after them.
+    *error = u.error.ok() ? Status(StatusCode::kCancelled, "request cancelled") : u.error;
+    return false;
+  }
+  return true;
+}
+
+std::string MetricsText(const SchedulerStats& s, const std::string& model) {
+  std::string out;
+  const std::string label = fmt::format("model_name=\"{}\"", model);
+  auto gauge = [&](const char* name, const char* help, double v) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n{}{{{}}} {}\n", name, help, name, name, label, v);
+  };
+  auto counter = [&](const char* name, const char* help, double v) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} counter\n{}{{{}}} {}\n", name, help, name, name, label, v);
+  };
+  auto histogram = [&](const char* name, const char* help, const Histogram& h) {
+    out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (size_t b = 0; b < h.bounds.size(); ++b) {
+      cum += h.counts[b];
+      out += fmt::format("{}_bucket{{{},le=\"{}\"}} {}\n", name, label, h.bounds[b], cum);
+    }
+    out += fmt::format("{}_bucket{{{},le=\"+Inf\"}} {}\n", name, label, h.count);
+    out += fmt::format("{}_sum{{{}}} {}\n{}_count{{{}}} {}\n", name, label, h.sum, name, label, h.count);
+  };
+  gauge("vllm:num_requests_running", "Number of requests in the running batch.", s.running);
+  gauge("vllm:num_requests_waiting", "Number of requests waiting to be admitted.", s.waiting);
+  gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage);
+  counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
+          static_cast<double>(s.prompt_tokens_total));
+  counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
+          static_cast<double>(s.generation_tokens_total));
+  counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+          static_cast<double>(s.prompt_tokens_total));
+  counter("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+          static_cast<double>(s.cached_prompt_tokens_total));
+  out += "# HELP vllm:request_success_total Count of finished requests by finish reason.\n"
+         "# TYPE vllm:request_success_total counter\n";
+  for (const char* r : {"stop", "length", "abort", "error"}) {
+    auto it = s.finished_total.find(r);
+    out += fmt::format("vllm:request_success_total{{{},finished_reason=\"{}\"}} {}\n", label, r,
+                       it == s.finished_total.end() ? 0 : it->second);
+  }
+  histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            s.ttft);
+  histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            s.itl);
+  histogram("vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.", s.e2e);
+  histogram("vllm:request_queue_time_seconds",
+            "Histogram of time spent waiting for admission in seconds.", s.queue_time);
+  gauge("decodelab:kv_pages_used", "KV pages in use (all groups, prefix cache included).",
+        s.kv_pages_used);
+  gauge("decodelab:kv_pages_total", "KV pages in the pools (all groups).", s.kv_pages_total);
+  gauge("decodelab:prefix_cache_blocks", "Blocks held by the prefix cache.", s.prefix_cache_blocks);
+  counter("decodelab:engine_steps_total", "Scheduler steps run.", static_cast<double>(s.steps_total));
+  return out;
+}
+
+}  // namespace
+
+Server::Server(Engine& engine, Scheduler& scheduler, ServerOptions options,
+               std::optional<Tokenizer> tokenizer, std::optional<ChatTemplate> chat_template,
+               std::string chat_template_error)
+    : engine_(engine),
+      scheduler_(scheduler),
+      options_(std::move(options)),
+      tokenizer_(std::move(tokenizer)),
+      chat_template_(std::move(chat_template)),
+      chat_template_error_(std::move(chat_template_error)),
+      http_(std::make_unique<httplib::Server>()) {
+  created_ = static_cast<int64_t>(std::time(nullptr));
+  auto sha = Sha256OfSelf();
+  binary_sha256_ = sha.ok() ? *sha : "unknown (" + sha.status().message() + ")";
+  const int threads = std::max(4, options_.http_threads);
+  http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  http_->set_payload_max_length(options_.max_body_bytes);
+  // Remember the listening socket: the packaged cpp-httplib listens with a backlog of 5, which
+  // drops connections when many clients connect at once; Bind raises it.
+  http_->set_socket_options([this](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd_.store(static_cast<int>(sock));
+  });
+  http_->set_keep_alive_timeout(2);
+  http_->set_read_timeout(30, 0);
+  http_->set_write_timeout(30, 0);
+  Routes();
+}
+
+Server::~Server() { Stop(); }
+
+std::string Server::url() const { return fmt::format("http://{}:{}", options_.host, port_); }
+
+Status Server::Bind() {
+  if (options_.port == 0) {
+    port_ = http_->bind_to_any_port(options_.host);
+    if (port_ <= 0) return Unavailable("cannot bind an ephemeral port on {}", options_.host);
+  } else {
+    if (!http_->bind_to_port(options_.host, options_.port)) {
+      return Unavailable("cannot bind {}:{} (in use, or not an address of this machine)",
+                         options_.host, options_.port);
+    }
+    port_ = options_.port;
+  }
+  // listen() again on a listening socket only changes its backlog (Linux).
+  if (listen_fd_.load() >= 0) (void)::listen(listen_fd_.load(), 4096);
+  return Status::Ok();
+}
+
+Status Server::Run() {
+  if (port_ == 0) DL_RETURN_IF_ERROR(Bind());
+  if (!http_->listen_after_bind() && !stopping_.load()) {
+    return Internal("the HTTP listener on {} stopped unexpectedly", url());
+  }
+  return Status::Ok();
+}
+
+void Server::Stop() {
+  if (stopping_.exchange(true)) return;
+  // Ends every request first, so each stream writes its error event and [DONE] and returns.
+  scheduler_.Stop();
+  http_->stop();
+}
+
+void Server::Routes() {
+  httplib::Server& svr = *http_;
+  const std::string model_name = options_.served_model_name;
+
+  svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    if (!options_.api_key.empty()) {
+      const std::string auth = req.get_header_value("Authorization");
+      if (auth != "Bearer " + options_.api_key) {
+        api::ApiError e;
+        e.http_status = 401;
+        e.message = auth.empty() ? "missing API key: send Authorization: Bearer <key>"
+                                 : "incorrect API key provided";
+        e.code = "invalid_api_key";
+        SendError(res, e);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    if (stopping_.load()) {
+      SendError(res, api::FromStatus(Unavailable("the server is shutting down")));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;  // our own error bodies
+    api::ApiError e;
+    e.http_status = res.status;
+    if (res.status == 404) {
+      e.message = fmt::format("no route {} {}", req.method, req.path);
+      e.code = "not_found";
+    } else if (res.status == 413) {
+      e.message = "the request body is larger than the server's limit (--max-body-bytes)";
+      e.code = "request_too_large";
+    } else {
+      e.message = fmt::format("HTTP {}", res.status);
+      if (res.status >= 500) e.type = "server_error";
+    }
+    SendError(res, e);
+  });
+
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "unknown exception";
+    try {
+      if (ep) std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    SendError(res, api::FromStatus(Internal("internal error: {}", what)));
+  });
+
+  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    res.status = stopping_.load() ? 503 : 200;
+  });
+
+  svr.Get("/metrics", [this, model_name](const httplib::Request&, httplib::Response& res) {
+    res.set_content(MetricsText(scheduler_.Stats(), model_name), "text/plain; version=0.0.4");
+  });
+
+  svr.Get("/v1/models", [this, model_name](const httplib::Request&, httplib::Response& res) {
+    json m = {{"id", model_name},
+              {"object", "model"},
+              {"created", created_},
+              {"owned_by", "decodelab"},
+              {"root", options_.model_root},
+              {"parent", nullptr},
+              {"max_model_len", scheduler_.max_context()},
+              {"permission", json::array()}};
+    SendJson(res, 200, {{"object", "list"}, {"data", json::array({m})}});
+  });
+
+  svr.Get("/v1/decodelab/state", [this, model_name](const httplib::Request&, httplib::Response& res) {
+    const json d = engine_.runner->Describe();
+    const auto stats = scheduler_.Stats();
+    json scales = engine_.runner->kv_scales().ToJson();
+    scales["rank"] = 0;
+    json topology = d.contains("topology") ? d["topology"] : json("not applicable");
+    json state = {
+        {"engine", "decodelab"},
+        {"version", "0.1.0"},
+        {"binary_sha256", binary_sha256_},
+        {"model", model_name},
+        {"model_identity", options_.model_identity},
+        {"backend", engine_.runner->backend_name()},
+        {"backend_choice_reason", engine_.backend_choice_reason},
+        {"kernel_presets", d.value("kernel_presets", json("cpu-reference"))},
+        {"fallback", d.value("fallback", false)},
+        {"fallback_ops", d.value("fallback_ops", json::array())},
+        {"kv_dtype", d.value("kv_dtype", json(nullptr))},
+        {"page_size", engine_.kv->spec().page_size},
+        {"kv_scales", json::array({scales})},
+        {"topology", topology},
+        {"topology_applicable", topology.is_array()},
+        {"world_size", 1},
+        {"scheduler",
+         {{"max_batch", scheduler_.options().max_batch},
+          {"max_waiting", scheduler_.options().max_waiting},
+          {"prefill_chunk", scheduler_.options().prefill_chunk},
+          {"max_model_len", scheduler_.max_context()},
+          {"prefix_caching", scheduler_.options().enable_prefix_caching}}},
+        {"kv_pages", {{"used", stats.kv_pages_used}, {"total", stats.kv_pages_total},
+                      {"prefix_cache", scheduler_.prefix_cache_pages()}}},
+        {"requests", {{"running", stats.running}, {"waiting", stats.waiting}}},
+        {"runner", d},
+    };
+    SendJson(res, 200, state);
+  });
+
+  auto generate = [this, model_name](bool chat) {
+    return [this, model_name, chat](const httplib::Request& req, httplib::Response& res) {
+      api::ParseContext ctx;
+      ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+      ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
+      ctx.no_template_reason = chat_template_error_;
+      ctx.max_context = scheduler_.max_context();
+      ctx.vocab_size = engine_.config().vocab_size;
+      auto job = std::make_shared<Job>();
+      if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
+      if (!job->req.model.empty() && job->req.model != model_name) {
+        api::ApiError e;
+        e.http_status = 404;
+        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
+                                job->req.model, model_name);
+        e.param = "model";
+        e.code = "model_not_found";
+        return SendError(res, e);
+      }
+      job->id = api::NewRequestId(chat);
+      job->model = model_name;
+      job->created = static_cast<int64_t>(std::time(nullptr));
+      job->tokenizer = ctx.tokenizer;
+      const SamplingParams& sp = job->req.sampling;
+      if (!sp.ignore_eos) {
+        for (int64_t id : engine_.config().eos_token_ids) job->stop_ids.push_back(id);
+      }
+      for (int32_t id : sp.stop_token_ids) job->stop_ids.push_back(id);
+      const size_t n = job->req.prompts.size();
+      for (size_t i = 0; i < n; ++i) {
+        GenerationRequest g;
+        g.prompt = job->req.prompts[i];
+        g.sampling = sp;
+        auto st = scheduler_.Submit(std::move(g));
+        if (!st.ok()) {
+          job->CancelAll();
+          return SendError(res, api::FromStatus(st.status(), chat ? "messages" : "prompt"));
+        }
+        job->states.push_back(*st);
+        job->texts.emplace_back(ctx.tokenizer, job->req.stop_strings);
+      }
+      job->events.resize(n);
+      job->counts.assign(n, 0);
+      job->finish.assign(n, "");
+      job->text_offsets.assign(n, 0);
+      job->cached.assign(n, 0);
+      job->prompt_tokens.assign(n, 0);
+      for (size_t i = 0; i < n; ++i) job->prompt_tokens[i] = static_cast<int32_t>(job->req.prompts[i].size());
+
+      if (!job->req.stream) {
+        std::vector<std::string> text(n);
+        for (size_t i = 0; i < n; ++i) {
+          while (job->finish[i].empty()) {
+            std::vector<TokenEvent> evs;
+            Status error;
+            const bool ok = PollChoice(*job, i, std::chrono::milliseconds(200), &evs, &error);
+            for (auto& ev : evs) {
+              if (!job->finish[i].empty()) break;
+              text[i] += job->Consume(i, ev);
+              job->events[i].push_back(std::move(ev));
+            }
+            if (!ok && job->finish[i].empty()) {
+              job->CancelAll();
+              return SendError(res, api::FromStatus(error));
+            }
+          }
+        }
+        json choices = json::array();
+        for (size_t i = 0; i < n; ++i) {
+          std::vector<int32_t> ids;
+          for (const auto& e : job->events[i]) ids.push_back(e.token);
+          json c = {{"index", i}};
+          if (chat) {
+            c["message"] = {{"role", "assistant"}, {"content", text[i]}};
+            c["logprobs"] = job->req.logprobs >= 0 ? api::ChatLogprobs(job->tokenizer, job->events[i])
+                                                   : json(nullptr);
+          } else {
+            c["text"] = text[i];
+            c["logprobs"] = job->req.logprobs >= 0
+                                ? api::CompletionLogprobs(job->tokenizer, job->events[i], 0)
+                                : json(nullptr);
+          }
+          c["finish_reason"] = job->finish[i];
+          c["token_ids"] = ids;
+          choices.push_back(c);
+        }
+        json body = {{"id", job->id},
+                     {"object", chat ? "chat.completion" : "text_completion"},
+                     {"created", job->created},
+                     {"model", job->model},
+                     {"choices", choices},
+                     {"usage", UsageOf(*job)}};
+        return SendJson(res, 200, body);
+      }
+
+      res.set_header("Cache-Control", "no-cache");
+      res.set_header("X-Accel-Buffering", "no");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [job](size_t, httplib::DataSink& sink) -> bool {
+            auto last_write = Clock::now();
+            auto write = [&](const std::string& s) {
+              if (!sink.write(s.data(), s.size())) {
+                job->CancelAll();  // client gone: the engine returns the pages
+                return false;
+              }
+              last_write = Clock::now();
+              return true;
+            };
+            const size_t n = job->states.size();
+            std::vector<bool> first(n, true);
+            const auto wait = std::chrono::milliseconds(n == 1 ? 100 : 5);
+            while (true) {
+              bool all_done = true;
+              for (size_t i = 0; i < n; ++i) {
+                if (!job->finish[i].empty()) continue;
+                all_done = false;
+                std::vector<TokenEvent> evs;
+                Status error;
+                const bool ok = PollChoice(*job, i, wait, &evs, &error);
+                for (auto& ev : evs) {
+                  if (!job->finish[i].empty()) break;
+                  const std::string delta = job->Consume(i, ev);
+                  if (!write(Sse(ChunkJson(*job, i, delta, ev, first[i])))) return false;
+                  job->text_offsets[i] += delta.size();
+                  first[i] = false;
+                }
+                if (!ok && job->finish[i].empty()) {
+                  // Once 200 is sent, errors travel in-band (vLLM's form), then the terminator.
+                  job->CancelAll();
+                  api::ApiError e = api::FromStatus(error);
+                  json body = api::ErrorBody(e);
+                  body["error"]["code"] = e.http_status;
+                  write(Sse(body));
+                  write("data: [DONE]\n\n");
+                  sink.done();
+                  return true;
+                }
+              }
+              if (all_done) break;
+              // A comment line now and then: detects a vanished client while the request waits.
+              if (Clock::now() - last_write > std::chrono::seconds(2) && !write(": keep-alive\n\n")) {
+                return false;
+              }
+            }
+            if (job->req.include_usage) {
+              json chunk = {{"id", job->id},
+                            {"object", job->req.chat ? "chat.completion.chunk" : "text_completion"},
+                            {"created", job->created},
+                            {"model", job->model},
+                            {"choices", json::array()},
+                            {"usage", UsageOf(*job)}};
+              if (!write(Sse(chunk))) return false;
+            }
+            if (!write("data: [DONE]\n\n")) return false;
+            sink.done();
+            return true;
+          },
+          [job](bool) { job->CancelAll(); });
+    };
+  };
+  svr.Post("/v1/completions", generate(false));
+  svr.Post("/v1/chat/completions", generate(true));
+}
+
+}  // namespace dl
