@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One device-machine call: build everything, run the GPU tests (and the whole suite), the GPU tests
+# under compute-sanitizer memcheck, the NCCL probe (2+ GPUs), `decodelab bench` on the XS.2 shape and
+# the per-kernel microbenchmark; logs go to $OUT, a short table comes last.
+#   usage (repo root, on the GPU machine, .deps carried): bash tools/device/gpu_all.sh [--peer]
+#   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
+set -uo pipefail
+RESULTS=${OUT:-/tmp/out}
+# Logs go to a scratch folder and come back as one tarball (the device returns at most 8 files).
+OUT=/tmp/gpu_all
+rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
+export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps
+export PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig:$PWD/.deps/usr/share/pkgconfig
+PEER=0; [ "${1:-}" = "--peer" ] && PEER=1
+declare -A R
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
+     -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1; then
+  echo "CONFIGURE FAILED"; grep -B2 -A8 -i error "$OUT/configure.log" | head -60; exit 1
+fi
+if ! ninja -C build > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s"
+B=build/bin/decodelab
+timeout 300 ctest --test-dir build -L gpu --output-on-failure > "$OUT/gpu_tests.log" 2>&1; R[gpu_tests]=$?
+grep -E "tests passed|Failed|\*\*\*|\[bf16-golden\]" "$OUT/gpu_tests.log" | head -30
+timeout 200 ctest --test-dir build -LE "gpu|node" -j 16 > "$OUT/all_tests.log" 2>&1; R[cpu_tests]=$?
+grep -E "tests passed|Failed" "$OUT/all_tests.log" | head -10
+timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/cuda_runner_test \
+  --gtest_filter='*TeacherForced*:*Topology*:*MissingPreset*' > "$OUT/memcheck_runner.log" 2>&1
+R[memcheck_runner]=$?; tail -3 "$OUT/memcheck_runner.log"
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$ngpu" -ge 2 ]; then
+  timeout 120 $B probe --ranks 2 --transport nccl --bytes 4096 --iters 200 --log-dir "$OUT/probe" \
+    > "$OUT/probe.log" 2>&1; R[probe_4k]=$?
+  timeout 120 $B probe --ranks 2 --transport nccl --bytes 4096 --iters 20 --timeout-s 10 \
+    --inject all_reduce-done:1:hang --log-dir "$OUT/probe-hang" > "$OUT/probe_hang.log" 2>&1
+  R[probe_hang_expect4]=$?
+  grep -h -E "PROBE_RESULT|busbw|latency|time" "$OUT/probe.log" "$OUT/probe_hang.log" | head -12
+  pgrep -f __probe-rank >/dev/null && echo "ORPHAN PROBE RANKS LEFT" || echo "no probe rank processes left"
+fi
+timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 3 --kv-dtype fp8 \
+  --page-size 32 --json-out "$OUT/bench_xs2_fp8_p32.json" > "$OUT/bench_xs2.log" 2>&1; R[bench_xs2]=$?
+cat "$OUT/bench_xs2.log" | tail -12
+timeout 120 ./build/tests/gpu/kernels_bench > "$OUT/kernels_bench.log" 2>&1; R[kernels_bench]=$?
+if [ "$PEER" = 1 ]; then
+  timeout 400 python3 tools/peers/transformers_bench.py --prompt-len 1024 --gen-len 64 \
+    --json-out "$OUT/transformers_xs2.json" > "$OUT/transformers.log" 2>&1; R[peer]=$?
+  tail -3 "$OUT/transformers.log"
+fi
+echo "== kernels (per-kernel microbenchmark) =="
+tail -16 "$OUT/kernels_bench.log"
+echo "== summary ($(( $(date +%s) - t0 )) s) =="
+cat "$OUT/gpu.txt"
+for k in "${!R[@]}"; do printf "  %-22s rc=%s\n" "$k" "${R[$k]}"; done | sort
+cp "$OUT"/*.json "$RESULTS"/ 2>/dev/null
+tar czf "$RESULTS/gpu_all_logs.tgz" -C "$OUT" .
