@@ -4,7 +4,13 @@
 execute_process(COMMAND git -C ${SOURCE_DIR} rev-parse --short=12 HEAD
                 OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0 OR commit STREQUAL "")
-  set(commit "unknown")
+  # A copy of the tree without .git (the GPU machine gets one): tools/device/*.sh callers write the
+  # commit into .decodelab-commit beside the sources before sending the tree.
+  if(EXISTS ${SOURCE_DIR}/.decodelab-commit)
+    file(STRINGS ${SOURCE_DIR}/.decodelab-commit commit LIMIT_COUNT 1)
+  else()
+    set(commit "unknown")
+  endif()
 endif()
 execute_process(COMMAND git -C ${SOURCE_DIR} status --porcelain --untracked-files=no
                 OUTPUT_VARIABLE status OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)

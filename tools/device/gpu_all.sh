@@ -2,7 +2,8 @@
 # One device-machine call: build everything, run the GPU tests (and the whole suite), the GPU tests
 # under compute-sanitizer memcheck, the NCCL probe (2+ GPUs), `decodelab bench` on the XS.2 shape and
 # the per-kernel microbenchmark; logs go to $OUT, a short table comes last.
-#   usage (repo root, on the GPU machine, .deps carried): bash tools/device/gpu_all.sh [--peer]
+#   usage (repo root, on the GPU machine, .deps and .decodelab-commit carried; write the latter here
+#   first with `git rev-parse --short=12 HEAD > .decodelab-commit`): bash tools/device/gpu_all.sh [--peer]
 #   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
