@@ -97,31 +97,40 @@ KvCacheSpec MakeKvSpec(const ModelConfig& c, DType dtype, int32_t page_size, int
   return s;
 }
 
+// Prefills every built-in calibration prompt as one chunk on a fresh sequence.
+Status RunCalibrationPrompts(const ModelConfig& c, KvCache& kv, ModelRunner& runner) {
+  std::vector<float> logits;
+  for (const auto& p : BuiltinCalibrationPrompts(c.vocab_size)) {
+    SequenceKv seq;
+    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
+    Status st = runner.Forward(seq, p, false, &logits);
+    DL_RETURN_IF_ERROR(kv.Release(seq));
+    DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
+  }
+  return Status::Ok();
+}
+
+KvScales ScalesFromAmax(const std::vector<float>& k_amax, const std::vector<float>& v_amax,
+                        std::string source) {
+  KvScales scales;
+  for (size_t l = 0; l < k_amax.size(); ++l) {
+    scales.k.push_back(Fp8ScaleFromAmax(k_amax[l]));
+    scales.v.push_back(Fp8ScaleFromAmax(v_amax[l]));
+  }
+  scales.source = std::move(source);
+  return scales;
+}
+
 }  // namespace
 
 Result<KvScales> CalibrateKvScales(const Checkpoint& checkpoint) {
   const ModelConfig& c = checkpoint.config();
-  const auto prompts = BuiltinCalibrationPrompts(c.vocab_size);
-  const int32_t max_len = 128, chunk = 128;
-  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kF32, 16, max_len, 1, chunk)));
+  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kF32, 16, 128, 1, 128)));
   DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::Create(checkpoint, kv.spec(), {}));
   AmaxObserver observer(static_cast<int>(c.num_hidden_layers), c.num_key_value_heads * c.head_dim);
   runner->set_kv_observer(&observer);
-  std::vector<float> logits;
-  for (const auto& p : prompts) {
-    SequenceKv seq;
-    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
-    Status st = runner->Forward(seq, p, false, &logits);
-    DL_RETURN_IF_ERROR(kv.Release(seq));
-    DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
-  }
-  KvScales scales;
-  for (size_t l = 0; l < observer.k_.size(); ++l) {
-    scales.k.push_back(Fp8ScaleFromAmax(observer.k_[l]));
-    scales.v.push_back(Fp8ScaleFromAmax(observer.v_[l]));
-  }
-  scales.source = "calibration:builtin-v1";
-  return scales;
+  DL_RETURN_IF_ERROR(RunCalibrationPrompts(c, kv, *runner));
+  return ScalesFromAmax(observer.k_, observer.v_, "calibration:builtin-v1");
 }
 
 Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const CudaRunnerOptions& base) {
@@ -129,29 +138,15 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   // post-RoPE, BF16-rounded) K and V. The runner is freed before the real one is built, so the
   // weights are never on the device twice.
   const ModelConfig& c = checkpoint.config();
-  const auto prompts = BuiltinCalibrationPrompts(c.vocab_size);
   DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kBF16, 16, 128, 1, 128)));
   CudaRunnerOptions co = base;
   co.max_seq_len = 128;
   co.max_chunk = 128;
   co.use_graph = false;
   DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(checkpoint, kv.spec(), {}, co));
-  std::vector<float> logits;
-  for (const auto& p : prompts) {
-    SequenceKv seq;
-    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
-    Status st = runner->Forward(seq, p, false, &logits);
-    DL_RETURN_IF_ERROR(kv.Release(seq));
-    DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
-  }
+  DL_RETURN_IF_ERROR(RunCalibrationPrompts(c, kv, *runner));
   DL_ASSIGN_OR_RETURN(auto amax, runner->KvPoolAbsMax());
-  KvScales scales;
-  for (size_t l = 0; l < amax.first.size(); ++l) {
-    scales.k.push_back(Fp8ScaleFromAmax(amax.first[l]));
-    scales.v.push_back(Fp8ScaleFromAmax(amax.second[l]));
-  }
-  scales.source = "calibration:builtin-v1-cuda-bf16";
-  return scales;
+  return ScalesFromAmax(amax.first, amax.second, "calibration:builtin-v1-cuda-bf16");
 }
 
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {

@@ -15,11 +15,12 @@
 #include "model/cuda_runner.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
+#include "tests/common/golden_data.h"
 
 namespace dl {
 namespace {
 
-namespace fs = std::filesystem;
+using namespace testing_golden;
 
 #define SKIP_WITHOUT_GPU()                                                    \
   do {                                                                        \
@@ -27,33 +28,8 @@ namespace fs = std::filesystem;
     if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no usable GPU: " << why; \
   } while (0)
 
-fs::path GoldenDir(const std::string& name) {
-  return fs::path(DECODELAB_SOURCE_DIR) / "tests/data/golden" / name;
-}
-
-std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, bool allow_fallback,
-                                int32_t chunk = 512, bool graph = true) {
-  EngineOptions o;
-  o.model_dir = dir.string();
-  o.backend = BackendKind::kCuda;
-  o.kv_dtype = kv;
-  o.page_size = page;
-  o.max_seq_len = 256;
-  o.prefill_chunk = chunk;
-  o.allow_fallback = allow_fallback;
-  o.use_graph = graph;
-  auto e = LoadEngine(o);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
-}
-
-double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
+std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, bool allow_fallback) {
+  return LoadGoldenModel(dir, BackendKind::kCuda, kv, page, allow_fallback);
 }
 
 // Teacher forcing along transformers' BF16 greedy tokens. tiny has presets; the other two configs' head
@@ -77,14 +53,11 @@ TEST(CudaRunnerTest, TeacherForcedAgainstTransformersBf16) {
     auto engine = LoadDir(GoldenDir(name), DType::kBF16, 16, /*allow_fallback=*/!presets_built);
     ASSERT_TRUE(engine);
     EXPECT_EQ(engine->runner->Describe()["fallback"].get<bool>(), !presets_built);
-    std::ifstream in(GoldenDir(name) / "goldens_bf16.json");
-    nlohmann::json j;
-    in >> j;
-    for (const auto& p : j.at("prompts")) {
-      const auto prompt = p.at("prompt_ids").get<std::vector<int32_t>>();
-      const auto tokens = p.at("tokens").get<std::vector<int32_t>>();
-      const auto margins = p.at("margins").get<std::vector<double>>();
-      const auto gaps = p.at("router_min_gaps").get<std::vector<double>>();
+    for (const GoldenPrompt& gp : LoadGoldens(GoldenDir(name) / "goldens_bf16.json")) {
+      const auto& prompt = gp.prompt;
+      const auto& tokens = gp.tokens;
+      const auto& margins = gp.margins;
+      const auto& gaps = gp.router_gaps;
       GenerateOptions g;
       g.max_tokens = static_cast<int32_t>(tokens.size());
       g.ignore_eos = true;
@@ -104,7 +77,7 @@ TEST(CudaRunnerTest, TeacherForcedAgainstTransformersBf16) {
       }
       EXPECT_GE(checked, 20);
       EXPECT_GE(agreed * 5, checked * 4) << "mismatches:" << mismatches;
-      const double rel = RelL2(r->last_prompt_logits, p.at("last_logits").get<std::vector<float>>());
+      const double rel = RelL2(r->last_prompt_logits, gp.last_logits);
       EXPECT_LT(rel, 6e-2);
       std::printf("[bf16-golden] %s prompt_len=%zu checked=%d agreed=%d logits_rel_l2=%.3g%s%s\n",
                   name.c_str(), prompt.size(), checked, agreed, rel,

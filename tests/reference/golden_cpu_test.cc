@@ -11,65 +11,15 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
+#include "tests/common/golden_data.h"
 
 namespace dl {
 namespace {
 
-namespace fs = std::filesystem;
-
-struct GoldenPrompt {
-  std::vector<int32_t> prompt;
-  std::vector<int32_t> tokens;
-  std::vector<double> margins;
-  std::vector<float> last_logits;
-};
-
-std::vector<fs::path> GoldenDirs() {
-  std::vector<fs::path> dirs;
-  const fs::path root = fs::path(DECODELAB_SOURCE_DIR) / "tests/data/golden";
-  if (!fs::exists(root)) return dirs;
-  for (const auto& e : fs::directory_iterator(root)) {
-    if (fs::exists(e.path() / "goldens_fp32.json")) dirs.push_back(e.path());
-  }
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
-}
-
-std::vector<GoldenPrompt> LoadGoldens(const fs::path& file) {
-  std::ifstream in(file);
-  nlohmann::json j;
-  in >> j;
-  std::vector<GoldenPrompt> out;
-  for (const auto& p : j.at("prompts")) {
-    GoldenPrompt g;
-    g.prompt = p.at("prompt_ids").get<std::vector<int32_t>>();
-    g.tokens = p.at("tokens").get<std::vector<int32_t>>();
-    g.margins = p.at("margins").get<std::vector<double>>();
-    g.last_logits = p.at("last_logits").get<std::vector<float>>();
-    out.push_back(std::move(g));
-  }
-  return out;
-}
+using namespace testing_golden;
 
 std::unique_ptr<Engine> Load(const fs::path& dir, DType kv, int32_t page) {
-  EngineOptions o;
-  o.model_dir = dir.string();
-  o.backend = BackendKind::kCpu;
-  o.kv_dtype = kv;
-  o.page_size = page;
-  o.max_seq_len = 256;
-  auto e = LoadEngine(o);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
-}
-
-double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
+  return LoadGoldenModel(dir, BackendKind::kCpu, kv, page);
 }
 
 TEST(GoldenCpuTest, GoldensArePresent) {
