@@ -171,7 +171,7 @@ TEST_F(ServerTest, StreamingIsOneTokenPerEventWithUsageThenDone) {
     }
   }
   EXPECT_EQ(ids, Ids(plain.json["choices"][0]["token_ids"]));
-  EXPECT_EQ(text, plain.json["choices"][0]["text"]);
+  EXPECT_EQ(text, plain.json["choices"][0]["text"].get<std::string>());
   auto usage = json::parse(s.data[12]);
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
