@@ -220,7 +220,11 @@ Result<MakeModelResult> WriteSyntheticModel(const MakeModelOptions& o) {
     }
   }
   const fs::path parent = out.parent_path();
-  if (!fs::is_directory(parent, ec)) return NotFound("parent directory {} does not exist", parent.string());
+  // Like `mkdir -p`: missing parents are created (and left in place; they hold no partial data).
+  if (!fs::is_directory(parent, ec)) {
+    fs::create_directories(parent, ec);
+    if (ec) return NotFound("cannot create the parent directory {}: {}", parent.string(), ec.message());
+  }
 
   const std::vector<TensorSpec> specs = CheckpointTensorSpecs(o.config);
   std::vector<uint64_t> sizes;
