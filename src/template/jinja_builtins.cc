@@ -9,6 +9,8 @@
 
 #include "template/jinja_eval.h"
 
+#include "base/utf8.h"
+
 namespace dl::jinja {
 
 // ---------------------------------------------------------------- helpers
@@ -71,23 +73,7 @@ uint32_t DecodeCp(const std::string& s, size_t i, size_t* len) {
   return v;
 }
 
-void EncodeCp(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
+
 
 bool IsCased(uint32_t cp) {
   return MapCase(cp, true) != cp || MapCase(cp, false) != cp;
@@ -110,7 +96,7 @@ std::string CaseTransform(const std::string& s, F upper_for) {
       if (up && cp == 0xDF) {
         out += "SS";
       } else {
-        EncodeCp(out, MapCase(cp, up));
+        AppendUtf8(out, MapCase(cp, up));
       }
     } else {
       out.append(s, i, len);

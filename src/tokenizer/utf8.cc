@@ -1,5 +1,7 @@
 #include "tokenizer/utf8.h"
 
+#include "base/utf8.h"
+
 #include <array>
 #include <memory>
 
@@ -107,23 +109,7 @@ char32_t DecodeAt(std::string_view s, size_t& pos) {
   return cp;
 }
 
-void Append(char32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
+void Append(char32_t cp, std::string& out) { AppendUtf8(out, static_cast<uint32_t>(cp)); }
 
 std::string Lossy(std::string_view bytes) {
   std::string out;
