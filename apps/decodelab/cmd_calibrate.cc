@@ -16,15 +16,18 @@ int RunCalibrate(const CalibrateFlags& f) {
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
   if (f.out.empty()) return ReportError(InvalidArgument("--out FILE is required"));
-  opts->kv_dtype = DType::kF32;  // calibration observes unquantised K/V
+  // Loading an FP8 engine runs the built-in calibration on the chosen backend (CPU: F32 cache and
+  // amax of the unquantised K/V; CUDA: a temporary BF16 cache), and the scales it used are the result.
+  opts->kv_dtype = DType::kF8E4M3;
+  opts->kv_scales_file.clear();
+  opts->force_calibration = true;
   opts->max_seq_len = 256;
+  std::fprintf(stderr, "calibrating over the built-in prompt set (%s)\n", kCalibrationMethod);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   std::fprintf(stderr, "backend: %s (%s)\n", (*engine)->runner->backend_name().c_str(),
                (*engine)->backend_choice_reason.c_str());
-  std::fprintf(stderr, "calibrating over the built-in prompt set (%s)\n", kCalibrationMethod);
-  auto scales = CalibrateKvScales(*(*engine)->checkpoint);
-  if (!scales.ok()) return ReportError(scales.status());
+  const KvScales* scales = &(*engine)->runner->kv_scales();
   const ModelConfig& c = (*engine)->config();
   nlohmann::json identity = {
       {"source", f.engine.model_dir.empty() ? "shape:" + f.engine.shape : f.engine.model_dir},
@@ -32,7 +35,8 @@ int RunCalibrate(const CalibrateFlags& f) {
       {"num_hidden_layers", c.num_hidden_layers},
       {"hidden_size", c.hidden_size},
       {"vocab_size", c.vocab_size}};
-  Status st = WriteKvScalesFile(f.out, *scales, kCalibrationMethod, identity);
+  const std::string method = std::string(kCalibrationMethod) + " [" + scales->source + "]";
+  Status st = WriteKvScalesFile(f.out, *scales, method, identity);
   if (!st.ok()) return ReportError(st);
   for (size_t l = 0; l < scales->k.size(); ++l) {
     std::printf("layer %2zu  k_scale %.6g (%s)  v_scale %.6g (%s)\n", l, scales->k[l],

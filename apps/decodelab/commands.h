@@ -26,6 +26,7 @@ void AddMakeModelCommand(CLI::App& root, CommandContext& ctx);
 void AddInspectCommand(CLI::App& root, CommandContext& ctx);
 void AddKernelsCommand(CLI::App& root, CommandContext& ctx);
 void AddServeCommand(CLI::App& root, CommandContext& ctx);
+void AddLabCommand(CLI::App& root, CommandContext& ctx);
 
 
 }  // namespace dl::app

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   dl::app::AddInspectCommand(root, ctx);
   dl::app::AddKernelsCommand(root, ctx);
   dl::app::AddServeCommand(root, ctx);
+  dl::app::AddLabCommand(root, ctx);
   CLI11_PARSE(root, argc, argv);
   return ctx.exit_code;
 }

@@ -16,7 +16,8 @@ namespace dl {
 
 const char* const kCalibrationMethod =
     "builtin-v1: amax/448 of post-norm, post-RoPE K and of V per layer over 4 fixed prompts "
-    "(lengths 32, 64, 96, 128) on the CPU reference with an F32 cache";
+    "(lengths 32, 64, 96, 128); CPU reference: unquantised K/V through an F32 cache; CUDA: the cached "
+    "values of a BF16 cache";
 
 Result<BackendKind> ParseBackend(const std::string& name) {
   if (name == "auto") return BackendKind::kAuto;
@@ -210,7 +211,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     if (!o.kv_scales_file.empty()) {
       DL_ASSIGN_OR_RETURN(scales,
                           ReadKvScalesFile(o.kv_scales_file, static_cast<int>(cfg.num_hidden_layers)));
-    } else if (auto from_checkpoint = CheckpointKvScales(*engine->checkpoint)) {
+    } else if (auto from_checkpoint = CheckpointKvScales(*engine->checkpoint);
+               from_checkpoint && !o.force_calibration) {
       scales = *from_checkpoint;
     } else if (chosen == BackendKind::kCuda) {
       spdlog::info("calibrating FP8 KV scales over the built-in prompt set (cuda, bf16 cache)");

@@ -33,6 +33,7 @@ struct EngineOptions {
   int32_t prefill_chunk = 512;  // tokens per forward during prefill
   bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
   bool use_graph = true;        // CUDA: one captured graph per decode step
+  bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.

@@ -1,0 +1,728 @@
+// decodelab lab: the instruments of docs/lab.md (design: shared/design/lab.md). `screen` and
+// `suite` start `decodelab serve` themselves, run every check and the speed statistics and write a
+// run directory plus ledger rows; `teacher` records the exactness reference from a control; `lock`
+// writes an identity lock; `runs` and `compare` read the ledger.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include <sys/wait.h>
+
+#include "apps/decodelab/commands.h"
+#include "base/build_info.h"
+#include "base/sha256.h"
+#include "cuda/device.h"
+#include "lab/lab_checks.h"
+#include "lab/lab_gate.h"
+#include "lab/lab_ledger.h"
+#include "lab/lab_report.h"
+#include "lab/lab_runner.h"
+#include "lab/lab_suite.h"
+#include "model/config.h"
+#include "model/model_writer.h"
+#include "model/shapes.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_writer.h"
+
+namespace dl::app {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct LabFlags {
+  std::string model_dir, shape, backend = "auto", suite, runs_dir = "runs", label, teacher, lock;
+  std::string binary, endpoint, cache_dir, out;
+  uint64_t seed = 0;
+  int num_layers = 0;
+  int repeats = 2;
+  bool accept_identity = false;
+  std::vector<std::string> serve_flags;
+  std::vector<std::string> compare;
+};
+
+constexpr uint64_t kTinySeed = 11;
+
+std::string CacheDir(const LabFlags& f) {
+  if (!f.cache_dir.empty()) return f.cache_dir;
+  if (const char* d = std::getenv("DECODELAB_CACHE"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/decodelab";
+  if (const char* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/decodelab";
+  return "/tmp/decodelab-cache";
+}
+
+// The embedded default tiny model: generated once into the cache with the make-model writer.
+Result<std::string> EnsureTinyModel(const std::string& cache) {
+  const std::string dir = cache + "/models/tiny-seed11";
+  if (fs::exists(fs::path(dir) / "config.json") && fs::exists(fs::path(dir) / "tokenizer.json")) {
+    return dir;
+  }
+  std::fprintf(stderr, "lab: generating the default tiny model in %s\n", dir.c_str());
+  DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig("tiny"));
+  const std::string tmp = dir + ".partial";
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(fs::path(dir).parent_path(), ec);
+  MakeModelOptions o;
+  o.config = cfg;
+  o.seed = kTinySeed;
+  o.out_dir = tmp;
+  DL_RETURN_IF_ERROR(WriteSyntheticModel(o).status());
+  if (!fs::exists(fs::path(tmp) / "tokenizer.json")) {
+    DL_RETURN_IF_ERROR(WriteSmallTokenizer(tmp, static_cast<int32_t>(cfg.vocab_size)));
+  }
+  fs::remove_all(dir, ec);
+  fs::rename(tmp, dir, ec);
+  if (ec) return Internal("{}: cannot move the generated model into place: {}", dir, ec.message());
+  return dir;
+}
+
+std::string ResolveBackend(const std::string& b) {
+  if (b != "auto") return b;
+  return cuda::DeviceCount() > 0 ? "cuda" : "cpu";
+}
+
+int RunCommand(const std::string& exe, const std::vector<std::string>& args) {
+  std::string cmd = "'" + exe + "'";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 1>&2";  // its report is progress here, not the lab's result
+  return std::system(cmd.c_str());
+}
+
+// Builds LabOptions from the flags: model arguments, suite, calibration, teacher, lock.
+Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
+  lab::LabOptions o;
+  o.mode = mode;
+  o.binary = f.binary.empty() ? "/proc/self/exe" : f.binary;
+  if (f.binary.empty()) {
+    std::error_code ec;
+    auto real = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec) o.binary = real.string();
+  }
+  if (!fs::exists(o.binary)) return NotFound("--binary {}: no such file", o.binary);
+  o.endpoint = f.endpoint;
+  o.hash_binary = f.endpoint.empty() || !f.binary.empty();
+  o.runs_dir = f.runs_dir;
+  o.label = f.label.empty() ? mode : f.label;
+  o.serve_extra = f.serve_flags;
+  for (const auto& flag : o.serve_extra) {
+    for (const char* owned : {"--kv-scales", "--kv-dtype", "--port", "--host", "--model", "--shape",
+                              "--backend", "--seed", "--num-layers"}) {
+      const std::string prefix = std::string(owned);
+      if (flag == prefix || flag.rfind(prefix + "=", 0) == 0) {
+        return InvalidArgument(
+            "{} after -- is set by the lab itself (use the lab's own flag, or the suite's "
+            "kv_dtype/calibration)",
+            owned);
+      }
+    }
+  }
+  o.accept_identity = f.accept_identity;
+  o.repeats = mode == "suite" ? f.repeats : 1;
+  if (o.repeats < 1) return InvalidArgument("--repeats must be at least 1");
+  const std::string cache = CacheDir(f);
+  const std::string backend = ResolveBackend(f.backend);
+
+  // Model.
+  ModelConfig cfg;
+  bool default_model = false;
+  std::string model_key;
+  if (!f.model_dir.empty() && !f.shape.empty()) {
+    return InvalidArgument("give --model or --shape, not both");
+  }
+  if (!f.model_dir.empty()) {
+    DL_ASSIGN_OR_RETURN(cfg,
+                        ModelConfig::FromFile((fs::path(f.model_dir) / "config.json").string()));
+    o.model_args = {"--model", f.model_dir};
+    model_key = "model:" + fs::absolute(f.model_dir).string();
+  } else if (!f.shape.empty()) {
+    DL_ASSIGN_OR_RETURN(
+        cfg,
+        ShapeConfig(f.shape, f.num_layers > 0 ? std::optional<int>(f.num_layers) : std::nullopt));
+    o.model_args = {"--shape", f.shape, "--seed", std::to_string(f.seed)};
+    if (f.num_layers > 0) {
+      o.model_args.insert(o.model_args.end(), {"--num-layers", std::to_string(f.num_layers)});
+    }
+    model_key = fmt::format("shape:{}:{}:{}", f.shape, f.seed, f.num_layers);
+  } else {
+    DL_ASSIGN_OR_RETURN(std::string dir, EnsureTinyModel(cache));
+    DL_ASSIGN_OR_RETURN(cfg, ModelConfig::FromFile(dir + "/config.json"));
+    o.model_args = {"--model", dir};
+    default_model = true;
+    model_key = "default-tiny";
+  }
+  o.model_args.insert(o.model_args.end(), {"--backend", backend});
+  o.sliding_window = cfg.sliding_window;
+  o.vocab_limit = static_cast<int>(cfg.vocab_size);
+  const std::string model_dir = o.model_args[0] == "--model" ? o.model_args[1] : "";
+  if (!model_dir.empty() && fs::exists(fs::path(model_dir) / "tokenizer.json")) {
+    auto t = Tokenizer::FromFile(model_dir);
+    if (t.ok()) {
+      auto tok = std::make_shared<Tokenizer>(std::move(t).value());
+      o.tokenize = [tok](const std::string& text) { return tok->Encode(text); };
+    }
+  }
+
+  // Suite: --suite, else the default suite written into the cache.
+  std::string suite_path = f.suite;
+  if (suite_path.empty()) {
+    suite_path = cache + "/suites/default.json";
+    DL_RETURN_IF_ERROR(lab::WriteTextFile(suite_path, lab::DefaultSuiteJson()));
+  }
+  DL_ASSIGN_OR_RETURN(o.suite, lab::ReadSuiteFile(suite_path));
+
+  // Calibration: the suite's file, else `decodelab calibrate` for this model, cached.
+  if (o.suite.calibration.empty() && o.endpoint.empty()) {
+    // `decodelab calibrate` runs on the screen's backend (CPU: F32 cache; CUDA: a BF16 cache, so
+    // large shapes never need host weights); the file records which, and the cache key includes it.
+    const std::string backend_arg = o.model_args.back();
+    const std::string cal = fmt::format("{}/calibration/{}.json", cache,
+                                        Sha256Hex(model_key + "|" + backend_arg).substr(0, 16));
+    if (!fs::exists(cal)) {
+      std::fprintf(stderr, "lab: calibrating KV scales into %s\n", cal.c_str());
+      std::vector<std::string> args = {"calibrate"};
+      args.insert(args.end(), o.model_args.begin(), o.model_args.end() - 2);  // minus --backend
+      args.insert(args.end(), {"--backend", backend_arg, "--out", cal});
+      std::error_code ec;
+      fs::create_directories(fs::path(cal).parent_path(), ec);
+      if (RunCommand(o.binary, args) != 0) {
+        return Internal("`decodelab calibrate` failed for {} (output above)", model_key);
+      }
+    }
+    o.suite.calibration = cal;
+  }
+
+  // Teacher: --teacher, else the suite's, else (default model only) cached per backend, KV dtype
+  // and binary identity.
+  o.teacher_path = !f.teacher.empty() ? f.teacher : o.suite.teacher;
+  if (o.teacher_path.empty() && (default_model || mode == "teacher")) {
+    DL_ASSIGN_OR_RETURN(std::string bin_sha, Sha256File(o.binary));
+    o.teacher_path =
+        fmt::format("{}/teachers/{}-{}-{}-{}-{}.json", cache, Sha256Hex(model_key).substr(0, 12),
+                    o.suite.sha256.substr(0, 12), backend, o.suite.kv_dtype, bin_sha.substr(0, 12));
+  }
+  if (!f.lock.empty()) {
+    DL_ASSIGN_OR_RETURN(o.lock, lab::ReadLockFile(f.lock));
+    o.lock_path = f.lock;
+  }
+  o.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  if (!o.endpoint.empty() && mode != "teacher" &&
+      (o.teacher_path.empty() || !fs::exists(o.teacher_path))) {
+    return InvalidArgument(
+        "--endpoint needs an existing teacher (--teacher FILE): a teacher is never recorded from "
+        "the server under test");
+  }
+  if (default_model && mode != "teacher" && !fs::exists(o.teacher_path)) {
+    std::fprintf(stderr, "lab: recording the default model's teacher on %s into %s\n",
+                 backend.c_str(), o.teacher_path.c_str());
+    lab::LabOptions t = o;
+    t.mode = "teacher";
+    DL_RETURN_IF_ERROR(lab::RecordTeacher(t));
+  }
+  return o;
+}
+
+int RunLab(const LabFlags& f, const std::string& mode) {
+  auto o = Prepare(f, mode);
+  if (!o.ok()) return ReportError(o.status());
+  if (mode == "teacher") {
+    if (o->teacher_path.empty()) {
+      return ReportError(InvalidArgument("teacher: give --teacher FILE (the transcript to write)"));
+    }
+    std::fprintf(stderr, "lab: recording the teacher (%zu prompts, M = %d/%d)\n",
+                 o->suite.prompts.size(), o->suite.screen_tokens, o->suite.suite_tokens);
+    if (Status st = lab::RecordTeacher(*o); !st.ok()) return ReportError(st);
+    std::printf("wrote %s\n", o->teacher_path.c_str());
+    return 0;
+  }
+  auto runs = lab::RunScreenOrSuite(*o);
+  if (!runs.ok()) return ReportError(runs.status());
+  bool ok = true;
+  for (const auto& r : *runs) {
+    std::printf("%s", lab::FormatRunTable(r).c_str());
+    ok &= r.verdict == "PASS";
+  }
+  if (runs->size() >= 2 && ok) {
+    // The repeat line: the same configuration twice, so their difference is the repeat spread any
+    // later comparison has to beat.
+    std::vector<double> conv;
+    for (const auto& r : *runs) {
+      const auto& v = r.summary["decode_tok_s_conventional_99_interval_median"];
+      if (v.is_number()) conv.push_back(v.get<double>());
+    }
+    if (conv.size() >= 2) {
+      const double lo = *std::min_element(conv.begin(), conv.end());
+      const double hi = *std::max_element(conv.begin(), conv.end());
+      std::string list;
+      for (double c : conv) list += fmt::format("{}{:.2f}", list.empty() ? "" : " / ", c);
+      std::printf(
+          "repeats: conventional median %s tok/s; repeat spread %.2f tok/s (%.1f%%); a "
+          "comparison must exceed it (`decodelab lab compare %s %s`)\n",
+          list.c_str(), hi - lo, lo > 0 ? 100 * (hi - lo) / lo : 0.0, runs->front().run_id.c_str(),
+          runs->back().run_id.c_str());
+    }
+  }
+  std::fflush(stdout);
+  return ok ? 0 : 3;
+}
+
+int RunLock(const LabFlags& f) {
+  std::string bin = f.binary;
+  if (bin.empty()) {
+    std::error_code ec;
+    bin = fs::read_symlink("/proc/self/exe", ec).string();
+  }
+  auto sha = Sha256File(bin);
+  if (!sha.ok()) return ReportError(sha.status());
+  lab::IdentityLock l{*sha, BuildCommit()};
+  if (Status st = lab::WriteTextFile(f.out, l.ToJson().dump(2) + "\n"); !st.ok()) {
+    return ReportError(st);
+  }
+  std::printf("locked %s (sha256 %s, commit %s) in %s\n", bin.c_str(), sha->c_str(),
+              l.commit.c_str(), f.out.c_str());
+  return 0;
+}
+
+int RunRuns(const LabFlags& f) {
+  auto runs = lab::LedgerList(f.runs_dir);
+  if (!runs.ok()) return ReportError(runs.status());
+  std::printf("%-48s %-7s %-8s %-7s %12s %12s\n", "run id", "mode", "verdict", "exact",
+              "conv tok/s", "hist tok/s");
+  for (const auto& r : *runs) {
+    auto num = [&](const std::optional<double>& v) {
+      return v && r.valid ? fmt::format("{:.2f}", *v) : std::string("-");
+    };
+    std::printf("%-48s %-7s %-8s %3d/%-3d %12s %12s\n", r.run_id.c_str(), r.mode.c_str(),
+                r.verdict.c_str(), r.exact, r.prompts, num(r.conventional).c_str(),
+                num(r.historical).c_str());
+  }
+  return 0;
+}
+
+int RunCompare(const LabFlags& f) {
+  if (f.compare.size() != 2)
+    return ReportError(InvalidArgument("compare takes two run ids or labels"));
+  auto a = lab::LedgerSelect(f.runs_dir, f.compare[0]);
+  if (!a.ok()) return ReportError(a.status());
+  auto b = lab::LedgerSelect(f.runs_dir, f.compare[1]);
+  if (!b.ok()) return ReportError(b.status());
+  auto c = lab::Compare(f.compare[0], *a, f.compare[1], *b);
+  if (!c.ok()) return ReportError(c.status());
+  std::printf("%s\n", c->Line().c_str());
+  return 0;
+}
+
+// ---- gate (lab.md §5) ----
+
+struct GateContext {
+  LabFlags base;  // model, backend, suite, runs dir, cache
+  lab::GatePlan plan;
+  std::string dir;  // <runs>/gates/<gate id>
+  lab::GateRecord record;
+};
+
+std::string SelfBinary() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "/proc/self/exe" : p.string();
+}
+
+LabFlags SideFlags(const GateContext& g, const lab::GateSide& side, const std::string& label) {
+  LabFlags f = g.base;
+  f.binary = side.binary;
+  f.lock = side.lock;
+  f.serve_flags = side.flags;
+  f.label = label;
+  f.teacher = g.record.extra.value("teacher", std::string());
+  f.endpoint.clear();
+  return f;
+}
+
+// Captures a command's combined output and exit status.
+std::pair<int, std::string> Capture(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return {-1, "cannot run: " + cmd};
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+std::string Quote(const std::string& s) {
+  return "'" + s + "'";
+}
+
+lab::GateStep GatePreflight(const GateContext& g) {
+  const std::string backend = ResolveBackend(g.base.backend);
+  std::string boot;
+  if (auto b = lab::ReadTextFile("/proc/sys/kernel/random/boot_id"); b.ok()) boot = *b;
+  while (!boot.empty() && boot.back() == '\n') boot.pop_back();
+  if (backend == "cpu") {
+    return {"preflight", "NOT_APPLICABLE", "CPU backend: no GPU to check; boot id " + boot, {}};
+  }
+  const int n = cuda::DeviceCount();
+  if (n == 0) return {"preflight", "FAIL", "no usable GPU", {}};
+  std::string detail =
+      fmt::format("{} GPU(s), driver {}, boot id {}", n, cuda::DriverVersionString(), boot);
+  auto [rc, out] = Capture("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader");
+  if (rc == 0) {
+    std::string apps;
+    for (char c : out) apps += c == '\n' ? ';' : c;
+    if (!apps.empty() && apps != ";") {
+      return {"preflight", "FAIL", "foreign compute processes on the GPUs: " + apps, {}};
+    }
+  } else {
+    detail += "; nvidia-smi unavailable: idleness not checked";
+  }
+  return {"preflight", "PASS", detail, {}};
+}
+
+lab::GateStep GateProbe(const GateContext& g) {
+  const bool gpu = ResolveBackend(g.base.backend) == "cuda";
+  std::string transport =
+      g.plan.probe_transport.empty() ? (gpu ? "nccl" : "sim") : g.plan.probe_transport;
+  const int ranks = g.plan.probe_ranks > 0 ? g.plan.probe_ranks
+                    : gpu                  ? std::max(1, cuda::DeviceCount())
+                                           : 2;
+  const std::string bin = g.plan.control.binary.empty() ? SelfBinary() : g.plan.control.binary;
+  auto [rc, out] = Capture(fmt::format("{} probe --transport {} --ranks {} --log-dir {}",
+                                       Quote(bin), transport, ranks, Quote(g.dir + "/probe")));
+  const size_t at = out.rfind("PROBE_RESULT=");
+  if (at == std::string::npos) {
+    return {"probe", "FAIL", fmt::format("no PROBE_RESULT line (exit {})", rc), {}};
+  }
+  const std::string line = out.substr(at, out.find('\n', at) - at);
+  const bool pass =
+      line.find("PROBE_RESULT=PASS ") == 0 &&
+      line.find(fmt::format("clean_teardowns={}/{}", ranks, ranks)) != std::string::npos && rc == 0;
+  if (!pass) return {"probe", "FAIL", line, {}};
+  return {"probe", transport == "sim" ? "SIMULATED" : "PASS", line, {}};
+}
+
+lab::GateStep GateTeacher(GateContext& g) {
+  if (!g.plan.teacher.empty()) {
+    if (!fs::exists(g.plan.teacher)) {
+      return {"teacher", "FAIL", g.plan.teacher + ": the plan's teacher does not exist", {}};
+    }
+    g.record.extra["teacher"] = g.plan.teacher;
+    return {"teacher", "PASS", "the plan's teacher " + g.plan.teacher, {}};
+  }
+  LabFlags f = SideFlags(g, g.plan.control, "control");
+  f.teacher = g.dir + "/teacher.json";
+  auto o = Prepare(f, "teacher");
+  if (!o.ok()) return {"teacher", "FAIL", o.status().message(), {}};
+  if (Status st = lab::RecordTeacher(*o); !st.ok()) return {"teacher", "FAIL", st.message(), {}};
+  g.record.extra["teacher"] = f.teacher;
+  return {"teacher", "PASS", "recorded from the control into " + f.teacher, {}};
+}
+
+// A screen or suite of one side; stores each run's conventional median under extra[key].
+lab::GateStep GateRuns(GateContext& g, const std::string& step, const lab::GateSide& side,
+                       const std::string& label, const std::string& mode, const std::string& key) {
+  auto o = Prepare(SideFlags(g, side, label), mode);
+  if (!o.ok()) return {step, "FAIL", o.status().message(), {}};
+  auto runs = lab::RunScreenOrSuite(*o);
+  if (!runs.ok()) return {step, "FAIL", runs.status().message(), {}};
+  lab::GateStep s{step, "PASS", "", {}};
+  json medians = json::array();
+  for (const auto& r : *runs) {
+    std::printf("%s", lab::FormatRunTable(r).c_str());
+    s.run_ids.push_back(r.run_id);
+    if (r.verdict != "PASS") s.status = r.verdict;
+    medians.push_back(r.summary["decode_tok_s_conventional_99_interval_median"]);
+  }
+  g.record.extra[key] = medians;
+  s.detail = fmt::format("{} run(s) {}, verdict {}", runs->size(), label, s.status);
+  return s;
+}
+
+double FirstMedian(const json& extra, const std::string& key) {
+  const json v = extra.value(key, json::array());
+  return !v.empty() && v[0].is_number() ? v[0].get<double>() : 0.0;
+}
+
+int RunGate(const LabFlags& f, const std::string& plan_path, bool resume) {
+  GateContext g;
+  g.base = f;
+  if (!plan_path.empty()) {
+    auto p = lab::ReadGatePlan(plan_path);
+    if (!p.ok()) return ReportError(p.status());
+    g.plan = *p;
+    if (!g.plan.model_dir.empty() || !g.plan.shape.empty()) {
+      g.base.model_dir = g.plan.model_dir;
+      g.base.shape = g.plan.shape;
+      g.base.seed = g.plan.seed;
+      g.base.num_layers = g.plan.num_layers;
+    }
+    if (!g.plan.suite.empty()) g.base.suite = g.plan.suite;
+  }
+  const std::string gates = f.runs_dir + "/gates";
+  if (resume) {
+    std::vector<std::string> ids;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(gates, ec)) {
+      if (fs::exists(e.path() / "gate.json")) ids.push_back(e.path().filename().string());
+    }
+    if (ids.empty()) return ReportError(NotFound("{}: no gate to resume", gates));
+    std::sort(ids.begin(), ids.end());
+    g.dir = gates + "/" + ids.back();
+    auto text = lab::ReadTextFile(g.dir + "/gate.json");
+    if (!text.ok()) return ReportError(text.status());
+    Result<lab::GateRecord> rec = InvalidArgument("{}/gate.json: not JSON", g.dir);
+    try {
+      rec = lab::GateRecord::FromJson(json::parse(*text), g.dir + "/gate.json");
+    } catch (const json::exception&) {
+    }
+    if (!rec.ok()) return ReportError(rec.status());
+    g.record = *rec;
+    if (g.record.plan_sha256 != g.plan.sha256) {
+      std::fprintf(stderr,
+                   "lab gate: the plan changed since %s started; resuming with the new one\n",
+                   g.record.gate_id.c_str());
+      g.record.plan_sha256 = g.plan.sha256;
+    }
+    g.record.steps.resize(g.record.ResumeIndex());
+    g.record.verdict.clear();
+    std::fprintf(stderr, "lab gate: resuming %s after %zu passed step(s)\n",
+                 g.record.gate_id.c_str(), g.record.steps.size());
+  } else {
+    std::time_t now = std::time(nullptr);
+    g.record.gate_id = lab::MakeRunId("gate", BuildCommit(), now);
+    while (fs::exists(gates + "/" + g.record.gate_id)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      g.record.gate_id = lab::MakeRunId("gate", BuildCommit(), std::time(nullptr));
+    }
+    g.dir = gates + "/" + g.record.gate_id;
+    g.record.plan_sha256 = g.plan.sha256;
+  }
+  std::error_code ec;
+  fs::create_directories(g.dir, ec);
+  auto save = [&] {
+    return lab::WriteTextFile(g.dir + "/gate.json", g.record.ToJson().dump(2) + "\n");
+  };
+  const auto& names = lab::GateStepNames();
+  for (size_t i = g.record.steps.size(); i < names.size(); ++i) {
+    const std::string& name = names[i];
+    std::fprintf(stderr, "lab gate: step %zu/%zu %s\n", i + 1, names.size(), name.c_str());
+    lab::GateStep step;
+    if (name == "preflight") {
+      step = GatePreflight(g);
+    } else if (name == "probe") {
+      step = GateProbe(g);
+    } else if (name == "teacher") {
+      step = GateTeacher(g);
+    } else if (name == "control_screen") {
+      step = GateRuns(g, name, g.plan.control, "control", "screen", "control_screen");
+    } else if (name == "candidate_screen") {
+      step = GateRuns(g, name, g.plan.candidate, "candidate", "screen", "candidate_screen");
+    } else if (name == "suite") {
+      const double ctl = FirstMedian(g.record.extra, "control_screen");
+      const double cand = FirstMedian(g.record.extra, "candidate_screen");
+      if (!(cand > ctl)) {
+        step = {
+            name,
+            "SKIPPED",
+            fmt::format("candidate not faster on the screen ({:.2f} vs {:.2f} tok/s)", cand, ctl),
+            {}};
+      } else {
+        lab::GateStep a = GateRuns(g, name, g.plan.control, "control", "suite", "control_suite");
+        step = a;
+        if (lab::StepPassed(a)) {
+          lab::GateStep b =
+              GateRuns(g, name, g.plan.candidate, "candidate", "suite", "candidate_suite");
+          step.run_ids.insert(step.run_ids.end(), b.run_ids.begin(), b.run_ids.end());
+          step.status = b.status;
+          step.detail = a.detail + "; " + b.detail;
+        }
+      }
+    } else {  // verdict
+      const lab::GateStep& suite = g.record.steps.back();
+      if (suite.status == "SKIPPED") {
+        g.record.verdict = "NOT_FASTER";
+        step = {name, "PASS", suite.detail, {}};
+      } else {
+        std::vector<lab::LedgerRun> ctl, cand;
+        for (const auto& id : suite.run_ids) {
+          auto sel = lab::LedgerSelect(f.runs_dir, id);
+          if (!sel.ok()) continue;
+          for (auto& r : *sel) (r.label == "control" ? ctl : cand).push_back(r);
+        }
+        auto c = lab::Compare("control", ctl, "candidate", cand);
+        if (!c.ok()) {
+          step = {name, "FAIL", c.status().message(), {}};
+        } else {
+          g.record.verdict = c->exceeds && c->median_b > c->median_a ? "FASTER" : "NOT_PROVEN";
+          g.record.extra["speedup"] = c->median_a > 0 ? c->median_b / c->median_a : 0.0;
+          step = {name, "PASS", c->Line(), {}};
+        }
+      }
+    }
+    std::printf("gate %-17s %-15s %s\n", step.name.c_str(), step.status.c_str(),
+                step.detail.c_str());
+    std::fflush(stdout);
+    g.record.steps.push_back(step);
+    if (Status st = save(); !st.ok()) return ReportError(st);
+    if (!lab::StepPassed(step)) {
+      std::printf(
+          "GATE_RESULT=STOPPED step=%s (%s); fix it and run `decodelab lab gate --resume`\n",
+          step.name.c_str(), step.status.c_str());
+      return 3;
+    }
+  }
+  std::printf("GATE_RESULT=%s gate=%s\n", g.record.verdict.c_str(), g.dir.c_str());
+  return 0;
+}
+
+int RunReproCommand(const LabFlags& f, const std::string& file) {
+  auto repro = lab::ReadReproFile(file);
+  if (!repro.ok()) return ReportError(repro.status());
+  // The reproducer names its KV dtype and calibration; a one-prompt suite carries them to Prepare.
+  json suite = {{"format", "decodelab-lab-suite"},
+                {"name", "repro-" + repro->name},
+                {"kv_dtype", repro->kv_dtype},
+                {"calibration", repro->calibration},
+                {"checks", json::array()},
+                {"prompts", {{{"name", "target"}, {"token_ids", repro->target.token_ids}}}}};
+  const std::string suite_path =
+      CacheDir(f) + "/repro/" + Sha256Hex(suite.dump()).substr(0, 16) + ".suite.json";
+  if (Status st = lab::WriteTextFile(suite_path, suite.dump(1) + "\n"); !st.ok()) {
+    return ReportError(st);
+  }
+  LabFlags g = f;
+  g.suite = suite_path;
+  g.teacher = suite_path;  // not used: the reproducer carries its expected tokens
+  auto o = Prepare(g, "teacher");
+  if (!o.ok()) return ReportError(o.status());
+  std::fprintf(stderr, "lab repro: %s (%zu precursor(s))\n", repro->name.c_str(),
+               repro->precursors.size());
+  auto row = lab::RunRepro(*o, *repro);
+  if (!row.ok()) return ReportError(row.status());
+  std::printf("REPRO_RESULT=%s %s\n", lab::CheckStatusName(row->status), row->detail.c_str());
+  return row->status == lab::CheckStatus::kPass ? 0 : 3;
+}
+
+int RunReport(const LabFlags& f) {
+  auto html = lab::BuildReportHtml(f.runs_dir);
+  if (!html.ok()) return ReportError(html.status());
+  const std::string out = f.out.empty() ? f.runs_dir + "/report.html" : f.out;
+  if (Status st = lab::WriteTextFile(out, *html); !st.ok()) return ReportError(st);
+  std::printf("wrote %s\n", out.c_str());
+  return 0;
+}
+
+void AddRunFlags(CLI::App* cmd, LabFlags& f) {
+  cmd->add_option("--model", f.model_dir, "Model directory (default: the embedded tiny model)");
+  cmd->add_option("--shape", f.shape, "Random-weight shape instead of --model: tiny, xs2, s21");
+  cmd->add_option("--seed", f.seed, "Seed for --shape")->default_val(0);
+  cmd->add_option("--num-layers", f.num_layers, "Fewer layers for --shape");
+  cmd->add_option("--backend", f.backend, "auto, cpu or cuda (passed to serve)")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--suite", f.suite, "Suite file (JSON; default: the built-in 13-prompt suite)");
+  cmd->add_option("--runs-dir", f.runs_dir, "Where run directories and ledger.sqlite go")
+      ->default_val("runs");
+  cmd->add_option("--label", f.label, "Run label (first part of the run id; default: the mode)");
+  cmd->add_option("--teacher", f.teacher, "Teacher transcript (overrides the suite's)");
+  cmd->add_option("--lock", f.lock, "Identity lock file (`decodelab lab lock`)");
+  cmd->add_flag("--accept-identity", f.accept_identity,
+                "Run even when the binary differs from the lock (recorded in the manifest)");
+  cmd->add_option("--binary", f.binary, "Engine binary to serve (default: this decodelab)");
+  cmd->add_option("--endpoint", f.endpoint, "Use a running server (http://HOST:PORT)");
+  cmd->add_option("--cache-dir", f.cache_dir,
+                  "Cache for the default model, calibration, suite and teachers (default "
+                  "$DECODELAB_CACHE, $XDG_CACHE_HOME/decodelab or ~/.cache/decodelab)");
+  cmd->add_option("serve_flags", f.serve_flags, "Flags after -- go to `decodelab serve`");
+}
+
+}  // namespace
+
+void AddLabCommand(CLI::App& root, CommandContext& ctx) {
+  auto f = std::make_shared<LabFlags>();
+  CLI::App* lab = root.add_subcommand(
+      "lab",
+      "The lab: exactness-checked speed screens and suites, teacher transcripts, identity "
+      "locks and the run ledger (docs/lab.md)");
+  lab->require_subcommand(1);
+  CLI::App* screen = lab->add_subcommand(
+      "screen",
+      "Short run (M = the suite's screen_tokens, 128 by default): every check of "
+      "docs/lab.md, speed statistics, run directory and ledger row");
+  AddRunFlags(screen, *f);
+  screen->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "screen"); });
+  CLI::App* suite = lab->add_subcommand(
+      "suite",
+      "Full run (M = suite_tokens, 512 by default), repeated (twice by default) with a "
+      "comparison line between the repeats");
+  AddRunFlags(suite, *f);
+  suite->add_option("--repeats", f->repeats, "How many runs")->default_val(2);
+  suite->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "suite"); });
+  CLI::App* teacher = lab->add_subcommand(
+      "teacher",
+      "Record a teacher transcript from the control configuration (every prompt's "
+      "tokens up to the largest M, and the re-prefilled token M+1 for every M)");
+  AddRunFlags(teacher, *f);
+  teacher->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "teacher"); });
+  auto plan = std::make_shared<std::string>();
+  auto resume = std::make_shared<bool>(false);
+  CLI::App* gate = lab->add_subcommand(
+      "gate",
+      "Run a plan in the resume order (preflight, probe, teacher, control screen, "
+      "candidate screen, suite twice if the candidate is exact and faster, verdict); stops "
+      "at the first failed step. Without PLAN: an A/A self-test of this binary");
+  gate->add_option("plan", *plan, "Plan file (JSON, docs/lab.md)");
+  gate->add_flag("--resume", *resume, "Continue the latest gate after its last passed step");
+  gate->add_option("--model", f->model_dir, "Model directory (unless the plan names one)");
+  gate->add_option("--shape", f->shape, "Random-weight shape (unless the plan names a model)");
+  gate->add_option("--backend", f->backend, "auto, cpu or cuda")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  gate->add_option("--suite", f->suite, "Suite file (unless the plan names one)");
+  gate->add_option("--runs-dir", f->runs_dir, "Runs directory (gates go to <runs>/gates)")
+      ->default_val("runs");
+  gate->add_option("--cache-dir", f->cache_dir, "Cache directory (as for screen)");
+  gate->add_flag("--accept-identity", f->accept_identity, "Accept lock mismatches (recorded)");
+  gate->callback([f, plan, resume, &ctx] { ctx.exit_code = RunGate(*f, *plan, *resume); });
+  auto repro_file = std::make_shared<std::string>();
+  CLI::App* repro = lab->add_subcommand(
+      "repro",
+      "Replay a reproducer (precursor requests, then a target) against a fresh server; "
+      "passes when the target's tokens equal the file's expected tokens");
+  repro->add_option("file", *repro_file, "Reproducer file (JSON, docs/lab.md)")->required();
+  repro->add_option("--model", f->model_dir, "Model directory (default: the embedded tiny model)");
+  repro->add_option("--shape", f->shape, "Random-weight shape instead of --model");
+  repro->add_option("--seed", f->seed, "Seed for --shape")->default_val(0);
+  repro->add_option("--num-layers", f->num_layers, "Fewer layers for --shape");
+  repro->add_option("--backend", f->backend, "auto, cpu or cuda")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  repro->add_option("--binary", f->binary, "Engine binary to serve (default: this decodelab)");
+  repro->add_option("--endpoint", f->endpoint, "Use a running server instead (http://HOST:PORT)");
+  repro->add_option("--cache-dir", f->cache_dir, "Cache directory (as for screen)");
+  repro->add_option("serve_flags", f->serve_flags, "Flags after -- go to `decodelab serve`");
+  repro->callback([f, repro_file, &ctx] { ctx.exit_code = RunReproCommand(*f, *repro_file); });
+  CLI::App* report = lab->add_subcommand(
+      "report", "Write one self-contained HTML report over the ledger (opens without a network)");
+  report->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  report->add_option("--out", f->out, "HTML file (default <runs>/report.html)");
+  report->callback([f, &ctx] { ctx.exit_code = RunReport(*f); });
+  CLI::App* lock = lab->add_subcommand("lock", "Write an identity lock file (binary SHA-256)");
+  lock->add_option("--binary", f->binary, "Binary to lock (default: this decodelab)");
+  lock->add_option("--out", f->out, "Lock file to write")->required();
+  lock->callback([f, &ctx] { ctx.exit_code = RunLock(*f); });
+  CLI::App* runs = lab->add_subcommand("runs", "List the runs in the ledger");
+  runs->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  runs->callback([f, &ctx] { ctx.exit_code = RunRuns(*f); });
+  CLI::App* compare = lab->add_subcommand(
+      "compare",
+      "Compare two runs or labels: both medians, their repeat spread, and whether the "
+      "difference exceeds it");
+  compare->add_option("runs", f->compare, "Two run ids or labels")->expected(2)->required();
+  compare->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  compare->callback([f, &ctx] { ctx.exit_code = RunCompare(*f); });
+}
+
+}  // namespace dl::app

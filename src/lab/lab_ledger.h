@@ -1,0 +1,49 @@
+// The ledger (lab.md §1): a SQLite database in the runs directory indexing every run, check and
+// metric, so `decodelab lab runs` and `lab compare` need not re-read run directories.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "base/status.h"
+#include "lab/lab_checks.h"
+
+namespace dl::lab {
+
+struct LedgerRun {
+  std::string run_id, label, mode, commit, started_utc, verdict, dir;
+  bool valid = false;
+  int exact = 0, prompts = 0;
+  std::optional<double> conventional, historical;  // absent for invalid runs
+  std::vector<double> per_prompt_conventional;
+};
+
+std::string LedgerPath(const std::string& runs_dir);  // <runs_dir>/ledger.sqlite
+// Inserts (or replaces) a run with its checks and metrics.
+Status LedgerRecord(const std::string& runs_dir, const LedgerRun& run,
+                    const std::vector<CheckRow>& checks,
+                    const std::map<std::string, double>& metrics);
+Result<std::vector<LedgerRun>> LedgerList(const std::string& runs_dir);
+// Runs selected by run id, else every run with that label.
+Result<std::vector<LedgerRun>> LedgerSelect(const std::string& runs_dir, const std::string& key);
+
+// The comparison of lab.md §3: both medians, the spread of each side's repeats and whether the
+// difference exceeds the larger repeat spread.
+struct Comparison {
+  std::string a, b;
+  double median_a = 0, median_b = 0;    // conventional, median over the side's valid runs
+  double hmedian_a = 0, hmedian_b = 0;  // historical
+  double spread_a = 0, spread_b = 0;    // max - min of the side's run medians
+  int runs_a = 0, runs_b = 0;
+  bool spread_known = false;  // some side has at least two runs
+  bool exceeds = false;
+  std::string Line() const;
+};
+Result<Comparison> Compare(const std::string& a, const std::vector<LedgerRun>& ra,
+                           const std::string& b, const std::vector<LedgerRun>& rb);
+
+}  // namespace dl::lab
