@@ -135,14 +135,22 @@ struct ResolvedPrompt {
   std::vector<int32_t> ids;
 };
 
-Result<std::vector<ResolvedPrompt>> ResolvePrompts(const LabOptions& o, const json& state) {
+// Computed prompts (boundary, rollover) are derived from the page size of the server that records the
+// teacher; a run against a teacher replays the teacher's ids for them, so a candidate with another page
+// size (the page-32-vs-64 screen) sends the control's prompts and stays comparable. The control's
+// boundary falls on a page boundary of every smaller power-of-two page size too.
+Result<std::vector<ResolvedPrompt>> ResolvePrompts(const LabOptions& o, const json& state,
+                                                   const Teacher* teacher = nullptr) {
   const int page_size = state.value("page_size", 16);
   std::vector<ResolvedPrompt> out;
   int salt = 0;
   for (const auto& p : o.suite.prompts) {
     ResolvedPrompt r{p.name, p.kind, p.token_ids};
     ++salt;
-    if (p.computed) {
+    const TeacherPrompt* recorded = teacher ? teacher->Find(p.name) : nullptr;
+    if (p.computed && recorded) {
+      r.ids = recorded->prompt;
+    } else if (p.computed) {
       const int len = p.kind == "rollover" ? RolloverPromptLength(page_size, o.sliding_window)
                                            : BoundaryPromptLength(page_size);
       r.ids = SyntheticPromptIds(len, 1000 + salt, o.vocab_limit);
@@ -302,7 +310,7 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   std::ofstream csv(dir / "timings.csv");
   csv << "prompt,index,token_id,arrival_s,gap_s\n";
   if (!stopped_early) {
-    auto prompts = ResolvePrompts(o, state);
+    auto prompts = ResolvePrompts(o, state, &teacher);
     if (!prompts.ok()) {
       rows.push_back({"requests", CheckStatus::kInvalid, prompts.status().message()});
       stopped_early = true;
