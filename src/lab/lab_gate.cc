@@ -63,15 +63,9 @@ Result<GatePlan> ParseGatePlan(const json& j, const std::string& path) {
 }
 
 Result<GatePlan> ReadGatePlan(const std::string& path) {
-  DL_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    return InvalidArgument("{}: not JSON: {}", path, e.what());
-  }
-  DL_ASSIGN_OR_RETURN(GatePlan p, ParseGatePlan(j, std::filesystem::absolute(path).string()));
-  p.sha256 = Sha256Hex(text);
+  DL_ASSIGN_OR_RETURN(JsonFile f, ReadJsonFile(path));
+  DL_ASSIGN_OR_RETURN(GatePlan p, ParseGatePlan(f.value, std::filesystem::absolute(path).string()));
+  p.sha256 = Sha256Hex(f.text);
   return p;
 }
 

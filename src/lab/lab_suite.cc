@@ -38,6 +38,17 @@ Result<std::string> ReadTextFile(const std::string& path) {
   return ss.str();
 }
 
+Result<JsonFile> ReadJsonFile(const std::string& path) {
+  JsonFile f;
+  DL_ASSIGN_OR_RETURN(f.text, ReadTextFile(path));
+  try {
+    f.value = json::parse(f.text);
+  } catch (const json::exception& e) {
+    return InvalidArgument("{}: not JSON: {}", path, e.what());
+  }
+  return f;
+}
+
 Status WriteTextFile(const std::string& path, const std::string& text) {
   std::error_code ec;
   const fs::path p(path);
@@ -133,14 +144,8 @@ Result<Suite> ParseSuite(const json& j, const std::string& path, const std::stri
 }
 
 Result<Suite> ReadSuiteFile(const std::string& path) {
-  DL_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    return InvalidArgument("{}: not JSON: {}", path, e.what());
-  }
-  return ParseSuite(j, fs::absolute(path).string(), Sha256Hex(text));
+  DL_ASSIGN_OR_RETURN(JsonFile f, ReadJsonFile(path));
+  return ParseSuite(f.value, fs::absolute(path).string(), Sha256Hex(f.text));
 }
 
 std::vector<int32_t> SyntheticPromptIds(int len, int salt, int vocab_limit) {
@@ -243,12 +248,8 @@ Result<Teacher> ParseTeacher(const json& j, const std::string& what) {
 }
 
 Result<Teacher> ReadTeacherFile(const std::string& path) {
-  DL_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
-  try {
-    return ParseTeacher(json::parse(text), path);
-  } catch (const json::exception& e) {
-    return InvalidArgument("{}: not JSON: {}", path, e.what());
-  }
+  DL_ASSIGN_OR_RETURN(JsonFile f, ReadJsonFile(path));
+  return ParseTeacher(f.value, path);
 }
 
 Status WriteTeacherFile(const std::string& path, const Teacher& t) {

@@ -90,6 +90,12 @@ Status WriteTeacherFile(const std::string& path, const Teacher& t);
 
 // Reads a whole file / writes one atomically (temp + rename).
 Result<std::string> ReadTextFile(const std::string& path);
+// A JSON file's text (for hashing) and its parsed value; "<path>: not JSON: ..." when it does not parse.
+struct JsonFile {
+  std::string text;
+  nlohmann::json value;
+};
+Result<JsonFile> ReadJsonFile(const std::string& path);
 Status WriteTextFile(const std::string& path, const std::string& text);
 
 }  // namespace dl::lab
