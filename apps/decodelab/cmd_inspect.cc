@@ -129,12 +129,21 @@ int RunInspect(const InspectFlags& f) {
                 (long long)c.heads(l), (long long)(c.heads(l) / c.num_key_value_heads), (long long)c.rotary_dim(l),
                 c.is_sparse(l) ? "sparse" : "dense", scales.c_str());
   }
-  std::printf("\nparameters: total %lld (%.3f B)\n", (long long)p.total, p.total / 1e9);
-  std::printf("  attention %.3f B, routed experts %.3f B, shared %.3f B, dense %.3f B, routers+bias %.3f M, "
-              "embedding %.3f B, lm_head %.3f B, norms %.3f M\n",
-              p.attention / 1e9, p.routed_experts / 1e9, p.shared_experts / 1e9, p.dense_mlp / 1e9,
-              (p.routers + p.correction_biases) / 1e6, p.embedding / 1e9, p.lm_head / 1e9, p.block_norms / 1e6);
-  std::printf("active per token: %lld (%.3f B) + %lld embedding row\n", (long long)p.active, p.active / 1e9,
+  // Counts with a unit that fits (a tiny model has thousands, XS.2 billions).
+  auto h = [](int64_t n) {
+    const double v = static_cast<double>(n);
+    if (v >= 1e9) return fmt::format("{:.3f} B", v / 1e9);
+    if (v >= 1e6) return fmt::format("{:.3f} M", v / 1e6);
+    if (v >= 1e3) return fmt::format("{:.1f} K", v / 1e3);
+    return fmt::format("{}", n);
+  };
+  std::printf("\nparameters: total %lld (%s)\n", (long long)p.total, h(p.total).c_str());
+  std::printf("  attention %s, routed experts %s, shared %s, dense %s, routers+bias %s, embedding %s, "
+              "lm_head %s, norms %s\n",
+              h(p.attention).c_str(), h(p.routed_experts).c_str(), h(p.shared_experts).c_str(),
+              h(p.dense_mlp).c_str(), h(p.routers + p.correction_biases).c_str(), h(p.embedding).c_str(),
+              h(p.lm_head).c_str(), h(p.block_norms).c_str());
+  std::printf("active per token: %lld (%s) + %lld embedding row\n", (long long)p.active, h(p.active).c_str(),
               (long long)p.embedding_row);
   std::printf("weight bytes read per decoded token (batch 1):\n");
   std::printf("  all BF16                       %15lld B  (%.2f GB)\n", (long long)p.bytes_per_token_bf16(),
