@@ -8,6 +8,7 @@ PACKAGES=(
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libspdlog-dev libfmt-dev
   libpcre2-dev libsqlite3-dev libssl-dev libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-jinja2
+  chromium  # headless check that `lab report` charts draw (tests/lab/lab_report_test.cc)
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -35,6 +35,7 @@ using nlohmann::json;
 struct LabFlags {
   std::string model_dir, shape, backend = "auto", suite, runs_dir = "runs", label, teacher, lock;
   std::string binary, endpoint, cache_dir, out;
+  std::string bundles;  // lab report: Vega-Lite bundle folder
   uint64_t seed = 0;
   int num_layers = 0;
   int repeats = 2;
@@ -606,8 +607,16 @@ int RunReproCommand(const LabFlags& f, const std::string& file) {
 }
 
 int RunReport(const LabFlags& f) {
-  auto html = lab::BuildReportHtml(f.runs_dir);
+  lab::ReportOptions ro;
+  ro.bundles_dir = f.bundles;
+  auto html = lab::BuildReportHtml(f.runs_dir, ro);
   if (!html.ok()) return ReportError(html.status());
+  if (const auto b = lab::LoadReportBundles(f.bundles); !b.found) {
+    std::fprintf(stderr,
+                 "lab report: charts missing: Vega-Lite bundles not found (%s); writing the tables "
+                 "and simple inline charts\n",
+                 b.reason.c_str());
+  }
   const std::string out = f.out.empty() ? f.runs_dir + "/report.html" : f.out;
   if (Status st = lab::WriteTextFile(out, *html); !st.ok()) return ReportError(st);
   std::printf("wrote %s\n", out.c_str());
@@ -708,6 +717,9 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
       "report", "Write one self-contained HTML report over the ledger (opens without a network)");
   report->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
   report->add_option("--out", f->out, "HTML file (default <runs>/report.html)");
+  report->add_option("--bundles", f->bundles,
+                     "Folder with vega.min.js, vega-lite.min.js, vega-embed.min.js (default "
+                     "<bin>/../share/decodelab/report, filled at build time by npm)");
   report->callback([f, &ctx] { ctx.exit_code = RunReport(*f); });
   CLI::App* lock = lab->add_subcommand("lock", "Write an identity lock file (binary SHA-256)");
   lock->add_option("--binary", f->binary, "Binary to lock (default: this decodelab)");

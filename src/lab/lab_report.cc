@@ -7,9 +7,11 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <system_error>
 
 #include <nlohmann/json.hpp>
 
+#include "base/sha256.h"
 #include "lab/lab_ledger.h"
 #include "lab/lab_suite.h"
 
@@ -39,6 +41,65 @@ std::string HtmlEscape(const std::string& s) {
     }
   }
   return o;
+}
+
+std::string EscapeScriptText(const std::string& s) {
+  std::string o;
+  o.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<' && i + 1 < s.size() && s[i + 1] == '/' && i + 8 <= s.size() &&
+        std::equal(s.begin() + i + 2, s.begin() + i + 8, "script", [](char a, char b) {
+          return std::tolower(static_cast<unsigned char>(a)) == b;
+        })) {
+      o += "<\\/";  // "<\/script": the same string in JavaScript, no end tag in HTML
+      ++i;
+      continue;
+    }
+    if (s.compare(i, 4, "<!--") == 0) {
+      o += "<\\!--";
+      i += 3;
+      continue;
+    }
+    o += s[i];
+  }
+  return o;
+}
+
+std::string EscapeJsonForScript(const std::string& json_text) {
+  std::string o;
+  o.reserve(json_text.size());
+  for (char c : json_text) {
+    if (c == '<') {
+      o += "\\u003c";
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+std::string DefaultReportBundlesDir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "share/decodelab/report";
+  return (self.parent_path().parent_path() / "share" / "decodelab" / "report").string();
+}
+
+ReportBundles LoadReportBundles(const std::string& dir) {
+  ReportBundles b;
+  b.dir = dir.empty() ? DefaultReportBundlesDir() : dir;
+  for (const char* name : kReportBundleFiles) {
+    const std::string path = (fs::path(b.dir) / name).string();
+    auto text = ReadTextFile(path);
+    if (!text.ok() || text->empty()) {
+      b.reason = fmt::format("no {}", path);
+      b.files.clear();
+      return b;
+    }
+    b.files.push_back({name, *text, Sha256Hex(*text)});
+  }
+  b.found = true;
+  return b;
 }
 
 namespace {
@@ -89,13 +150,14 @@ std::string SpeedChart(const std::vector<LedgerRun>& runs) {
   return s;
 }
 
-// Histogram of the token gaps (ms) of one run's timings.csv, first token excluded.
-std::string GapHistogram(const LedgerRun& run) {
+// The token gaps (ms) of one run's timings.csv, first token of each prompt excluded, sorted.
+// Returns nullopt when the file is missing.
+std::optional<std::vector<double>> ReadGapsMs(const LedgerRun& run) {
   std::ifstream in(fs::path(run.dir) / "timings.csv");
-  if (!in) return "<p>No timings.csv for " + HtmlEscape(run.run_id) + ".</p>";
+  if (!in) return std::nullopt;
   std::vector<double> gaps;
   std::string line;
-  std::getline(in, line);  // header
+  std::getline(in, line);  // header: prompt,index,token_id,arrival_s,gap_s
   while (std::getline(in, line)) {
     std::vector<std::string> f;
     std::stringstream ss(line);
@@ -106,11 +168,22 @@ std::string GapHistogram(const LedgerRun& run) {
     } catch (...) {
     }
   }
-  if (gaps.empty()) return "<p>No token gaps recorded.</p>";
   std::sort(gaps.begin(), gaps.end());
-  // Bins up to the 99th percentile, so one stall does not flatten the picture; the rest are
-  // counted.
-  const double top = std::max(gaps[static_cast<size_t>(0.99 * (gaps.size() - 1))], 1e-6);
+  return gaps;
+}
+
+// Bins end at the 99th percentile, so one stall does not flatten the picture; the rest are counted.
+double GapTop(const std::vector<double>& sorted_gaps) {
+  return std::max(sorted_gaps[static_cast<size_t>(0.99 * (sorted_gaps.size() - 1))], 1e-6);
+}
+
+// Histogram of the token gaps (ms) of one run's timings.csv, first token excluded.
+std::string GapHistogram(const LedgerRun& run) {
+  auto read = ReadGapsMs(run);
+  if (!read) return "<p>No timings.csv for " + HtmlEscape(run.run_id) + ".</p>";
+  const std::vector<double>& gaps = *read;
+  if (gaps.empty()) return "<p>No token gaps recorded.</p>";
+  const double top = GapTop(gaps);
   const int bins = 30;
   std::vector<int> count(bins, 0);
   int over = 0;
@@ -161,16 +234,207 @@ std::string CheckTable(const LedgerRun& run) {
   return s + "</table>";
 }
 
+// --- Vega-Lite charts (bundles present) ---------------------------------------------------------
+// Each chart is a <div id="chart-NAME" class="vl-chart">, its spec (without data) in
+// <script type="application/json" id="vl-spec-NAME"> and its rows in id="vl-data-NAME"; one script
+// at the end embeds them all with renderer "svg" and counts the ones that drew into <body
+// data-charts-drawn="N">, which the headless-browser test reads.
+
+std::string ChartBlock(const std::string& name, const json& spec, const json& values,
+                       const std::string& note) {
+  std::string s = fmt::format("<div id=\"chart-{}\" class=\"vl-chart\"></div>", name);
+  s += fmt::format("<script type=\"application/json\" id=\"vl-spec-{}\">{}</script>", name,
+                   EscapeJsonForScript(spec.dump()));
+  s += fmt::format("<script type=\"application/json\" id=\"vl-data-{}\">{}</script>", name,
+                   EscapeJsonForScript(values.dump()));
+  if (!note.empty()) s += "<p class=\"note\">" + note + "</p>";
+  return s;
+}
+
+json BaseSpec(const std::string& title) {
+  return {{"$schema", "https://vega.github.io/schema/vega-lite/v6.json"},
+          {"title", title},
+          {"width", 720},
+          {"height", 240}};
+}
+
+std::string VegaSpeedChart(const std::vector<LedgerRun>& runs) {
+  json values = json::array();
+  int order = 0;
+  for (const auto& r : runs) {
+    if (!r.valid || !r.conventional) continue;  // INVALID runs never show a speed
+    values.push_back({{"run_id", r.run_id},
+                      {"label", r.label},
+                      {"started_utc", r.started_utc},
+                      {"order", order++},
+                      {"conventional", *r.conventional},
+                      {"historical", r.historical ? json(*r.historical) : json(nullptr)}});
+  }
+  json spec = BaseSpec("Decode speed per run (conventional median, tok/s)");
+  const json tooltip =
+      json::array({{{"field", "run_id"}, {"type", "nominal"}},
+                   {{"field", "started_utc"}, {"type", "nominal"}},
+                   {{"field", "conventional"}, {"type", "quantitative"}, {"format", ".2f"}},
+                   {{"field", "historical"}, {"type", "quantitative"}, {"format", ".2f"}}});
+  spec["encoding"] = {
+      {"x", {{"field", "started_utc"}, {"type", "temporal"}, {"title", "run started (UTC)"}}},
+      {"y", {{"field", "conventional"}, {"type", "quantitative"}, {"title", "tok/s"}}},
+      {"color", {{"field", "label"}, {"type", "nominal"}}}};
+  spec["layer"] = json::array({{{"mark", {{"type", "line"}, {"opacity", 0.5}}}},
+                               {{"mark", {{"type", "point"}, {"filled", true}, {"size", 60}}},
+                                {"encoding", {{"tooltip", tooltip}}}}});
+  return ChartBlock("speed", spec, values,
+                    values.empty() ? "No valid run with a speed yet."
+                                   : "Conventional 99-interval median per valid run, coloured by "
+                                     "label; hover a point for its run id.");
+}
+
+std::string VegaGapChart(const LedgerRun* latest) {
+  json values = json::array();
+  std::string note = "No valid run.";
+  if (latest) {
+    auto gaps = ReadGapsMs(*latest);
+    if (!gaps) {
+      note = "No timings.csv for " + HtmlEscape(latest->run_id) + ".";
+    } else if (gaps->empty()) {
+      note = "No token gaps recorded.";
+    } else {
+      const double top = GapTop(*gaps);
+      int over = 0;
+      for (double g : *gaps) {
+        if (g > top) {
+          ++over;
+        } else {
+          values.push_back({{"gap_ms", g}});
+        }
+      }
+      note = fmt::format("{} gaps of run {}; {} above the 99th percentile ({:.3f} ms) not drawn.",
+                         gaps->size(), HtmlEscape(latest->run_id), over, top);
+    }
+  }
+  json spec = BaseSpec("Token gaps (ms), latest valid run");
+  spec["mark"] = "bar";
+  spec["encoding"] = {
+      {"x",
+       {{"field", "gap_ms"},
+        {"type", "quantitative"},
+        {"bin", {{"maxbins", 30}}},
+        {"title", "gap (ms)"}}},
+      {"y", {{"aggregate", "count"}, {"type", "quantitative"}, {"title", "tokens"}}}};
+  return ChartBlock("gaps", spec, values, note);
+}
+
+std::string VegaCompareChart(const std::vector<LedgerRun>& ctl,
+                             const std::vector<LedgerRun>& cand) {
+  json values = json::array();
+  for (const auto* side : {&ctl, &cand}) {
+    for (const auto& r : *side) {
+      if (!r.valid || !r.conventional) continue;
+      values.push_back(
+          {{"run_id", r.run_id}, {"label", r.label}, {"conventional", *r.conventional}});
+    }
+  }
+  json spec = BaseSpec("Control against candidate: each run's median and the side's median");
+  spec["height"] = 200;
+  spec["width"] = 360;
+  const json x = {{"field", "label"},
+                  {"type", "nominal"},
+                  {"sort", json::array({"control", "candidate"})},
+                  {"title", nullptr}};
+  spec["layer"] = json::array(
+      {{{"mark", {{"type", "point"}, {"filled", true}, {"size", 70}}},
+        {"encoding",
+         {{"x", x},
+          {"y", {{"field", "conventional"}, {"type", "quantitative"}, {"title", "tok/s"}}},
+          {"color", {{"field", "label"}, {"type", "nominal"}}},
+          {"tooltip",
+           json::array(
+               {{{"field", "run_id"}, {"type", "nominal"}},
+                {{"field", "conventional"}, {"type", "quantitative"}, {"format", ".2f"}}})}}}},
+       {{"mark", {{"type", "tick"}, {"thickness", 2}, {"size", 40}, {"color", "#333"}}},
+        {"encoding",
+         {{"x", x},
+          {"y",
+           {{"aggregate", "median"}, {"field", "conventional"}, {"type", "quantitative"}}}}}}});
+  return ChartBlock("compare", spec, values, "");
+}
+
+std::string VegaChecksChart(const std::vector<LedgerRun>& runs) {
+  json values = json::array();
+  for (const auto& r : runs) {
+    auto text = ReadTextFile((fs::path(r.dir) / "checks.json").string());
+    if (!text.ok()) continue;
+    try {
+      for (const auto& c : json::parse(*text)) {
+        values.push_back({{"run_id", r.run_id},
+                          {"check", c.value("name", "")},
+                          {"status", c.value("status", "")},
+                          {"detail", c.value("detail", "")}});
+      }
+    } catch (const json::exception&) {
+      // The table below says the file is not valid JSON; the chart just leaves the run out.
+    }
+  }
+  json spec = BaseSpec("Checks per run");
+  spec.erase("width");
+  spec["height"] = {{"step", 18}};
+  spec["width"] = {{"step", 28}};
+  spec["mark"] = {{"type", "rect"}, {"stroke", "white"}};
+  spec["encoding"] = {
+      {"x", {{"field", "check"}, {"type", "nominal"}, {"title", nullptr}}},
+      {"y", {{"field", "run_id"}, {"type", "nominal"}, {"title", nullptr}}},
+      {"color",
+       {{"field", "status"},
+        {"type", "nominal"},
+        {"scale",
+         {{"domain", json::array({"PASS", "FAIL", "INVALID", "NOT_APPLICABLE", "SIMULATED"})},
+          {"range", json::array({"#2a7d2a", "#d62728", "#7f0000", "#bbbbbb", "#9ecae1"})}}}}},
+      {"tooltip", json::array({{{"field", "run_id"}, {"type", "nominal"}},
+                               {{"field", "check"}, {"type", "nominal"}},
+                               {{"field", "status"}, {"type", "nominal"}},
+                               {{"field", "detail"}, {"type", "nominal"}}})}};
+  return ChartBlock("checks", spec, values, "Hover a cell for the check's detail.");
+}
+
+// Loads every chart; a chart that fails says so in its div instead of leaving it blank.
+constexpr const char* kEmbedScript = R"JS(
+(function () {
+  var divs = document.querySelectorAll('div.vl-chart');
+  var drawn = 0, jobs = [];
+  function fail(div, e) {
+    div.textContent = 'chart failed: ' + e;
+    div.setAttribute('data-chart-error', String(e));
+  }
+  divs.forEach(function (div) {
+    var name = div.id.replace('chart-', '');
+    try {
+      var spec = JSON.parse(document.getElementById('vl-spec-' + name).textContent);
+      spec.data = {values: JSON.parse(document.getElementById('vl-data-' + name).textContent)};
+      jobs.push(vegaEmbed(div, spec, {renderer: 'svg', actions: false}).then(function () {
+        drawn++;
+      }, function (e) { fail(div, e); }));
+    } catch (e) {
+      fail(div, e);
+    }
+  });
+  Promise.all(jobs).then(function () {
+    document.body.setAttribute('data-charts-drawn', String(drawn));
+  });
+})();
+)JS";
+
 }  // namespace
 
-Result<std::string> BuildReportHtml(const std::string& runs_dir) {
+Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOptions& opts) {
   DL_ASSIGN_OR_RETURN(std::vector<LedgerRun> runs, LedgerList(runs_dir));
+  const ReportBundles bundles = LoadReportBundles(opts.bundles_dir);
   std::string h =
       "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>decodelab lab report</title>"
       "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}"
       "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:2px 6px;"
       "font-size:13px;text-align:left}.PASS{color:#2a7d2a}.FAIL{color:#c00}.INVALID{color:#c00;"
       "font-weight:bold}.NOT_APPLICABLE,.SIMULATED{color:#888}.note{color:#555;font-size:12px}"
+      ".missing{background:#fff3cd;border:1px solid #e0c060;padding:4px 8px}"
       "</style></head><body><h1>decodelab lab report</h1>";
   std::time_t now = std::time(nullptr);
   char stamp[64];
@@ -191,27 +455,56 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir) {
         HtmlEscape(r.run_id), HtmlEscape(r.label), HtmlEscape(r.mode), HtmlEscape(r.verdict),
         HtmlEscape(r.verdict), r.exact, r.prompts, num(r.conventional), num(r.historical));
   }
-  h += "</table><h2>Decode speed over time</h2>" + SpeedChart(runs);
+  h += "</table>";
+  if (!bundles.found) {
+    h +=
+        "<p class=\"missing\" id=\"charts-missing\">charts missing: Vega-Lite bundles not found (" +
+        HtmlEscape(bundles.reason) +
+        "; build with npm available, or pass --bundles DIR). Simple inline charts and every table "
+        "follow.</p>";
+  }
+  h += "<h2>Decode speed over time</h2>";
+  h += bundles.found ? VegaSpeedChart(runs) : SpeedChart(runs);
   const LedgerRun* latest = nullptr;
   for (const auto& r : runs) {
     if (r.valid && r.conventional) latest = &r;
   }
   h += "<h2>Token gaps (latest valid run)</h2>";
-  h += latest ? GapHistogram(*latest) : "<p>No valid run.</p>";
+  if (bundles.found) {
+    h += VegaGapChart(latest);
+  } else {
+    h += latest ? GapHistogram(*latest) : "<p>No valid run.</p>";
+  }
   h += "<h2>Control against candidate</h2>";
   std::vector<LedgerRun> ctl, cand;
   for (const auto& r : runs) {
     if (r.label == "control") ctl.push_back(r);
     if (r.label == "candidate") cand.push_back(r);
   }
+  if (bundles.found) h += VegaCompareChart(ctl, cand);
   auto c = Compare("control", ctl, "candidate", cand);
   h += c.ok() ? "<p>" + HtmlEscape(c->Line()) + "</p>"
               : "<p class=\"note\">No comparison: " + HtmlEscape(c.status().message()) +
                     " (runs labelled control and candidate, as the gate writes them).</p>";
   h += "<h2>Checks</h2>";
+  if (bundles.found) h += VegaChecksChart(runs);
   for (auto it = runs.rbegin(); it != runs.rend(); ++it) {
     h += "<h3>" + HtmlEscape(it->run_id) + " &mdash; " + HtmlEscape(it->verdict) + "</h3>" +
          CheckTable(*it);
+  }
+  if (bundles.found) {
+    // The pinned bundles, inlined so the file opens offline; their hashes say which ones drew it.
+    h += "<p class=\"note\" id=\"bundle-hashes\">Charts: Vega-Lite bundles";
+    for (const auto& f : bundles.files) {
+      h += fmt::format(" {} sha256:{}", HtmlEscape(f.name), f.sha256);
+    }
+    h += ".</p>";
+    for (const auto& f : bundles.files) {
+      h += fmt::format("<!-- {} sha256:{} -->\n<script>", f.name, f.sha256);
+      h += EscapeScriptText(f.text);
+      h += "</script>\n";
+    }
+    h += "<script>" + std::string(kEmbedScript) + "</script>";
   }
   return h + "</body></html>\n";
 }

@@ -294,7 +294,9 @@ TEST_F(LabE2E, SuiteRunsTwiceAndTheLedgerCompares) {
 
   // The report: one self-contained HTML file naming both runs, with charts and the check tables.
   const fs::path html = root_ / "report.html";
-  Cmd rep = Decodelab("lab report --runs-dir '" + runs + "' --out '" + html.string() + "'");
+  // Without the Vega-Lite bundles (lab_report_test covers the charts with them): inline SVG.
+  Cmd rep = Decodelab("lab report --runs-dir '" + runs + "' --out '" + html.string() +
+                      "' --bundles '" + (root_ / "no-bundles").string() + "'");
   ASSERT_EQ(rep.rc, 0) << rep.out;
   auto text = ReadTextFile(html.string());
   ASSERT_TRUE(text.ok());
@@ -302,6 +304,7 @@ TEST_F(LabE2E, SuiteRunsTwiceAndTheLedgerCompares) {
   EXPECT_NE(text->find("<svg"), std::string::npos);
   EXPECT_NE(text->find("exactness"), std::string::npos);
   EXPECT_EQ(text->find("<script"), std::string::npos);
+  EXPECT_NE(text->find("charts missing: Vega-Lite bundles not found"), std::string::npos);
   EXPECT_EQ(text->find("src=\"http"), std::string::npos) << "the report must open offline";
   EXPECT_EQ(text->find("href=\"http"), std::string::npos) << "the report must open offline";
 }
