@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The README's main job: installs dependencies, builds, generates the embedded default tiny model (if
-# absent) and runs greedy generation on it (GPU if usable, else CPU), printing tokens and speed.
+# The README's main job: installs dependencies, builds, and runs the lab on the embedded default model:
+# generates the tiny model if absent, records its teacher, runs a screen (GPU backend if one is usable,
+# else the CPU reference), prints the check table and speeds, writes the HTML report and says where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
-MODEL_DIR=${DECODELAB_HOME:-$HOME/.cache/decodelab}/models/tiny-seed0
-if [ ! -f "$MODEL_DIR/config.json" ]; then
-  build/bin/decodelab make-model --shape tiny --seed 0 --out "$MODEL_DIR"
-fi
-build/bin/decodelab inspect --model "$MODEL_DIR"
-build/bin/decodelab generate --model "$MODEL_DIR" --prompt-ids 2,17,42,99,5,301,7,8 \
-  --max-tokens 64 --ignore-eos
+HOME_DIR=${DECODELAB_HOME:-$HOME/.cache/decodelab}
+RUNS_DIR=${DECODELAB_RUNS:-$HOME_DIR/runs}
+mkdir -p "$RUNS_DIR"
+build/bin/decodelab lab screen --cache-dir "$HOME_DIR" --runs-dir "$RUNS_DIR"
+build/bin/decodelab lab report --runs-dir "$RUNS_DIR" --out "$RUNS_DIR/report.html"
+echo "report: $RUNS_DIR/report.html (runs and ledger.sqlite in $RUNS_DIR)"
