@@ -61,7 +61,8 @@ class ServerHandle {
     for (const auto& a : o.model_args) spec.argv.push_back(a);
     spec.argv.insert(spec.argv.end(),
                      {"--host", "127.0.0.1", "--port", "0", "--kv-dtype", o.suite.kv_dtype});
-    if (!o.suite.calibration.empty()) {
+    // Scales only mean something for an FP8 cache (serve refuses them otherwise).
+    if (!o.suite.calibration.empty() && o.suite.kv_dtype == "fp8") {
       spec.argv.insert(spec.argv.end(), {"--kv-scales", o.suite.calibration});
     }
     for (const auto& a : o.serve_extra) spec.argv.push_back(a);
