@@ -14,6 +14,8 @@
 #include "base/build_info.h"
 #include "base/sha256.h"
 #include "cuda/device.h"
+#include "cuda/nvml.h"
+#include "kernels/elementwise.h"
 #include "lab/lab_checks.h"
 #include "lab/lab_gate.h"
 #include "lab/lab_ledger.h"
@@ -367,8 +369,25 @@ lab::GateStep GatePreflight(const GateContext& g) {
   }
   const int n = cuda::DeviceCount();
   if (n == 0) return {"preflight", "FAIL", "no usable GPU", {}};
-  std::string detail =
-      fmt::format("{} GPU(s), driver {}, boot id {}", n, cuda::DriverVersionString(), boot);
+  auto nvml = cuda::NvmlDriverVersion();
+  std::string detail = fmt::format("{} GPU(s), driver {} (CUDA {}), boot id {}", n,
+                                   nvml.ok() ? *nvml : "unknown: " + nvml.status().message(),
+                                   cuda::DriverVersionString(), boot);
+  // Every GPU individually usable: a tiny kernel on each, checked against the host, and little
+  // memory in use before we start.
+  for (int d = 0; d < n; ++d) {
+    size_t in_use = 0;
+    Status st = kernels::DeviceSmokeTest(d, &in_use);
+    if (!st.ok()) return {"preflight", "FAIL", fmt::format("GPU {} not usable: {}", d, st.message()), {}};
+    constexpr size_t kIdleBound = size_t{2} << 30;
+    if (in_use > kIdleBound) {
+      return {"preflight", "FAIL",
+              fmt::format("GPU {} has {:.1f} GiB in use before the gate (bound 2 GiB)", d,
+                          in_use / double(1 << 30)),
+              {}};
+    }
+    detail += fmt::format("; GPU {} kernel ok, {:.2f} GiB in use", d, in_use / double(1 << 30));
+  }
   auto [rc, out] = Capture("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader");
   if (rc == 0) {
     std::string apps;

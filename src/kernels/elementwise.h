@@ -40,6 +40,11 @@ Status FillAffineBf16(bf16* dst, int64_t n, uint64_t key, float scale, float off
 // the reduction order, so the result is deterministic. Used to calibrate FP8 KV scales from a BF16 cache.
 Status AbsMaxBf16(const bf16* src, int64_t n, float* out, Stream stream);
 
+// Proves one device usable end to end: allocates, launches a kernel that writes 1M counter-based
+// values, copies them back and compares them with the host's formula (allowing one BF16 ulp for
+// device/host libm differences). Also reports the bytes in use on the device before the test.
+Status DeviceSmokeTest(int device, size_t* bytes_in_use);
+
 // dst[i] = float(src[i]) for logits copied back to the host.
 Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream);
 

@@ -11,6 +11,7 @@ Status FillAffineBf16(bf16*, int64_t, uint64_t, float, float, Stream) {
 Status AbsMaxBf16(const bf16*, int64_t, float*, Stream) {
   return Unavailable("no CUDA backend in this build");
 }
+Status DeviceSmokeTest(int, size_t*) { return Unavailable("no CUDA backend in this build"); }
 Status Bf16ToF32(const bf16*, float*, int64_t, Stream) {
   return Unavailable("no CUDA backend in this build");
 }

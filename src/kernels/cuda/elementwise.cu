@@ -2,7 +2,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <vector>
 
+#include "base/dtype.h"
 #include "base/rng.h"
 #include "kernels/elementwise.h"
 
@@ -92,6 +94,31 @@ Status AbsMaxBf16(const bf16* src, int64_t n, float* out, Stream stream) {
   AbsMaxKernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(src), n, reinterpret_cast<unsigned*>(out));
   return LaunchStatus("AbsMaxBf16");
+}
+
+Status DeviceSmokeTest(int device, size_t* bytes_in_use) {
+  if (cudaSetDevice(device) != cudaSuccess) return LaunchStatus("cudaSetDevice");
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return LaunchStatus("cudaMemGetInfo");
+  if (bytes_in_use) *bytes_in_use = total_b - free_b;
+  constexpr int64_t n = 1 << 20;
+  bf16* d = nullptr;
+  if (cudaMalloc(&d, n * sizeof(bf16)) != cudaSuccess) return LaunchStatus("cudaMalloc");
+  const uint64_t key = StreamKey(device, "decodelab-device-smoke-test");
+  Status st = FillAffineBf16(d, n, key, 1.0f, 0.0f, nullptr);
+  std::vector<uint16_t> h(n);
+  if (st.ok() && cudaMemcpy(h.data(), d, n * sizeof(bf16), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    st = LaunchStatus("cudaMemcpy");
+  }
+  cudaFree(d);
+  DL_RETURN_IF_ERROR(st);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; i += 997) {
+    const int diff = static_cast<int>(h[i]) - static_cast<int>(FloatToBf16(NormalAt(key, i)));
+    bad += diff > 1 || diff < -1;
+  }
+  if (bad) return Internal("device {}: {} of {} sampled values differ from the host formula", device, bad, n / 997 + 1);
+  return Status::Ok();
 }
 
 Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream) {
