@@ -373,6 +373,17 @@ lab::GateStep GatePreflight(const GateContext& g) {
   std::string detail = fmt::format("{} GPU(s), driver {} (CUDA {}), boot id {}", n,
                                    nvml.ok() ? *nvml : "unknown: " + nvml.status().message(),
                                    cuda::DriverVersionString(), boot);
+  // Idleness first: our own smoke test below creates a CUDA context that nvidia-smi would list.
+  auto [rc, out] = Capture("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader");
+  if (rc == 0) {
+    std::string apps;
+    for (char c : out) apps += c == '\n' ? ';' : c;
+    if (!apps.empty() && apps != ";") {
+      return {"preflight", "FAIL", "foreign compute processes on the GPUs: " + apps, {}};
+    }
+  } else {
+    detail += "; nvidia-smi unavailable: idleness not checked";
+  }
   // Every GPU individually usable: a tiny kernel on each, checked against the host, and little
   // memory in use before we start.
   for (int d = 0; d < n; ++d) {
@@ -387,16 +398,6 @@ lab::GateStep GatePreflight(const GateContext& g) {
               {}};
     }
     detail += fmt::format("; GPU {} kernel ok, {:.2f} GiB in use", d, in_use / double(1 << 30));
-  }
-  auto [rc, out] = Capture("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader");
-  if (rc == 0) {
-    std::string apps;
-    for (char c : out) apps += c == '\n' ? ';' : c;
-    if (!apps.empty() && apps != ";") {
-      return {"preflight", "FAIL", "foreign compute processes on the GPUs: " + apps, {}};
-    }
-  } else {
-    detail += "; nvidia-smi unavailable: idleness not checked";
   }
   return {"preflight", "PASS", detail, {}};
 }
