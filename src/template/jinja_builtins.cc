@@ -1097,15 +1097,8 @@ bool LessThan(const Value& a, const Value& b) {
     }
     return x.size() < y.size();
   }
-  auto short_name = [](const Value& v) {
-    std::string n = v.TypeName();
-    auto p = n.find(" object");
-    std::string r = "'";
-    r += p == std::string::npos ? n : n.substr(0, p);
-    r += '\'';
-    return r;
-  };
-  Fail("'<' not supported between instances of " + short_name(a) + " and " + short_name(b));
+  Fail("'<' not supported between instances of " + a.QuotedShortTypeName() + " and " +
+       b.QuotedShortTypeName());
 }
 
 std::vector<Value> Iterate(const Value& v) {

@@ -76,15 +76,7 @@ int64_t PyMod(int64_t a, int64_t b) {
 }
 
 std::string OperandTypes(const Value& a, const Value& b) {
-  auto t = [](const Value& v) {
-    std::string n = v.TypeName();
-    auto p = n.find(" object");
-    std::string r = "'";
-    r += p == std::string::npos ? n : n.substr(0, p);
-    r += '\'';
-    return r;
-  };
-  return t(a) + " and " + t(b);
+  return a.QuotedShortTypeName() + " and " + b.QuotedShortTypeName();
 }
 
 Value Arith(const std::string& op, const Value& a, const Value& b) {

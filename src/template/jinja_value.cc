@@ -324,6 +324,12 @@ bool Value::Equals(const Value& o) const {
   }
 }
 
+std::string Value::QuotedShortTypeName() const {
+  const std::string n = TypeName();
+  const auto p = n.find(" object");
+  return "'" + (p == std::string::npos ? n : n.substr(0, p)) + "'";
+}
+
 std::string Value::TypeName() const {
   switch (kind_) {
     case Kind::kUndefined:

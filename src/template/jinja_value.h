@@ -127,6 +127,8 @@ class Value {
   bool Equals(const Value& other) const;
   // jinja2's type names in messages: "dict object", "list object", ...
   std::string TypeName() const;
+  // Python's quoted short type name as error messages show it: 'int', 'str', 'dict'.
+  std::string QuotedShortTypeName() const;
   // Back to JSON (undefined and callables are errors, like json.dumps would raise).
   nlohmann::ordered_json ToJson() const;
 
