@@ -160,6 +160,18 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
   return b;
 }
 
+// y[T, out] = x[T, in] W[out, in]^T, dense rows.
+Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s) {
+  kernels::GemvParams p;
+  p.w = w;
+  p.x = x;
+  p.y = y;
+  p.out = out;
+  p.in = in;
+  p.num_tokens = tokens;
+  return kernels::Gemv(p, s);
+}
+
 }  // namespace
 
 Status CudaRunner::Impl::Init(const Checkpoint& ck) {
@@ -363,14 +375,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     norm1.eps = eps;
     DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm1, s));
 
-    kernels::GemvParams proj;
-    proj.w = L.qkvg.as<bf16>();
-    proj.x = u.as<bf16>();
-    proj.y = qkvg.as<bf16>();
-    proj.out = static_cast<int>(L.qkvg_width);
-    proj.in = d;
-    proj.num_tokens = T;
-    DL_RETURN_IF_ERROR(kernels::Gemv(proj, s));
+    DL_RETURN_IF_ERROR(RunGemv(L.qkvg.as<bf16>(), u.as<bf16>(), qkvg.as<bf16>(),
+                               static_cast<int>(L.qkvg_width), d, T, s));
 
     kernels::QkNormRopeAppendParams rp;
     rp.q = qkvg.as<bf16>();
@@ -423,14 +429,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace_bytes = attn_ws_bytes;
     DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
 
-    kernels::GemvParams op;
-    op.w = L.o.as<bf16>();
-    op.x = attn_out.as<bf16>();
-    op.y = delta.as<bf16>();
-    op.out = d;
-    op.in = H * D;
-    op.num_tokens = T;
-    DL_RETURN_IF_ERROR(kernels::Gemv(op, s));
+    DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
 
     kernels::AddRmsNormParams norm2 = norm1;
     norm2.delta = delta.as<bf16>();
@@ -465,23 +464,9 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       }
     } else {
       const int F = static_cast<int>(c.intermediate_size);
-      kernels::GemvParams gu;
-      gu.w = L.gate_up.as<bf16>();
-      gu.x = u.as<bf16>();
-      gu.y = gate_up.as<bf16>();
-      gu.out = 2 * F;
-      gu.in = d;
-      gu.num_tokens = T;
-      DL_RETURN_IF_ERROR(kernels::Gemv(gu, s));
+      DL_RETURN_IF_ERROR(RunGemv(L.gate_up.as<bf16>(), u.as<bf16>(), gate_up.as<bf16>(), 2 * F, d, T, s));
       DL_RETURN_IF_ERROR(kernels::SiluMul({gate_up.as<bf16>(), hidden.as<bf16>(), T, F}, s));
-      kernels::GemvParams dn;
-      dn.w = L.down.as<bf16>();
-      dn.x = hidden.as<bf16>();
-      dn.y = delta.as<bf16>();
-      dn.out = d;
-      dn.in = F;
-      dn.num_tokens = T;
-      DL_RETURN_IF_ERROR(kernels::Gemv(dn, s));
+      DL_RETURN_IF_ERROR(RunGemv(L.down.as<bf16>(), hidden.as<bf16>(), delta.as<bf16>(), d, F, T, s));
     }
   }
   kernels::AddRmsNormParams fin;
@@ -494,14 +479,9 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   fin.eps = eps;
   DL_RETURN_IF_ERROR(kernels::AddRmsNorm(fin, s));
   const int V = static_cast<int>(c.vocab_size);
-  kernels::GemvParams head;
-  head.w = lm_head.as<bf16>();
-  head.x = u.as<bf16>() + (all_logits ? 0 : static_cast<int64_t>(T - 1) * d);
-  head.y = logits_bf16.as<bf16>();
-  head.out = V;
-  head.in = d;
-  head.num_tokens = all_logits ? T : 1;
-  DL_RETURN_IF_ERROR(kernels::Gemv(head, s));
+  DL_RETURN_IF_ERROR(RunGemv(lm_head.as<bf16>(),
+                             u.as<bf16>() + (all_logits ? 0 : static_cast<int64_t>(T - 1) * d),
+                             logits_bf16.as<bf16>(), V, d, all_logits ? T : 1, s));
   kernels::ArgmaxParams am;
   am.logits = logits_bf16.as<bf16>() + (all_logits ? static_cast<int64_t>(T - 1) * V : 0);
   am.n = V;
