@@ -15,6 +15,7 @@
 #include "base/rng.h"
 #include "base/sha256.h"
 #include "cuda/bandwidth.h"
+#include "lab/lab_stats.h"
 #include "cuda/device.h"
 #include "model/cuda_runner.h"
 #include "model/param_count.h"
@@ -31,15 +32,6 @@ struct BenchFlags {
   bool no_graph = false;
   std::string json_out;
 };
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const double pos = q * (v.size() - 1);
-  const size_t i = static_cast<size_t>(pos);
-  const double frac = pos - i;
-  return i + 1 < v.size() ? v[i] * (1 - frac) + v[i + 1] * frac : v[i];
-}
 
 std::vector<int32_t> BenchPrompt(int n, int64_t vocab) {
   const uint64_t key = StreamKey(0, "decodelab-bench-prompt-v1");
@@ -124,7 +116,7 @@ int RunBench(const BenchFlags& f) {
     if (!st.ok()) return ReportError(st);
     if (!rel.ok()) return ReportError(rel);
     steps.erase(steps.begin());  // the first decode step also captures the graph
-    run_medians.push_back(Percentile(steps, 0.5));
+    run_medians.push_back(lab::Median(steps));
     all_steps.insert(all_steps.end(), steps.begin(), steps.end());
     std::fprintf(stderr, "run %d/%d: prefill %.2f ms, median TPOT %.4f ms\n", rep + 1, f.repeat,
                  prefill_ms.back(), run_medians.back());
@@ -140,7 +132,7 @@ int RunBench(const BenchFlags& f) {
   kv_bytes /= (f.gen_len - 1);
   const double weight_bytes = static_cast<double>(pc.bytes_per_token_bf16());
   const double bytes = weight_bytes + kv_bytes;
-  const double tpot = Percentile(all_steps, 0.5);
+  const double tpot = lab::Median(all_steps);
   const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e9) * 1e3 : 0.0;
   const nlohmann::json describe = (*engine)->runner->Describe();
   int kernels = 0;
@@ -152,12 +144,12 @@ int RunBench(const BenchFlags& f) {
   auto self = Sha256OfSelf();
   nlohmann::json j = {
       {"tpot_ms_median", tpot},
-      {"tpot_ms_p10", Percentile(all_steps, 0.1)},
-      {"tpot_ms_p90", Percentile(all_steps, 0.9)},
+      {"tpot_ms_p10", lab::Percentile(all_steps, 10)},
+      {"tpot_ms_p90", lab::Percentile(all_steps, 90)},
       {"tok_s", 1e3 / tpot},
       {"run_median_tpot_ms", run_medians},
       {"run_spread_rel", spread},
-      {"prefill_ms_median", Percentile(prefill_ms, 0.5)},
+      {"prefill_ms_median", lab::Median(prefill_ms)},
       {"bytes_per_token", bytes},
       {"weight_bytes_per_token", weight_bytes},
       {"kv_bytes_per_token_mean", kv_bytes},
@@ -196,8 +188,8 @@ int RunBench(const BenchFlags& f) {
               (*engine)->kv->spec().page_size, f.prompt_len, f.gen_len, f.repeat,
               describe.value("fallback", false) ? "  ** FALLBACK: not a speed result **" : "");
   std::printf("  TPOT         median %.4f ms  p10 %.4f  p90 %.4f  (%.1f tok/s; run spread %.1f%%)\n",
-              tpot, Percentile(all_steps, 0.1), Percentile(all_steps, 0.9), 1e3 / tpot, 100 * spread);
-  std::printf("  prefill      %.2f ms (median of runs)\n", Percentile(prefill_ms, 0.5));
+              tpot, lab::Percentile(all_steps, 10), lab::Percentile(all_steps, 90), 1e3 / tpot, 100 * spread);
+  std::printf("  prefill      %.2f ms (median of runs)\n", lab::Median(prefill_ms));
   std::printf("  bytes/token  %.3f GB (weights %.3f + KV %.4f)\n", bytes / 1e9, weight_bytes / 1e9,
               kv_bytes / 1e9);
   if (copy_gbps > 0) {

@@ -7,6 +7,7 @@
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
 #include "base/sha256.h"
+#include "lab/lab_stats.h"
 
 namespace dl::app {
 namespace {
@@ -18,13 +19,6 @@ struct GenerateFlags {
   bool ignore_eos = false;
   bool json = false;
 };
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 int RunGenerate(const GenerateFlags& f) {
   auto opts = f.engine.ToOptions();
@@ -44,7 +38,7 @@ int RunGenerate(const GenerateFlags& f) {
   auto r = GenerateGreedy(**engine, *prompt, g);
   if (!r.ok()) return ReportError(r.status());
 
-  const double tpot = Median(r->decode_step_seconds);
+  const double tpot = lab::Median(r->decode_step_seconds);
   const double tok_s = tpot > 0 ? 1.0 / tpot : 0.0;
   FILE* text_out = f.json ? stderr : stdout;
   std::string ids;
