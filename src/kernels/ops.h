@@ -83,20 +83,27 @@ struct GemvParams {
   int out = 0, in = 0;      // in % 8 == 0
   int num_tokens = 1;
   int64_t x_stride = 0, y_stride = 0;  // 0 = dense (in / out)
+  // Warps per output row (1, 2, 4 or 8; 0 = GemvKSplitFor(out, in)). A function of the shape only,
+  // never of num_tokens, so a token's result does not depend on the batch it was computed in.
+  int k_split = 0;
 };
+// Splits the input dimension over several warps when there are too few rows to keep every SM's
+// loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
+int GemvKSplitFor(int out, int in);
 Status Gemv(const GemvParams& p, Stream stream);
 
-// ---- 6. MoE for one token --------------------------------------------------------------------------
+// ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
 // Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);
 // select the top-k of (s + bias) (ties: lowest expert id; descending order); w_e = bf16(s_e / sum_sel s)
 // (sum in selection order). Experts (two kernels): h_j = bf16(bf16(silu(bf16(G_j x))) * bf16(U_j x));
 // o_j = bf16(D_j h_j); y = bf16( bf16(alpha * bf16(sum_j bf16(o_j * w_j))) + bf16(D_s h_s) )
 // (5.17.0 grouped_mm order: per-slot BF16 products, FP32 sum over slots, one rounding). No host
-// round trip: expert ids stay on the device and index the pointer arrays.
+// round trip: expert ids stay on the device and index the pointer arrays. T tokens share the three
+// launches but nothing else: token t's arithmetic is the same for every T (prefill = decode, bit for bit).
 // Expert weights: arrays (in DEVICE memory) of E device pointers, one per expert tensor, matching the
 // loader's per-expert tensors: gate/up [F, d], down [d, F].
 struct MoeParams {
-  const bf16* x = nullptr;             // [d] normalised input u2
+  const bf16* x = nullptr;             // [T, d] normalised input u2
   const bf16* router_w = nullptr;      // [E, d]
   const bf16* router_bias = nullptr;   // [E] e_score_correction_bias (BF16, selection only)
   const bf16* const* gate_w = nullptr; // [E] -> [F, d]
@@ -106,17 +113,18 @@ struct MoeParams {
   const bf16* shared_up_w = nullptr;   // [Fs, d]
   const bf16* shared_down_w = nullptr; // [d, Fs]
   int d = 0, num_experts = 0, top_k = 0, ffn = 0, shared_ffn = 0;  // d, F: multiples of 8; E <= 1024
+  int num_tokens = 1;    // T (the CPU reference takes one token)
   float alpha = 1.0f;    // moe_routed_scaling_factor
   float softcap = 0.0f;  // moe_router_logit_softcapping (0 = off)
-  bf16* y = nullptr;     // [d] output (routed*alpha + shared), NOT added to the residual
+  bf16* y = nullptr;     // [T, d] output (routed*alpha + shared), NOT added to the residual
   // Outputs of the router, kept for inspection: selected ids (descending biased score) and weights
   // (the BF16-rounded values, as float).
-  int32_t* topk_ids = nullptr;      // [top_k]
-  float* topk_weights = nullptr;    // [top_k]
-  void* workspace = nullptr;        // MoeWorkspaceBytes(); contents need no initialisation
-  uint32_t* counter = nullptr;      // one word, zero before first use; kernels leave it zero
+  int32_t* topk_ids = nullptr;      // [T, top_k]
+  float* topk_weights = nullptr;    // [T, top_k]
+  void* workspace = nullptr;        // MoeWorkspaceBytes(..., T); contents need no initialisation
+  uint32_t* counter = nullptr;      // [T] words, zero before first use; kernels leave them zero
 };
-size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn);
+size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
 
 // ---- 7. Argmax -------------------------------------------------------------------------------------
@@ -130,6 +138,11 @@ struct ArgmaxParams {
 };
 size_t ArgmaxWorkspaceBytes(int n);
 Status Argmax(const ArgmaxParams& p, Stream stream);
+
+// ---- Launch mode ----------------------------------------------------------------------------------
+// Whether the decode kernels use programmatic dependent launch (sm_90+): on by default; the
+// environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
+bool DependentLaunchEnabled();
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------
 // dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,

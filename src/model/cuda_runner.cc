@@ -58,7 +58,7 @@ struct CudaRunner::Impl {
   cuda::DeviceBuffer block_tables[2];
   int32_t max_pages = 0;
   int64_t max_qkvg = 0, max_attn = 0, max_ffn = 0;
-  cuda::DeviceBuffer attn_ws, moe_ws, moe_counter, argmax_ws, argmax_counter, topk_ids, topk_w;
+  cuda::DeviceBuffer attn_ws, attn_counters, moe_ws, moe_counter, argmax_ws, argmax_counter, topk_ids, topk_w;
   size_t attn_ws_bytes = 0;
   cuda::PinnedBuffer host_ids, host_positions, host_tables, host_logits, host_argmax;
   cuda::GraphExec decode_graph;
@@ -296,14 +296,15 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
     attn_ws_bytes = std::max(attn_ws_bytes, kernels::AttentionWorkspaceBytes(ap));
   }
   DL_ASSIGN_OR_RETURN(attn_ws, Zeroed<uint8_t>(attn_ws_bytes));
+  DL_ASSIGN_OR_RETURN(attn_counters, Zeroed<uint32_t>(static_cast<size_t>(T) * K));
   if (c.num_experts > 0) {
     DL_ASSIGN_OR_RETURN(moe_ws, Zeroed<uint8_t>(kernels::MoeWorkspaceBytes(
                                     static_cast<int>(c.num_experts), static_cast<int>(c.num_experts_per_tok),
                                     static_cast<int>(c.moe_intermediate_size),
-                                    static_cast<int>(c.shared_expert_intermediate_size))));
-    DL_ASSIGN_OR_RETURN(moe_counter, Zeroed<uint32_t>(1));
-    DL_ASSIGN_OR_RETURN(topk_ids, Zeroed<int32_t>(c.num_experts_per_tok));
-    DL_ASSIGN_OR_RETURN(topk_w, Zeroed<float>(c.num_experts_per_tok));
+                                    static_cast<int>(c.shared_expert_intermediate_size), T)));
+    DL_ASSIGN_OR_RETURN(moe_counter, Zeroed<uint32_t>(T));
+    DL_ASSIGN_OR_RETURN(topk_ids, Zeroed<int32_t>(static_cast<size_t>(T) * c.num_experts_per_tok));
+    DL_ASSIGN_OR_RETURN(topk_w, Zeroed<float>(static_cast<size_t>(T) * c.num_experts_per_tok));
   }
   DL_ASSIGN_OR_RETURN(argmax_ws,
                       Zeroed<uint8_t>(kernels::ArgmaxWorkspaceBytes(static_cast<int>(c.vocab_size))));
@@ -427,6 +428,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.out = attn_out.as<bf16>();
     ap.workspace = attn_ws.data();
     ap.workspace_bytes = attn_ws_bytes;
+    ap.counters = attn_counters.as<uint32_t>();
     DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
 
     DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
@@ -437,31 +439,30 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm2, s));
 
     if (L.sparse) {
-      for (int32_t t = 0; t < T; ++t) {
-        kernels::MoeParams mp;
-        mp.x = u.as<bf16>() + static_cast<int64_t>(t) * d;
-        mp.router_w = L.router.as<bf16>();
-        mp.router_bias = L.bias.as<bf16>();
-        mp.gate_w = L.gate_ptrs.as<const bf16*>();
-        mp.up_w = L.up_ptrs.as<const bf16*>();
-        mp.down_w = L.down_ptrs.as<const bf16*>();
-        mp.shared_gate_w = L.shared_gate.as<bf16>();
-        mp.shared_up_w = L.shared_up.as<bf16>();
-        mp.shared_down_w = L.shared_down.as<bf16>();
-        mp.d = d;
-        mp.num_experts = static_cast<int>(c.num_experts);
-        mp.top_k = static_cast<int>(c.num_experts_per_tok);
-        mp.ffn = static_cast<int>(c.moe_intermediate_size);
-        mp.shared_ffn = static_cast<int>(c.shared_expert_intermediate_size);
-        mp.alpha = static_cast<float>(c.moe_routed_scaling_factor);
-        mp.softcap = static_cast<float>(c.moe_router_logit_softcapping);
-        mp.y = delta.as<bf16>() + static_cast<int64_t>(t) * d;
-        mp.topk_ids = topk_ids.as<int32_t>();
-        mp.topk_weights = topk_w.as<float>();
-        mp.workspace = moe_ws.data();
-        mp.counter = moe_counter.as<uint32_t>();
-        DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
-      }
+      kernels::MoeParams mp;
+      mp.x = u.as<bf16>();
+      mp.num_tokens = T;
+      mp.router_w = L.router.as<bf16>();
+      mp.router_bias = L.bias.as<bf16>();
+      mp.gate_w = L.gate_ptrs.as<const bf16*>();
+      mp.up_w = L.up_ptrs.as<const bf16*>();
+      mp.down_w = L.down_ptrs.as<const bf16*>();
+      mp.shared_gate_w = L.shared_gate.as<bf16>();
+      mp.shared_up_w = L.shared_up.as<bf16>();
+      mp.shared_down_w = L.shared_down.as<bf16>();
+      mp.d = d;
+      mp.num_experts = static_cast<int>(c.num_experts);
+      mp.top_k = static_cast<int>(c.num_experts_per_tok);
+      mp.ffn = static_cast<int>(c.moe_intermediate_size);
+      mp.shared_ffn = static_cast<int>(c.shared_expert_intermediate_size);
+      mp.alpha = static_cast<float>(c.moe_routed_scaling_factor);
+      mp.softcap = static_cast<float>(c.moe_router_logit_softcapping);
+      mp.y = delta.as<bf16>();
+      mp.topk_ids = topk_ids.as<int32_t>();
+      mp.topk_weights = topk_w.as<float>();
+      mp.workspace = moe_ws.data();
+      mp.counter = moe_counter.as<uint32_t>();
+      DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
       DL_RETURN_IF_ERROR(RunGemv(L.gate_up.as<bf16>(), u.as<bf16>(), gate_up.as<bf16>(), 2 * F, d, T, s));
@@ -622,7 +623,8 @@ nlohmann::json CudaRunner::Describe() const {
              {"signature", fmt::format("{}/0", nodes)}}}},
           {"kv_dtype", std::string(DTypeName(impl_->kv.dtype))},
           {"page_size", impl_->kv.page_size},
-          {"graph", impl_->opt.use_graph}};
+          {"graph", impl_->opt.use_graph},
+          {"dependent_launch", kernels::DependentLaunchEnabled()}};
 }
 
 #else  // no CUDA backend in this build

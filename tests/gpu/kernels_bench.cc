@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
@@ -53,17 +55,39 @@ cuda::DeviceBuffer Upload(const std::vector<T>& v) {
 }
 
 // Mean milliseconds per call of fn(i) over `iters` calls after a warm-up.
-double TimeMs(const std::function<void(int)>& fn, int iters) {
+// The stream every timed call goes to; TimeMs captures `iters` calls into one CUDA graph, as the
+// engine's decode step does, so a row is the kernel's cost inside a graph (launch gaps included,
+// host launch overhead not). The copy row is timed with plain launches.
+cudaStream_t g_stream = nullptr;
+
+double TimeMs(const std::function<void(int)>& fn, int iters, bool graph = true) {
+  cudaDeviceSynchronize();  // set-up work went to the legacy stream
   for (int i = 0; i < 3; ++i) fn(i);
   cudaEvent_t a, b;
   cudaEventCreate(&a), cudaEventCreate(&b);
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) fn(i);
-  cudaEventRecord(b);
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaStreamSynchronize(g_stream);
+    cudaGraph_t g;
+    cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal);
+    for (int i = 0; i < iters; ++i) fn(i);
+    cudaStreamEndCapture(g_stream, &g);
+    cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    cudaGraphLaunch(exec, g_stream);  // warm
+  }
+  cudaEventRecord(a, g_stream);
+  if (graph) {
+    cudaGraphLaunch(exec, g_stream);
+  } else {
+    for (int i = 0; i < iters; ++i) fn(i);
+  }
+  cudaEventRecord(b, g_stream);
   cudaEventSynchronize(b);
   float ms = 0;
   cudaEventElapsedTime(&ms, a, b);
   cudaEventDestroy(a), cudaEventDestroy(b);
+  if (exec) cudaGraphExecDestroy(exec);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
@@ -89,31 +113,36 @@ int main() {
   std::printf("device: %s, %d SMs, L2 %zu MB\n", info->name.c_str(), info->sm_count,
               info->l2_bytes >> 20);
   std::vector<Row> rows;
+  cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking);
 
   // Copy bandwidth (read + write).
   {
     const size_t n = size_t{1} << 31;
     auto src = Alloc(n), dst = Alloc(n);
     CHECK_OK(src.Fill(0x3c));
-    const double ms = TimeMs([&](int) { cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice); }, 10);
+    const double ms = TimeMs([&](int) { cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice, g_stream); }, 10, false);
     rows.push_back({"d2d copy", "2 GiB", ms * 1e3, 2.0 * n});
   }
   const double copy_gbs = rows[0].bytes / (rows[0].us * 1e-6) / 1e9;
 
-  // GEMV: q_proj (sliding), o_proj, lm_head; 8 rotating weight copies (> L2).
+  // GEMV: fused q/k/v/g (sliding), o_proj at each input split, lm_head; 8 rotating weight copies
+  // (> L2). k_split 0 = the shape's default (GemvKSplitFor).
   auto x = Random(8192, 1, 1.0f);
   auto y = Alloc(100352 * 2);
-  for (auto [name, out, in, copies] : {std::tuple{"gemv q_proj", 8192, 2048, 8},
-                                       std::tuple{"gemv o_proj", 2048, 8192, 8},
-                                       std::tuple{"gemv lm_head", 100352, 2048, 1}}) {
+  for (auto [name, out, in, copies, ks] : {std::tuple{"gemv qkvg", 10304, 2048, 8, 0},
+                                           std::tuple{"gemv o_proj", 2048, 8192, 8, 0},
+                                           std::tuple{"gemv o_proj ks1", 2048, 8192, 8, 1},
+                                           std::tuple{"gemv o_proj ks2", 2048, 8192, 8, 2},
+                                           std::tuple{"gemv o_proj ks8", 2048, 8192, 8, 8},
+                                           std::tuple{"gemv lm_head", 100352, 2048, 1, 0}}) {
     std::vector<cuda::DeviceBuffer> w;
     for (int c = 0; c < copies; ++c) w.push_back(Random(size_t(out) * in, 10 + c, 0.02f));
     const double ms = TimeMs([&](int i) {
-      GemvParams p{w[i % copies].as<bf16>(), x.as<bf16>(), y.as<bf16>(), out, in, 1, 0, 0};
-      CHECK_OK(Gemv(p, nullptr));
+      GemvParams p{w[i % copies].as<bf16>(), x.as<bf16>(), y.as<bf16>(), out, in, 1, 0, 0, ks};
+      CHECK_OK(Gemv(p, g_stream));
     }, 200);
-    rows.push_back({name, std::to_string(out) + "x" + std::to_string(in), ms * 1e3,
-                    2.0 * out * in});
+    rows.push_back({name, fmt::format("{}x{} ks{}", out, in, ks == 0 ? GemvKSplitFor(out, in) : ks),
+                    ms * 1e3, 2.0 * out * in});
   }
 
   // Residual add + RMSNorm, d = 2048.
@@ -122,7 +151,7 @@ int main() {
     auto o = Alloc(4096);
     const double ms = TimeMs([&](int) {
       AddRmsNormParams p{h.as<bf16>(), dl.as<bf16>(), w.as<bf16>(), o.as<bf16>(), 1, 2048, 1e-6f};
-      CHECK_OK(AddRmsNorm(p, nullptr));
+      CHECK_OK(AddRmsNorm(p, g_stream));
     }, 500);
     rows.push_back({"add_rmsnorm", "d 2048", ms * 1e3, 2.0 * 2048 * 5});
   }
@@ -147,7 +176,7 @@ int main() {
       p.head_dim = D, p.q_out = qo.as<bf16>(), p.k_pool = kp.data(), p.v_pool = vp.data();
       p.kv_dtype = KvDtype::kFp8, p.k_scale = p.v_scale = 0.05f, p.block_table = d_t.as<int32_t>();
       p.page_size = P;
-      CHECK_OK(QkNormRopeAppend(p, nullptr));
+      CHECK_OK(QkNormRopeAppend(p, g_stream));
     }, 500);
     rows.push_back({"qknorm_rope_append", "H64 K8 D128 fp8", ms * 1e3, 2.0 * (H + 4 * K) * D});
   }
@@ -161,7 +190,9 @@ int main() {
   for (const AttnCase& c :
        {AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kFp8, WindowKind::kSliding}, 4095, 30},
         AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kBf16, WindowKind::kSliding}, 4095, 30},
+        AttnCase{"attn global ctx100", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 99, 30},
         AttnCase{"attn global ctx1k", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 1023, 30},
+        AttnCase{"attn global ctx2k", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 2047, 30},
         AttnCase{"attn global ctx32k", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 32767, 4},
         AttnCase{"attn global ctx32k", {128, 6, 64, KvDtype::kBf16, WindowKind::kGlobal}, 32767, 4}}) {
     auto kernel = ResolveAttention(c.key);
@@ -192,12 +223,13 @@ int main() {
     p.max_position = c.pos, p.num_q_heads = H, p.num_kv_heads = K, p.head_dim = D;
     p.page_size = P, p.kv_dtype = c.key.kv_dtype, p.window_kind = c.key.window, p.window = 512;
     p.k_scale = p.v_scale = 0.1f, p.gate = g.as<bf16>(), p.gate_stride = H, p.out = o.as<bf16>();
-    auto ws = Alloc(AttentionWorkspaceBytes(p));
-    p.workspace = ws.data(), p.workspace_bytes = ws.size();
+    auto ws = Alloc(AttentionWorkspaceBytes(p)), counters = Alloc(K * 4);
+    CHECK_OK(counters.Fill(0));
+    p.workspace = ws.data(), p.workspace_bytes = ws.size(), p.counters = counters.as<uint32_t>();
     const double ms = TimeMs([&](int i) {
       AttentionParams a = p;
       a.k_pool = kp[i % c.copies].data(), a.v_pool = vp[i % c.copies].data();
-      CHECK_OK(RunAttention(*kernel, a, nullptr));
+      CHECK_OK(RunAttention(*kernel, a, g_stream));
     }, 200);
     const int keys = c.key.window == WindowKind::kSliding ? std::min(512, c.pos + 1) : c.pos + 1;
     rows.push_back({c.label, kernel->name, ms * 1e3, 2.0 * keys * K * D * esz});
@@ -237,7 +269,7 @@ int main() {
       p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
       p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
       p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
-      CHECK_OK(Moe(p, nullptr));
+      CHECK_OK(Moe(p, g_stream));
     }, 200);
     rows.push_back({"moe (router+8+shared)", "E256 k8 F512 d2048", ms * 1e3,
                     2.0 * (size_t(E) * d + size_t(k + 1) * 3 * F * d)});
@@ -250,7 +282,7 @@ int main() {
     CHECK_OK(counter.Fill(0));
     const double ms = TimeMs([&](int) {
       ArgmaxParams p{logits.as<bf16>(), 100352, out.as<int32_t>(), ws.data(), counter.as<uint32_t>()};
-      CHECK_OK(Argmax(p, nullptr));
+      CHECK_OK(Argmax(p, g_stream));
     }, 500);
     rows.push_back({"argmax", "V 100352", ms * 1e3, 2.0 * 100352});
   }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -266,12 +267,18 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
   p.out = d_o.as<bf16>();
   auto d_ws = Alloc(AttentionWorkspaceBytes(p));
+  auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
+  p.counters = d_counters.as<uint32_t>();
   AttnRun r;
   const Status st = RunAttention(kernel, p, nullptr);
   EXPECT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   r.out = Download<bf16>(d_o, static_cast<size_t>(T) * H * D);
+  if (!kernel.fallback) {  // the last chunk block of every (token, KV head) hands its ticket back
+    const auto left = Download<uint32_t>(d_counters, static_cast<size_t>(T) * c.K);
+    EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()));
+  }
   if (want_ref) {
     r.ref.resize(r.out.size());
     AttentionParams h = p;
@@ -377,12 +384,16 @@ TEST(AttentionGpu, MissingPresetErrorsAndFallbackMatchesReference) {
 // ---------------------------------------------------------------------------------------------------
 TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   SKIP_WITHOUT_GPU();
-  for (auto [out, in] : {std::pair{1000, 2048}, std::pair{64, 512}, std::pair{2048, 8192}}) {
+  // k_split 0 = the shape's default (4 for 2,048 x 8,192); every split must match and be invariant.
+  for (auto [out, in, ks] : {std::tuple{1000, 2048, 0}, std::tuple{64, 512, 0}, std::tuple{2048, 8192, 0},
+                             std::tuple{2048, 8192, 1}, std::tuple{2048, 8192, 2},
+                             std::tuple{300, 8192, 8}}) {
+    SCOPED_TRACE(testing::Message() << out << "x" << in << " k_split " << ks);
     const int T = 11;
     auto w = RandomBf16(static_cast<size_t>(out) * in, 91, 0.05f), x = RandomBf16(T * in, 92);
     auto d_w = Upload(w), d_x = Upload(x);
     auto d_y = Alloc(T * out * 2), d_y1 = Alloc(out * 2);
-    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y.as<bf16>(), out, in, T, 0, 0};
+    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y.as<bf16>(), out, in, T, 0, 0, ks};
     ASSERT_OK(Gemv(p, nullptr));
     std::vector<bf16> ref(T * out);
     GemvParams r{w.data(), x.data(), ref.data(), out, in, T, 0, 0};
@@ -390,7 +401,7 @@ TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
     const auto y = Download<bf16>(d_y, T * out);
     ExpectClose(y, ref, 1e-4f, 1.0f / 128, "gemm out " + std::to_string(out));
     for (int t : {0, 7, 10}) {
-      GemvParams one{d_w.as<bf16>(), d_x.as<bf16>() + t * in, d_y1.as<bf16>(), out, in, 1, 0, 0};
+      GemvParams one{d_w.as<bf16>(), d_x.as<bf16>() + t * in, d_y1.as<bf16>(), out, in, 1, 0, 0, ks};
       ASSERT_OK(Gemv(one, nullptr));
       EXPECT_EQ(Download<bf16>(d_y1, out), Rows(y, out, t, 1)) << "token " << t;
     }
@@ -473,6 +484,51 @@ TEST(MoeGpu, MatchesReference) {
     Sync();
     EXPECT_EQ(Download<bf16>(d_y, c.d), y1);
     EXPECT_EQ(Download<uint32_t>(d_counter, 1)[0], 0u);
+  }
+}
+
+// T tokens in one launch (prefill) give each token exactly what it gets alone (decode).
+TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
+  SKIP_WITHOUT_GPU();
+  const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 5;
+  std::vector<cuda::DeviceBuffer> dw;
+  std::vector<const bf16*> dg(E), du(E), dd(E);
+  for (int e = 0; e <= E; ++e) {
+    const int f = e == E ? Fs : F;
+    for (int m = 0; m < 3; ++m) dw.push_back(Upload(RandomBf16(static_cast<size_t>(f) * d, 2000 + 3 * e + m, 0.08f)));
+    if (e < E) dg[e] = dw[3 * e].as<bf16>(), du[e] = dw[3 * e + 1].as<bf16>(), dd[e] = dw[3 * e + 2].as<bf16>();
+  }
+  auto x = RandomBf16(static_cast<size_t>(T) * d, 201);
+  auto d_x = Upload(x), d_router = Upload(RandomBf16(static_cast<size_t>(E) * d, 202, 0.1f));
+  auto d_bias = Upload(RandomBf16(E, 203, 0.05f));
+  auto d_g = Upload(dg), d_u = Upload(du), d_d = Upload(dd);
+  auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ids = Alloc(static_cast<size_t>(T) * k * 4);
+  auto d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
+  MoeParams p;
+  p.x = d_x.as<bf16>(), p.router_w = d_router.as<bf16>(), p.router_bias = d_bias.as<bf16>();
+  p.gate_w = d_g.as<const bf16*>(), p.up_w = d_u.as<const bf16*>(), p.down_w = d_d.as<const bf16*>();
+  p.shared_gate_w = dw[3 * E].as<bf16>(), p.shared_up_w = dw[3 * E + 1].as<bf16>();
+  p.shared_down_w = dw[3 * E + 2].as<bf16>();
+  p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = Fs, p.alpha = 2.5f;
+  p.num_tokens = T, p.y = d_y.as<bf16>(), p.topk_ids = d_ids.as<int32_t>();
+  p.workspace = d_ws.data(), p.counter = d_counter.as<uint32_t>();
+  ASSERT_OK(Moe(p, nullptr));
+  Sync();
+  const auto y_all = Download<bf16>(d_y, static_cast<size_t>(T) * d);
+  const auto ids_all = Download<int32_t>(d_ids, static_cast<size_t>(T) * k);
+  EXPECT_EQ(Download<uint32_t>(d_counter, T), std::vector<uint32_t>(T, 0u));
+  std::set<int32_t> distinct(ids_all.begin(), ids_all.end());
+  EXPECT_GT(distinct.size(), static_cast<size_t>(k)) << "tokens should route differently";
+  for (int t = 0; t < T; ++t) {
+    MoeParams one = p;
+    one.num_tokens = 1;
+    one.x = d_x.as<bf16>() + static_cast<size_t>(t) * d;
+    ASSERT_OK(Moe(one, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y, d), std::vector<bf16>(y_all.begin() + t * d, y_all.begin() + (t + 1) * d))
+        << "token " << t;
+    EXPECT_EQ(Download<int32_t>(d_ids, k),
+              std::vector<int32_t>(ids_all.begin() + t * k, ids_all.begin() + (t + 1) * k));
   }
 }
 

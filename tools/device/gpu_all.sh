@@ -5,6 +5,7 @@
 #   usage (repo root, on the GPU machine, .deps and .decodelab-commit carried; write the latter here
 #   first with `git rev-parse --short=12 HEAD > .decodelab-commit`): bash tools/device/gpu_all.sh [--peer]
 #   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
+#   --quick: kernel work in progress: only the GPU targets, GPU tests, one bench run, kernel bench.
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 # Logs go to a scratch folder and come back as one tarball (the device returns at most 8 files).
@@ -14,7 +15,10 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
 export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps
 export PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig:$PWD/.deps/usr/share/pkgconfig
-PEER=0; [ "${1:-}" = "--peer" ] && PEER=1
+PEER=0; QUICK=0
+for a in "$@"; do
+  case "$a" in --peer) PEER=1 ;; --quick) QUICK=1 ;; *) echo "unknown flag $a"; exit 2 ;; esac
+done
 declare -A R
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
@@ -26,11 +30,12 @@ fi
 if ! ninja -C build decodelab cuda_runner_test kernels_gpu_test kernels_bench > "$OUT/build.log" 2>&1; then
   echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
 fi
-ninja -C build -k 0 > "$OUT/build_rest.log" 2>&1 || { echo "NOTE: some non-GPU targets failed to build:"; grep -E "^FAILED" "$OUT/build_rest.log" | head; }
+[ "$QUICK" = 1 ] || ninja -C build -k 0 > "$OUT/build_rest.log" 2>&1 || { echo "NOTE: some non-GPU targets failed to build:"; grep -E "^FAILED" "$OUT/build_rest.log" | head; }
 echo "build: $(( $(date +%s) - t0 )) s"
 B=build/bin/decodelab
 timeout 300 ctest --test-dir build -L gpu --output-on-failure > "$OUT/gpu_tests.log" 2>&1; R[gpu_tests]=$?
 grep -E "tests passed|Failed|\*\*\*|\[bf16-golden\]" "$OUT/gpu_tests.log" | head -30
+if [ "$QUICK" = 0 ]; then
 timeout 200 ctest --test-dir build -LE "gpu|node" -j 16 > "$OUT/all_tests.log" 2>&1; R[cpu_tests]=$?
 grep -E "tests passed|Failed" "$OUT/all_tests.log" | head -10
 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/cuda_runner_test \
@@ -51,7 +56,8 @@ timeout 200 python3 tools/device/serve_check.py $B --model tests/data/golden/tin
 timeout 300 python3 tools/device/serve_check.py $B --shape xs2 --num-layers 4 --backend cuda \
   --kv-dtype fp8 --page-size 32 > "$OUT/serve_xs2.log" 2>&1; R[serve_cuda_xs2_4l]=$?
 tail -2 "$OUT/serve_tiny.log" "$OUT/serve_xs2.log"
-timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 3 --kv-dtype fp8 \
+fi
+timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat $([ "$QUICK" = 1 ] && echo 1 || echo 3) --kv-dtype fp8 \
   --page-size 32 --json-out "$OUT/bench_xs2_fp8_p32.json" > "$OUT/bench_xs2.log" 2>&1; R[bench_xs2]=$?
 cat "$OUT/bench_xs2.log" | tail -12
 timeout 120 ./build/tests/gpu/kernels_bench > "$OUT/kernels_bench.log" 2>&1; R[kernels_bench]=$?

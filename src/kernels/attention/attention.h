@@ -42,8 +42,11 @@ struct AttentionParams {
   int64_t gate_stride = 0;     // elements per token
   bool gate_per_element = false;
   bf16* out = nullptr;         // [T, H, D]
-  void* workspace = nullptr;   // AttentionWorkspaceBytes(...)
+  void* workspace = nullptr;   // AttentionWorkspaceBytes(...); contents need no initialisation
   size_t workspace_bytes = 0;
+  // [T * K] arrival tickets of the split kernel (the last chunk block of a (token, KV head) merges
+  // the chunks); zero before first use, the kernel leaves them zero. Not used by the fallback.
+  uint32_t* counters = nullptr;
 };
 
 // Chunks a query's keys can span: grid width of the split-KV kernel.
@@ -87,7 +90,7 @@ struct AttentionKernel {
 // The preset's launcher. A key not built is NotFound, naming the key and listing the built presets,
 // unless allow_fallback, which returns the generic slow kernel marked fallback = true.
 Result<AttentionKernel> ResolveAttention(const AttnPresetKey& key, bool allow_fallback = false);
-// Validates p and runs the kernel (attention + combine + gate).
+// Validates p and runs the kernel (attention, chunk merge and gate in one launch).
 Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream);
 
 // Checks shapes, pointers and workspace against the preset/kernel; shared by launchers.

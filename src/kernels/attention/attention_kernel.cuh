@@ -1,15 +1,17 @@
 // The split-KV paged attention kernel, instantiated once per preset (generated TUs include this).
 //
-// Grid (chunk, kv_head, query token), 128 threads. A block owns one KV head, its G query heads and one
-// chunk of kAttnChunk ABSOLUTE key positions [c*C, c*C+C) clipped to the query's visible range
-// [start, pos] (start = pos-W+1 on sliding layers, else 0). Three stages, all in a fixed order:
-//   1. scores: lanes are grouped LPT = D/8 per key; each lane loads 8 elements of the key (16 bytes
-//      BF16, 8 bytes FP8) through the block table and dots them with its 8 dims of the G queries;
-//      an xor butterfly inside the lane group finishes the dot. Scores go to shared memory.
+// Grid (chunk, kv_head, query token), 256 threads. A block owns one KV head, its G query heads and one
+// chunk of kAttnChunk = 128 ABSOLUTE key positions [c*C, c*C+C) clipped to the query's visible range
+// [start, pos] (start = pos-W+1 on sliding layers, else 0). Four stages, all in a fixed order:
+//   1. scores: threads 2k, 2k+1 own key c*C+k: each loads half of the key's row (through the block
+//      table) and dots it with the G queries held in shared memory, one dimension after another;
+//      meanwhile the V half-row is copied into shared memory (cp.async). One shuffle adds the halves.
+//      At batch 1 the kernel is latency-bound: short per-thread chains matter more than bytes.
 //   2. per query head: chunk max m and l = sum exp(s - m) (warp butterflies), p = exp(s - m) kept.
-//   3. values: acc[g][8] += p * v over the block's keys, butterflies across lane groups, then the 4
-//      warps are summed in order. Writes the unnormalised partial O, m and l to the workspace.
-// The combine kernel (combine.cu) merges chunks in ascending order and applies the softplus gate.
+//   3. values: warp g owns query head g, each lane a few dimensions; o += p_k * v_k over the chunk's
+//      keys in ascending order, from shared memory. Writes the unnormalised partial O, m and l.
+//   4. the last block of a (token, KV head) to finish (arrival ticket; the ticket decides only WHO
+//      merges, never the order) merges the chunks in ascending order and applies the softplus gate.
 // The page size only changes address arithmetic: results are bit-identical across page sizes.
 #pragma once
 
@@ -20,31 +22,169 @@
 
 namespace dl::kernels {
 
-// Merges the per-chunk partials, normalises, rounds, gates and writes out (combine.cu).
-Status LaunchAttentionCombine(const AttentionParams& p, int num_chunks, Stream stream);
-
 namespace dev {
 
-template <int D, int G, int P, KvDtype KV, bool SLIDING>
-__global__ void __launch_bounds__(128) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
-  constexpr int C = kAttnChunk;
-  constexpr int kWarps = 4;
-  constexpr int kVec = 8;
-  constexpr int LPT = D / kVec;  // lanes per key
-  constexpr int TPW = 32 / LPT;  // keys per warp step
-  constexpr int TPB = TPW * kWarps;
-  constexpr int kSteps = C / TPB;
-  constexpr int U = kSteps < 8 ? kSteps : 8;  // keys in flight per lane (order of FMAs unchanged)
-  static_assert(D % kVec == 0 && (LPT & (LPT - 1)) == 0 && LPT >= 1 && LPT <= 32, "head dim");
-  static_assert(C % TPB == 0 && kSteps % U == 0, "chunk");
-  static_assert(P >= 2, "page size");
-  using KvVec = typename std::conditional<KV == KvDtype::kFp8, uint2, uint4>::type;
-  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+// Stage timing for kernel work (build with -DDL_ATTN_STAGE_TIMING): block (0, 0, 0) prints the
+// globaltimer deltas between the DL_ATTN_MARK points. Compiled out otherwise.
+#ifdef DL_ATTN_STAGE_TIMING
+#define DL_ATTN_MARK(i) \
+  unsigned long long dl_ts_##i; \
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(dl_ts_##i))
+#define DL_ATTN_REPORT()                                                                        \
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)               \
+  printf("attn stages ns: setup %llu scores %llu softmax+v-wait %llu pv %llu merge %llu\n",    \
+         dl_ts_1 - dl_ts_0, dl_ts_2 - dl_ts_1, dl_ts_3 - dl_ts_2, dl_ts_4 - dl_ts_3,            \
+         dl_ts_5 - dl_ts_4)
+#else
+#define DL_ATTN_MARK(i) \
+  do {                  \
+  } while (0)
+#define DL_ATTN_REPORT() \
+  do {                   \
+  } while (0)
+#endif
 
-  __shared__ float s_p[G][C];
-  __shared__ float s_red[kWarps][G][D];
-  // Page ids of the chunk's visible positions, loaded once: the per-key table lookup would otherwise
-  // add a dependent global load in front of every KV load.
+// out = bf16(attn); with a gate: out = bf16(out * bf16(softplus(g))) (reference order, §3.4).
+__device__ __forceinline__ uint16_t GateAndRound(const AttentionParams& a, int t, int h, int d,
+                                                 float attn) {
+  float o = RoundBf16(attn);
+  if (a.gate != nullptr) {
+    const size_t gi = static_cast<size_t>(t) * a.gate_stride +
+                      (a.gate_per_element ? static_cast<size_t>(h) * a.head_dim + d : h);
+    const float gamma = RoundBf16(Softplus(Bf16BitsToFloat(a.gate[gi])));
+    o = RoundBf16(o * gamma);
+  }
+  return FloatToBf16Bits(o);
+}
+
+// Stage 4 for query heads kvh*G .. kvh*G+G-1 of token t, kThreads threads, over the chunks [0, used)
+// that hold visible keys (the grid's later chunks are empty): m = max over non-empty chunks,
+// w_c = exp(m_c - m), l = sum l_c w_c, o = sum o_c w_c (ascending c, empty chunks skipped),
+// out = gate(bf16(o / l)). The (l_c, w_c) of a tile of C chunks go to shared memory once, with every
+// load of the tile in flight together: this block is the kernel's critical path.
+template <int D, int G, int C, int kThreads>
+__device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int kvh, int num_chunks,
+                                            int used, const float* ws_o, const float* ws_m, const float* ws_l,
+                                            float (&s_w)[G][C], float (&s_l)[G][C]) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kPer = (G * D + kThreads - 1) / kThreads;  // (g, d) outputs per thread
+  constexpr int kBatch = 8;                                // chunk partials in flight per output
+  const int H = a.num_q_heads;
+  __shared__ float s_mx[G];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto part = [&](int g, int c) {
+    return (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks + c;
+  };
+  for (int g = warp; g < G; g += kWarps) {
+    float mx = -INFINITY;
+    for (int c = lane; c < used; c += 32) {
+      const float lc = __ldcg(&ws_l[part(g, c)]), mc = __ldcg(&ws_m[part(g, c)]);
+      if (lc > 0.0f) mx = fmaxf(mx, mc);
+    }
+    mx = WarpMax(mx);
+    if (lane == 0) s_mx[g] = mx;
+  }
+  float l_acc[kPer], o_acc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) l_acc[i] = o_acc[i] = 0.0f;
+  for (int c0 = 0; c0 < used; c0 += C) {
+    const int n = min(C, used - c0);
+    __syncthreads();  // s_mx ready; the previous tile's s_w/s_l consumed
+    for (int idx = threadIdx.x; idx < G * n; idx += kThreads) {
+      const int g = idx / n, c = idx % n;
+      const float lc = __ldcg(&ws_l[part(g, c0 + c)]), mc = __ldcg(&ws_m[part(g, c0 + c)]);
+      s_l[g][c] = lc;
+      s_w[g][c] = lc > 0.0f ? expf(mc - s_mx[g]) : 0.0f;
+    }
+    __syncthreads();
+    for (int c = 0; c < n; c += kBatch) {
+      float ov[kPer][kBatch];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int idx = threadIdx.x + kThreads * i;
+        const int g = idx / D, d = idx % D;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          ov[i][u] = 0.0f;
+          if (idx < G * D && c + u < n && s_l[g][c + u] > 0.0f)
+            ov[i][u] = __ldcg(&ws_o[part(g, c0 + c + u) * D + d]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int idx = threadIdx.x + kThreads * i;
+        if (idx >= G * D) break;
+        const int g = idx / D;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (c + u >= n || s_l[g][c + u] <= 0.0f) continue;
+          l_acc[i] = fmaf(s_l[g][c + u], s_w[g][c + u], l_acc[i]);
+          o_acc[i] = fmaf(ov[i][u], s_w[g][c + u], o_acc[i]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + kThreads * i;
+    if (idx >= G * D) break;
+    const int g = idx / D, d = idx % D;
+    const int h = kvh * G + g;
+    const float attn = l_acc[i] > 0.0f ? o_acc[i] / l_acc[i] : 0.0f;
+    a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, attn);
+  }
+}
+
+// N consecutive KV elements from shared memory -> float (code values; the caller applies the scale).
+template <int N, KvDtype KV>
+__device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]) {
+  if constexpr (KV == KvDtype::kFp8 && N == 4) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) f[b] = Fp8ToFloat(static_cast<uint8_t>(w >> (8 * b)));
+  } else if constexpr (KV == KvDtype::kBf16 && N == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);
+    f[2] = __uint_as_float(w.y << 16), f[3] = __uint_as_float(w.y & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      f[e] = KV == KvDtype::kFp8 ? Fp8ToFloat(p[e]) : Bf16BitsToFloat(reinterpret_cast<const uint16_t*>(p)[e]);
+    }
+  }
+}
+
+template <int D, int G, int P, KvDtype KV, bool SLIDING>
+__global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
+  AllowDependents();
+  WaitForPrerequisites();
+  DL_ATTN_MARK(0);
+  constexpr int C = kAttnChunk;  // keys per block: two threads per key in stage 1
+  constexpr int kThreads = 256;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(C * 2 == kThreads, "stage 1 maps one key to each pair of threads");
+  static_assert(G >= 1 && G <= kWarps, "stage 3 gives each query head one warp");
+  static_assert(P >= 2, "page size");
+  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+  constexpr int kRowBytes = D * kElemBytes;  // one head of one key
+  static_assert(kRowBytes % 16 == 0, "head dim: a key row must be whole 16-byte chunks");
+  // Stage 1 splits a key row between the two threads of a pair where halves are whole 16-byte chunks;
+  // otherwise the first thread takes the row and the second contributes 0.
+  constexpr bool kSplitRow = kRowBytes % 32 == 0;
+  constexpr int kPartBytes = kSplitRow ? kRowBytes / 2 : kRowBytes;
+  constexpr int kPartDims = kPartBytes / kElemBytes;
+  constexpr int kVec = 16 / kElemBytes;  // elements per 16-byte load
+  constexpr int kDimsPerLane = D >= 32 ? D / 32 : 1;  // stage 3
+  static_assert(D < 32 || D % 32 == 0, "head dim");
+
+  __shared__ __align__(16) float s_q[G][D];
+  __shared__ __align__(16) float s_p[G][C];
+  // The chunk's V rows, copied asynchronously during stage 1 (zeros for keys outside the visible
+  // range); reused by stage 4 for its weights.
+  constexpr int kVBytes = C * kRowBytes;
+  constexpr int kMergeBytes = 2 * G * C * 4;
+  __shared__ __align__(16) unsigned char s_raw[kVBytes > kMergeBytes ? kVBytes : kMergeBytes];
+  // Page ids of the chunk's visible positions, loaded once.
   constexpr int kChunkPages = (C + P - 1) / P + 1;
   __shared__ int s_page[kChunkPages];
 
@@ -63,90 +203,122 @@ __global__ void __launch_bounds__(128) SplitAttentionKernel(const AttentionParam
   float* ws_l = ws_m + n_part;
   auto part = [&](int g) { return (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks + ci; };
 
+  __shared__ bool s_last;
+  // Stage 4's entry: count this block in; the last one of the (token, KV head) merges.
+  auto arrive_and_merge = [&]() {
+    __syncthreads();  // every partial of this block is written; s_raw is free
+    if (threadIdx.x == 0) {
+      __threadfence();
+      s_last = atomicAdd(&a.counters[t * K + kvh], 1u) == static_cast<unsigned>(num_chunks) - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    MergeChunks<D, G, C, kThreads>(a, t, kvh, num_chunks, pos / C - start / C + 1, ws_o, ws_m, ws_l,
+                                   *reinterpret_cast<float(*)[G][C]>(s_raw),
+                                   *reinterpret_cast<float(*)[G][C]>(s_raw + G * C * 4));
+    if (threadIdx.x == 0) a.counters[t * K + kvh] = 0u;
+  };
+
   if (chunk_lo > pos) {  // past the query: an empty chunk (the grid is sized for the largest query)
     if (threadIdx.x < G) {
       ws_m[part(threadIdx.x)] = -INFINITY;
       ws_l[part(threadIdx.x)] = 0.0f;
     }
+    arrive_and_merge();
     return;
   }
 
+  const int lo = max(start, chunk_lo);        // first visible key of the chunk
+  const int hi = min(pos, chunk_lo + C - 1);  // last
   {
-    const int first_page = max(start, chunk_lo) / P;
-    const int last_page = min(pos, chunk_lo + C - 1) / P;
-    if (threadIdx.x <= last_page - first_page) {
-      s_page[threadIdx.x] = a.block_table[first_page + threadIdx.x];
-    }
+    const int first_page = lo / P;
+    const int last_page = hi / P;
+    if (threadIdx.x <= last_page - first_page) s_page[threadIdx.x] = a.block_table[first_page + threadIdx.x];
   }
-  const int page0 = max(start, chunk_lo) / P;
+  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+    s_q[i / D][i % D] = Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + kvh * G) * D + i]);
+  }
+  __syncthreads();  // s_page, s_q
+  DL_ATTN_MARK(1);
+
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int grp = lane / LPT;
-  const int sub = lane % LPT;
   // softmax_scale is resolved on the host (launcher): D^-1/2 when the caller passed 0.
   const float score_scale = a.softmax_scale * (KV == KvDtype::kFp8 ? a.k_scale : 1.0f);
-
-  float q[G][kVec];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const uint4 u = *reinterpret_cast<const uint4*>(
-        a.q + (static_cast<size_t>(t) * H + kvh * G + g) * D + sub * kVec);
-    Bf16x8ToFloat(u, q[g]);
-  }
-
   const char* k_base = static_cast<const char*>(a.k_pool);
   const char* v_base = static_cast<const char*>(a.v_pool);
-  auto kv_offset = [&](int s) {  // byte offset of this lane's 8 elements of key s
-    const int page = s_page[s / P - page0];
-    return ((static_cast<size_t>(page) * P + (s % P)) * K + kvh) * D * kElemBytes +
-           sub * kVec * kElemBytes;
-  };
-  auto to_float = [](const KvVec& v, float* f) {
-    if constexpr (KV == KvDtype::kFp8) {
-      Fp8x8ToFloat(v, f);
-    } else {
-      Bf16x8ToFloat(v, f);
-    }
-  };
 
-  __syncthreads();  // s_page
-
-  // ---- Stage 1: scores.
-#pragma unroll 1
-  for (int step0 = 0; step0 < kSteps; step0 += U) {
-    KvVec kv[U];
-    bool valid[U];
+  // ---- Stage 1: threads 2k and 2k+1 own key s = chunk_lo + k, one half of its row each: load the
+  // K half, dot it with the G queries (FMAs in dimension order), start copying the V half into
+  // shared memory; score = lower half + upper half.
+  {
+    const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int s = chunk_lo + k;
+    const bool valid = s >= lo && s <= hi;
+    const bool active = kSplitRow || half == 0;
+    unsigned char* v_dst = s_raw + k * kRowBytes + (kSplitRow ? half * kPartBytes : 0);
+    float sc[G];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int s = chunk_lo + (step0 + u) * TPB + warp * TPW + grp;
-      valid[u] = s >= start && s <= pos;
-      if (valid[u]) kv[u] = *reinterpret_cast<const KvVec*>(k_base + kv_offset(s));
+    for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+    if (valid && active) {
+      const size_t off = ((static_cast<size_t>(s_page[s / P - lo / P]) * P + s % P) * K + kvh) * kRowBytes +
+                         (kSplitRow ? half * kPartBytes : 0);
+      const uint4* krow = reinterpret_cast<const uint4*>(k_base + off);
+      const uint32_t v_sh = static_cast<uint32_t>(__cvta_generic_to_shared(v_dst));
+#pragma unroll
+      for (int c = 0; c < kPartBytes / 16; ++c) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(v_sh + 16 * c), "l"(v_base + off + 16 * c));
+      }
+      constexpr int kLoads = kPartBytes / 16;
+      constexpr int kBatch = kLoads < 8 ? kLoads : 8;  // 16-byte loads in flight
+      const int dim0 = kSplitRow ? half * kPartDims : 0;
+#pragma unroll
+      for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
+        uint4 kv[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) kv[u] = krow[c0 + u];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          float kf[kVec];
+          if constexpr (KV == KvDtype::kFp8) {
+            Fp8x8ToFloat(make_uint2(kv[u].x, kv[u].y), kf);
+            Fp8x8ToFloat(make_uint2(kv[u].z, kv[u].w), kf + 8);
+          } else {
+            Bf16x8ToFloat(kv[u], kf);
+          }
+          const int d0 = dim0 + (c0 + u) * kVec;
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int e = 0; e < kVec; e += 4) {
+              const float4 qv = *reinterpret_cast<const float4*>(&s_q[g][d0 + e]);
+              sc[g] = fmaf(qv.x, kf[e], sc[g]);
+              sc[g] = fmaf(qv.y, kf[e + 1], sc[g]);
+              sc[g] = fmaf(qv.z, kf[e + 2], sc[g]);
+              sc[g] = fmaf(qv.w, kf[e + 3], sc[g]);
+            }
+          }
+        }
+      }
+    } else if (active) {  // outside the visible range: p will be 0; V must be finite
+#pragma unroll
+      for (int c = 0; c < kPartBytes / 16; ++c) reinterpret_cast<uint4*>(v_dst)[c] = make_uint4(0, 0, 0, 0);
     }
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[kVec];
-      if (valid[u]) {
-        to_float(kv[u], kf);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) kf[e] = 0.0f;
-      }
-      const int tok = (step0 + u) * TPB + warp * TPW + grp;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) dot = fmaf(q[g][e], kf[e], dot);
-#pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        if (sub == 0) s_p[g][tok] = valid[u] ? dot * score_scale : -INFINITY;
-      }
+    for (int g = 0; g < G; ++g) {
+      const float other = __shfl_xor_sync(0xffffffffu, sc[g], 1);
+      const float dot = half == 0 ? sc[g] + other : other + sc[g];  // lower half + upper half
+      if (half == 0) s_p[g][k] = valid ? dot * score_scale : -INFINITY;
     }
   }
+  DL_ATTN_MARK(2);
   __syncthreads();
 
-  // ---- Stage 2: chunk softmax statistics per query head.
-  for (int g = warp; g < G; g += kWarps) {
+  // ---- Stage 2: chunk softmax statistics, warp g for query head g.
+  if (warp < G) {
+    const int g = warp;
     float v[C / 32];
     float mx = -INFINITY;
 #pragma unroll
@@ -168,59 +340,40 @@ __global__ void __launch_bounds__(128) SplitAttentionKernel(const AttentionParam
       ws_l[part(g)] = sum;
     }
   }
-  __syncthreads();
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();  // s_p probabilities and every V row in shared memory
+  DL_ATTN_MARK(3);
 
-  // ---- Stage 3: P @ V.
-  float acc[G][kVec];
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[g][e] = 0.0f;
-#pragma unroll 1
-  for (int step0 = 0; step0 < kSteps; step0 += U) {
-    KvVec kv[U];
-    bool valid[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int s = chunk_lo + (step0 + u) * TPB + warp * TPW + grp;
-      valid[u] = s >= start && s <= pos;
-      if (valid[u]) kv[u] = *reinterpret_cast<const KvVec*>(v_base + kv_offset(s));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (!valid[u]) continue;
-      float vf[kVec];
-      to_float(kv[u], vf);
-      const int tok = (step0 + u) * TPB + warp * TPW + grp;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pg = s_p[g][tok];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pg, vf[e], acc[g][e]);
-      }
-    }
-  }
-#pragma unroll
-  for (int o = LPT; o < 32; o <<= 1)
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-  if (grp == 0) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) s_red[warp][g][sub * kVec + e] = acc[g][e];
-  }
-  __syncthreads();
+  // ---- Stage 3: warp g owns query head g, each lane kDimsPerLane dims; o += p_k * v_k over all C
+  // keys in ascending order (keys outside the visible range have p = 0 and v = 0).
   const float v_scale = KV == KvDtype::kFp8 ? a.v_scale : 1.0f;
-  for (int idx = threadIdx.x; idx < G * D; idx += 128) {
-    const int g = idx / D, d = idx % D;
-    float o = 0.0f;
+  const int d0 = lane * kDimsPerLane;
+  if (warp < G && d0 < D) {
+    const int g = warp;
+    float acc[kDimsPerLane];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o += s_red[w][g][d];
-    ws_o[part(g) * D + d] = o * v_scale;
+    for (int e = 0; e < kDimsPerLane; ++e) acc[e] = 0.0f;
+    const unsigned char* vcol = s_raw + d0 * kElemBytes;
+#pragma unroll 2
+    for (int k0 = 0; k0 < C; k0 += 8) {
+      const float4 p0 = *reinterpret_cast<const float4*>(&s_p[g][k0]);
+      const float4 p1 = *reinterpret_cast<const float4*>(&s_p[g][k0 + 4]);
+      const float pk[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+      float vf[8][kDimsPerLane];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) LoadKvDims<kDimsPerLane, KV>(vcol + (k0 + u) * kRowBytes, vf[u]);
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+#pragma unroll
+        for (int e = 0; e < kDimsPerLane; ++e) acc[e] = fmaf(pk[u], vf[u][e], acc[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kDimsPerLane; ++e) ws_o[part(g) * D + d0 + e] = acc[e] * v_scale;
   }
+  DL_ATTN_MARK(4);
+  arrive_and_merge();
+  DL_ATTN_MARK(5);
+  DL_ATTN_REPORT();
 }
 
 }  // namespace dev
@@ -231,10 +384,10 @@ Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   if (p.softmax_scale <= 0.0f) p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   const int num_chunks = AttentionMaxChunks(p);
   dim3 grid(num_chunks, p.num_kv_heads, p.num_tokens);
-  dev::SplitAttentionKernel<D, G, P, KV, SLIDING>
-      <<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p, num_chunks);
+  dev::LaunchDependent(dev::SplitAttentionKernel<D, G, P, KV, SLIDING>, grid, dim3(256),
+                       reinterpret_cast<cudaStream_t>(stream), p, num_chunks);
   DL_KERNEL_LAUNCH_CHECK(CanonicalName(PresetKeyOf(p)));
-  return LaunchAttentionCombine(p, num_chunks, stream);
+  return Status::Ok();
 }
 
 }  // namespace dl::kernels

@@ -160,6 +160,9 @@ Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Str
       return InvalidArgument("attention ({}): workspace of {} bytes, need {}", kernel.name,
                              p.workspace_bytes, need);
     }
+    if (!p.counters) {
+      return InvalidArgument("attention ({}): counters ([T x K] words, zeroed) must be set", kernel.name);
+    }
   }
   return kernel.launch(p, stream);
 }

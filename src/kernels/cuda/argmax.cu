@@ -39,6 +39,8 @@ __device__ __forceinline__ void BlockArgmax(float& v, int& i) {
 }
 
 __global__ void __launch_bounds__(kArgmaxThreads) ArgmaxKernel(ArgmaxParams a) {
+  AllowDependents();
+  WaitForPrerequisites();
   float best = -INFINITY;
   int bi = INT_MAX;
   const int n8 = a.n / 8;
@@ -93,7 +95,8 @@ Status Argmax(const ArgmaxParams& p, Stream stream) {
   if (p.n < 1) return InvalidArgument("argmax: empty input");
   const int per_block = dev::kArgmaxThreads * 8 * 4;  // 4 chunks of 8 per thread
   const int blocks = std::max(1, std::min(dev::kArgmaxMaxBlocks, (p.n + per_block - 1) / per_block));
-  dev::ArgmaxKernel<<<blocks, dev::kArgmaxThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  dev::LaunchDependent(dev::ArgmaxKernel, dim3(blocks), dim3(dev::kArgmaxThreads),
+                       reinterpret_cast<cudaStream_t>(stream), p);
   DL_KERNEL_LAUNCH_CHECK("argmax");
   return Status::Ok();
 }

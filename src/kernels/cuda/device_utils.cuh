@@ -14,6 +14,7 @@
 #include "base/status.h"
 #include "cuda/check.h"
 #include "kernels/common.h"
+#include "kernels/ops.h"
 
 namespace dl::kernels::dev {
 
@@ -67,9 +68,51 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
+// ---- Programmatic dependent launch (sm_90+; no-ops on older targets and when launched plainly).
+// Every kernel of the decode step is launched with LaunchDependent and follows two rules:
+//   1. AllowDependents() first: the next kernel's blocks may be scheduled as soon as all of this
+//      kernel's blocks run, so their prologue (weight loads, which depend on nothing) overlaps
+//      this kernel's tail instead of following it;
+//   2. WaitForPrerequisites() in every block before the first read of anything an earlier kernel
+//      wrote (and before any write another kernel reads). It returns once the previous kernel has
+//      completed and its writes are visible; that kernel waited on its own predecessor before it
+//      completed, so the ordering is transitive along the stream.
+__device__ __forceinline__ void AllowDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Warms L2 with a line the kernel will read after WaitForPrerequisites (weights only).
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float Softplus(float z) {
   // PyTorch's softplus (beta 1, threshold 20).
   return z > 20.0f ? z : log1pf(expf(z));
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-stream-serialisation attribute
+// (see AllowDependents above). Captured into a CUDA graph it becomes a programmatic edge.
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                            Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = DependentLaunchEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace dl::kernels::dev

@@ -6,6 +6,7 @@
 
 #include "base/dtype.h"
 #include "base/rng.h"
+#include "kernels/cuda/device_utils.cuh"
 #include "kernels/elementwise.h"
 
 namespace dl::kernels {
@@ -13,6 +14,8 @@ namespace {
 
 __global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32_t* __restrict__ ids,
                             __nv_bfloat16* __restrict__ out, int d, int vocab) {
+  dev::AllowDependents();
+  dev::WaitForPrerequisites();
   const int t = blockIdx.x;
   const int id = ids[t];
   const bool valid = id >= 0 && id < vocab;
@@ -23,6 +26,8 @@ __global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32
 
 __global__ void SiluMulKernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
                               int ffn) {
+  dev::AllowDependents();
+  dev::WaitForPrerequisites();
   const int t = blockIdx.y;
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= ffn) return;
@@ -66,16 +71,18 @@ Status LaunchStatus(const char* what) {
 
 Status EmbedLookup(const EmbedParams& p, Stream stream) {
   if (p.d % 8 != 0 || p.num_tokens <= 0) return InvalidArgument("EmbedLookup: bad shape");
-  EmbedKernel<<<p.num_tokens, 128, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(p.table), p.ids,
-                                                reinterpret_cast<__nv_bfloat16*>(p.out), p.d, p.vocab);
+  dev::LaunchDependent(EmbedKernel, dim3(p.num_tokens), dim3(128), stream,
+                       reinterpret_cast<const __nv_bfloat16*>(p.table), p.ids,
+                       reinterpret_cast<__nv_bfloat16*>(p.out), p.d, p.vocab);
   return LaunchStatus("EmbedLookup");
 }
 
 Status SiluMul(const SiluMulParams& p, Stream stream) {
   if (p.ffn <= 0 || p.num_tokens <= 0) return InvalidArgument("SiluMul: bad shape");
   dim3 grid((p.ffn + 255) / 256, p.num_tokens);
-  SiluMulKernel<<<grid, 256, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(p.gate_up),
-                                          reinterpret_cast<__nv_bfloat16*>(p.out), p.ffn);
+  dev::LaunchDependent(SiluMulKernel, grid, dim3(256), stream,
+                       reinterpret_cast<const __nv_bfloat16*>(p.gate_up),
+                       reinterpret_cast<__nv_bfloat16*>(p.out), p.ffn);
   return LaunchStatus("SiluMul");
 }
 

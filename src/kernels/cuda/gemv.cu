@@ -1,6 +1,7 @@
-// BF16 GEMV (and small-T GEMM with the same per-element order): one warp per output row, lanes walk
-// the row in 16-byte chunks (lane, lane+32, ...), 4 loads in flight per lane, FP32 FMAs in a fixed
-// sequence, xor-butterfly warp sum. The per-token arithmetic is identical for every tile width, so
+// BF16 GEMV (and small-T GEMM with the same per-element order). KS warps per output row (the input
+// split, chosen from the shape only), lanes walk their slice in 16-byte chunks (lane, lane+32, ...),
+// U loads in flight per lane, FP32 FMAs in a fixed sequence, xor-butterfly warp sums, slices added
+// in ascending order. The per-token arithmetic is identical for every tile width and token count, so
 // y for token t does not depend on how many tokens share the launch.
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/ops.h"
@@ -11,45 +12,87 @@ namespace dev {
 constexpr int kGemvWarps = 8;
 constexpr int kGemvTile = 8;  // tokens per pass over W
 
-template <int TT>
+// Grid ceil(out / (8 / KS)); block 256 threads = 8 / KS rows x KS slices.
+template <int TT, int KS>
 __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int t0, int nt) {
-  constexpr int U = 4;
+  AllowDependents();
+  constexpr int U = TT == 1 ? 8 : 4;  // 8 x 16 B per lane in flight; a token tile needs registers for x
+  constexpr int kRows = kGemvWarps / KS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kGemvWarps + warp;
-  if (row >= a.out) return;
+  const int row = blockIdx.x * kRows + warp / KS;
+  const int slice = warp % KS;
   const int n8 = a.in / 8;
-  const uint4* w_row = reinterpret_cast<const uint4*>(a.w + static_cast<size_t>(row) * a.in);
+  const int per = n8 / KS;  // the launcher checks n8 % KS == 0
+  const int lo = slice * per, hi = lo + per;
   float acc[TT];
 #pragma unroll
   for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
-  for (int c0 = lane; c0 < n8; c0 += 32 * U) {
-    uint4 wv[U];
+  const bool live = row < a.out;
+  const uint4* w_row = reinterpret_cast<const uint4*>(a.w + static_cast<size_t>(live ? row : 0) * a.in);
+  uint4 wv[U];
+  auto load = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
-      if (c < n8) wv[u] = w_row[c];
+      if (live && c < hi) wv[u] = __ldg(w_row + c);
     }
+  };
+  // The first batch of weights depends on nothing: it is in flight before x is ready.
+  load(lo + lane);
+  WaitForPrerequisites();
+  if (live) {
+    for (int c0 = lo + lane; c0 < hi; c0 += 32 * U) {
+      if (c0 != lo + lane) load(c0);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= n8) break;
-      float wf[8];
-      Bf16x8ToFloat(wv[u], wf);
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= hi) break;
+        float wf[8];
+        Bf16x8ToFloat(wv[u], wf);
 #pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t >= nt) break;
-        float xf[8];
-        Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x + (t0 + t) * a.x_stride)[c], xf);
+        for (int t = 0; t < TT; ++t) {
+          if (t >= nt) break;
+          float xf[8];
+          Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x + (t0 + t) * a.x_stride)[c], xf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+          for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+        }
       }
     }
   }
+  if constexpr (KS == 1) {
+    if (row >= a.out) return;
 #pragma unroll
-  for (int t = 0; t < TT; ++t) {
-    if (t >= nt) break;
-    const float s = WarpSum(acc[t]);
-    if (lane == 0) a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
+    for (int t = 0; t < TT; ++t) {
+      if (t >= nt) break;
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
+    }
+  } else {
+    __shared__ float s_part[kGemvWarps][TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) s_part[warp][t] = s;
+    }
+    __syncthreads();
+    if (slice != 0 || row >= a.out || lane >= nt) return;
+    const int t = lane;  // lane t writes token t
+    float s = s_part[warp][t];
+#pragma unroll
+    for (int k = 1; k < KS; ++k) s += s_part[warp + k][t];
+    a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
+  }
+}
+
+template <int TT>
+void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
+  auto grid = [&](int k) { return dim3((p.out + kGemvWarps / k - 1) / (kGemvWarps / k)); };
+  switch (ks) {
+    case 1: LaunchDependent(GemvKernel<TT, 1>, grid(1), dim3(kGemvWarps * 32), s, p, t0, nt); break;
+    case 2: LaunchDependent(GemvKernel<TT, 2>, grid(2), dim3(kGemvWarps * 32), s, p, t0, nt); break;
+    case 4: LaunchDependent(GemvKernel<TT, 4>, grid(4), dim3(kGemvWarps * 32), s, p, t0, nt); break;
+    default: LaunchDependent(GemvKernel<TT, 8>, grid(8), dim3(kGemvWarps * 32), s, p, t0, nt); break;
   }
 }
 
@@ -65,14 +108,17 @@ Status Gemv(const GemvParams& params, Stream stream) {
   if (p.x_stride == 0) p.x_stride = p.in;
   if (p.y_stride == 0) p.y_stride = p.out;
   if (p.x_stride % 8 != 0) return InvalidArgument("gemv: x_stride {} not a multiple of 8", p.x_stride);
-  const dim3 grid((p.out + dev::kGemvWarps - 1) / dev::kGemvWarps);
+  const int ks = p.k_split == 0 ? GemvKSplitFor(p.out, p.in) : p.k_split;
+  if ((ks != 1 && ks != 2 && ks != 4 && ks != 8) || (p.in / 8) % ks != 0) {
+    return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide in / 8 = {}", ks, p.in / 8);
+  }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (p.num_tokens == 1) {
-    dev::GemvKernel<1><<<grid, dev::kGemvWarps * 32, 0, s>>>(p, 0, 1);
+    dev::LaunchGemv<1>(p, ks, 0, 1, s);
   } else {
     for (int t0 = 0; t0 < p.num_tokens; t0 += dev::kGemvTile) {
       const int nt = std::min(dev::kGemvTile, p.num_tokens - t0);
-      dev::GemvKernel<dev::kGemvTile><<<grid, dev::kGemvWarps * 32, 0, s>>>(p, t0, nt);
+      dev::LaunchGemv<dev::kGemvTile>(p, ks, t0, nt, s);
     }
   }
   DL_KERNEL_LAUNCH_CHECK("gemv");

@@ -1,10 +1,13 @@
-// MoE for one token, three launches, no host round trip:
+// MoE for T tokens, three launches, no host round trip (token t = blockIdx.y in every kernel):
 //   1. router GEMV over E rows (warp per expert) + last-block top-k selection (ticket counter used for
 //      scheduling only; selection and weights come from one block in a fixed order);
-//   2. gate/up of the k selected experts and the shared expert (warp per (slot, row)), SwiGLU;
-//   3. down projections (warp per output row, all slots) + the weighted combine.
-// Expert ids never leave the device: kernel 2 and 3 read them from the workspace and index the
-// per-expert pointer arrays.
+//   2. gate/up of the k selected experts and the shared expert (warp per (slot, row): both rows' loads
+//      in flight together), SwiGLU;
+//   3. down projections (ceil(k/4) warps per output row, each with 4 routed rows and, for the first,
+//      the shared row loaded together) + the weighted combine in slot order.
+// Expert ids never leave the device: kernels 2 and 3 read them from the workspace and index the
+// per-expert pointer arrays. Batch 1 is memory-bound: the point of the layout is enough 16-byte loads
+// in flight per SM (~64 KB) to keep HBM busy, with FMAs in the reference's per-lane order.
 #include <climits>
 
 #include "kernels/cuda/device_utils.cuh"
@@ -16,6 +19,7 @@ namespace dev {
 constexpr int kMoeWarps = 8;
 constexpr int kMoeMaxExperts = 1024;
 constexpr int kMoeMaxTopK = 32;
+constexpr int kDownGroup = 4;  // routed slots whose down rows one warp loads together
 
 struct MoeWs {
   float* logits;   // [E]
@@ -24,59 +28,92 @@ struct MoeWs {
   uint16_t* h;     // [k+1, Fmax]
 };
 __host__ __device__ inline size_t Align16(size_t x) { return (x + 15) & ~size_t{15}; }
-__host__ __device__ inline MoeWs MoeWorkspace(void* base, int E, int k) {
-  char* p = static_cast<char*>(base);
+__host__ __device__ inline size_t MoeTokenWorkspaceBytes(int E, int k, int ffn, int shared_ffn) {
+  const size_t fmax = ffn > shared_ffn ? ffn : shared_ffn;
+  return Align16(E * sizeof(float)) + Align16(k * sizeof(int32_t)) + Align16(k * sizeof(float)) +
+         Align16((k + 1) * fmax * sizeof(uint16_t));
+}
+// Token t's slice of the workspace.
+__host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
+  char* p = static_cast<char*>(a.workspace) +
+            t * MoeTokenWorkspaceBytes(a.num_experts, a.top_k, a.ffn, a.shared_ffn);
   MoeWs w;
   w.logits = reinterpret_cast<float*>(p);
-  p += Align16(E * sizeof(float));
+  p += Align16(a.num_experts * sizeof(float));
   w.ids = reinterpret_cast<int32_t*>(p);
-  p += Align16(k * sizeof(int32_t));
+  p += Align16(a.top_k * sizeof(int32_t));
   w.weights = reinterpret_cast<float*>(p);
-  p += Align16(k * sizeof(float));
+  p += Align16(a.top_k * sizeof(float));
   w.h = reinterpret_cast<uint16_t*>(p);
   return w;
 }
 
-// Per-lane partial dot of a BF16 row with a BF16 vector over 16-byte chunks lane, lane+32, ...
-__device__ __forceinline__ float LaneDot(const bf16* row, const bf16* x, int n8, int lane) {
-  const uint4* r = reinterpret_cast<const uint4*>(row);
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  float acc = 0.0f;
-  for (int c0 = lane; c0 < n8; c0 += 128) {
-    uint4 rv[4];
+// Per-lane partial dots of NR BF16 rows (row r: n8[r] chunks, with vector xs[r]; a null row is skipped)
+// over the 16-byte chunks lane, lane+32, ..., in ascending order: the FMA sequence per row is the same
+// whatever NR and U are. U chunks per row are loaded before any is used (NR * U loads in flight).
+// kWait: the rows are weights (independent of earlier kernels) but xs are not: wait for the
+// prerequisites after the first batch of row loads is issued.
+template <int NR, int U, bool kWait>
+__device__ __forceinline__ void LaneDots(const bf16* const (&rows)[NR], const bf16* const (&xs)[NR],
+                                         const int (&n8)[NR], int lane, float (&acc)[NR]) {
+  int n8max = 0;
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (c0 + 32 * u < n8) rv[u] = r[c0 + 32 * u];
+  for (int r = 0; r < NR; ++r) {
+    acc[r] = 0.0f;
+    if (rows[r]) n8max = max(n8max, n8[r]);
+  }
+  bool waited = !kWait;
+  for (int c0 = lane; c0 < n8max; c0 += 32 * U) {
+    uint4 rv[NR][U];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (c0 + 32 * u >= n8) break;
-      float rf[8], xf[8];
-      Bf16x8ToFloat(rv[u], rf);
-      Bf16x8ToFloat(xv[c0 + 32 * u], xf);
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(rf[e], xf[e], acc);
+      for (int r = 0; r < NR; ++r)
+        if (rows[r] && c0 + 32 * u < n8[r]) rv[r][u] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
+    if (!waited) {
+      WaitForPrerequisites();
+      waited = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (!rows[r] || c >= n8[r]) continue;
+        float rf[8], xf[8];
+        Bf16x8ToFloat(rv[r][u], rf);
+        Bf16x8ToFloat(reinterpret_cast<const uint4*>(xs[r])[c], xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r] = fmaf(rf[e], xf[e], acc[r]);
+      }
     }
   }
-  return acc;
+  if (!waited) WaitForPrerequisites();
 }
 
-__device__ __forceinline__ bool BetterScore(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
-
+// Grid (ceil(E / 8), T).
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
-  const MoeWs ws = MoeWorkspace(a.workspace, a.num_experts, a.top_k);
+  AllowDependents();
+  const int t = blockIdx.y;
+  const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * kMoeWarps + warp;
   if (e < a.num_experts) {
-    const float z = WarpSum(LaneDot(a.router_w + static_cast<size_t>(e) * a.d, a.x, a.d / 8, lane));
+    const bf16* rows[1] = {a.router_w + static_cast<size_t>(e) * a.d};
+    const bf16* xs[1] = {a.x + static_cast<size_t>(t) * a.d};
+    const int n8[1] = {a.d / 8};
+    float acc[1];
+    LaneDots<1, 8, true>(rows, xs, n8, lane, acc);
+    const float z = WarpSum(acc[0]);
     if (lane == 0) ws.logits[e] = RoundBf16(z);
+  } else {
+    WaitForPrerequisites();
   }
   __shared__ bool s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    s_last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+    s_last = atomicAdd(&a.counter[t], 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!s_last) return;
@@ -85,39 +122,27 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   __shared__ float s_score[kMoeMaxExperts];
   __shared__ float s_biased[kMoeMaxExperts];
   __shared__ int s_sel[kMoeMaxTopK];
-  __shared__ float s_wv[kMoeWarps];
-  __shared__ int s_wi[kMoeWarps];
   for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
     float z = __ldcg(&ws.logits[i]);
     if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
     const float s = 1.0f / (1.0f + expf(-z));
+    const float b = s + Bf16BitsToFloat(a.router_bias[i]);
     s_score[i] = s;
-    s_biased[i] = s + Bf16BitsToFloat(a.router_bias[i]);
+    s_biased[i] = isnan(b) ? -INFINITY : b;  // NaN never wins (and the order stays total)
   }
   __syncthreads();
-  for (int j = 0; j < a.top_k; ++j) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x)
-      if (BetterScore(s_biased[i], i, bv, bi)) bv = s_biased[i], bi = i;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (BetterScore(ov, oi, bv, bi)) bv = ov, bi = oi;
+  // Rank of each expert = number of experts ahead of it (higher biased score, ties to the lower id):
+  // a total order, so the first k ranks are exactly the iterative top-k, found in one pass.
+  for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
+    const float bi = s_biased[i];
+    int rank = 0;
+    for (int j = 0; j < a.num_experts; ++j) {
+      const float bj = s_biased[j];
+      rank += (bj > bi || (bj == bi && j < i)) ? 1 : 0;
     }
-    if (lane == 0) s_wv[warp] = bv, s_wi[warp] = bi;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float v = s_wv[0];
-      int idx = s_wi[0];
-      for (int w = 1; w < kMoeWarps; ++w)
-        if (BetterScore(s_wv[w], s_wi[w], v, idx)) v = s_wv[w], idx = s_wi[w];
-      s_sel[j] = idx;
-      s_biased[idx] = -INFINITY;
-    }
-    __syncthreads();
+    if (rank < a.top_k) s_sel[rank] = i;
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
     float sum = 0.0f;
     for (int j = 0; j < a.top_k; ++j) sum += s_score[s_sel[j]];
@@ -125,33 +150,41 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
       const float w = RoundBf16(s_score[s_sel[j]] / sum);
       ws.ids[j] = s_sel[j];
       ws.weights[j] = w;
-      if (a.topk_ids) a.topk_ids[j] = s_sel[j];
-      if (a.topk_weights) a.topk_weights[j] = w;
+      if (a.topk_ids) a.topk_ids[t * a.top_k + j] = s_sel[j];
+      if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
     }
-    *a.counter = 0u;
+    a.counter[t] = 0u;
   }
 }
 
-// Grid (ceil(Fmax / 8), k + 1): slot k is the shared expert.
+// Grid (ceil(Fmax / 8), k + 1, T): slot k is the shared expert.
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
-  const MoeWs ws = MoeWorkspace(a.workspace, a.num_experts, a.top_k);
+  AllowDependents();
+  const int t = blockIdx.z;
+  const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = blockIdx.y;
   const bool shared = j == a.top_k;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int f = blockIdx.x * kMoeWarps + warp;
   if (f >= F) return;
-  const bf16 *gw, *uw;
-  if (shared) {
-    gw = a.shared_gate_w;
-    uw = a.shared_up_w;
+  const bf16* x = a.x + static_cast<size_t>(t) * a.d;
+  const bf16* xs[2] = {x, x};
+  const int n8[2] = {a.d / 8, a.d / 8};
+  float acc[2];
+  if (shared) {  // the shared expert's rows are known before the router has run
+    const bf16* rows[2] = {a.shared_gate_w + static_cast<size_t>(f) * a.d,
+                           a.shared_up_w + static_cast<size_t>(f) * a.d};
+    LaneDots<2, 8, true>(rows, xs, n8, lane, acc);
   } else {
+    WaitForPrerequisites();
     const int e = ws.ids[j];
-    gw = a.gate_w[e];
-    uw = a.up_w[e];
+    const bf16* rows[2] = {a.gate_w[e] + static_cast<size_t>(f) * a.d,
+                           a.up_w[e] + static_cast<size_t>(f) * a.d};
+    LaneDots<2, 8, false>(rows, xs, n8, lane, acc);
   }
-  const float g = RoundBf16(WarpSum(LaneDot(gw + static_cast<size_t>(f) * a.d, a.x, a.d / 8, lane)));
-  const float u = RoundBf16(WarpSum(LaneDot(uw + static_cast<size_t>(f) * a.d, a.x, a.d / 8, lane)));
+  const float g = RoundBf16(WarpSum(acc[0]));
+  const float u = RoundBf16(WarpSum(acc[1]));
   if (lane == 0) {
     const float act = RoundBf16(g / (1.0f + expf(-g)));
     const int fmax = a.ffn > a.shared_ffn ? a.ffn : a.shared_ffn;
@@ -159,34 +192,72 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
   }
 }
 
-// Grid ceil(d / 8): warp per output row, all k+1 slots.
+// Grid (ceil(d / rows per block), T). Each output row gets ceil(k / kDownGroup) warps; warp r of a
+// row loads the down rows of slots [r*kDownGroup, r*kDownGroup + kDownGroup) (and warp 0 the shared
+// expert's) all at once, writes bf16(o_j * w_j) per slot to shared memory, and the row's first lane
+// adds them in slot order — the same sum as one warp walking the slots.
+__host__ __device__ inline int MoeDownWarpsPerRow(int top_k) { return (top_k + kDownGroup - 1) / kDownGroup; }
+
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
-  const MoeWs ws = MoeWorkspace(a.workspace, a.num_experts, a.top_k);
+  AllowDependents();
+  const int t = blockIdx.y;
+  const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int i = blockIdx.x * kMoeWarps + warp;
-  if (i >= a.d) return;
-  const int fmax = a.ffn > a.shared_ffn ? a.ffn : a.shared_ffn;
-  float routed = 0.0f;
-  for (int j = 0; j < a.top_k; ++j) {
-    const bf16* row = a.down_w[ws.ids[j]] + static_cast<size_t>(i) * a.ffn;
-    const float o = RoundBf16(WarpSum(LaneDot(row, ws.h + static_cast<size_t>(j) * fmax, a.ffn / 8, lane)));
-    routed += RoundBf16(o * ws.weights[j]);
+  const int per_row = MoeDownWarpsPerRow(a.top_k);
+  const int rows_per_block = kMoeWarps / per_row;
+  const int local_row = warp / per_row, group = warp % per_row;
+  const int i = blockIdx.x * rows_per_block + local_row;
+  const bool live = local_row < rows_per_block && i < a.d;
+  const bf16* shared_row = a.shared_down_w + static_cast<size_t>(live ? i : 0) * a.shared_ffn;
+  if (live && group == 0) {
+    for (int c = lane; c < a.shared_ffn / 8; c += 32) PrefetchL2(shared_row + 8 * c);
   }
-  const float s = RoundBf16(WarpSum(LaneDot(a.shared_down_w + static_cast<size_t>(i) * a.shared_ffn,
-                                            ws.h + static_cast<size_t>(a.top_k) * fmax,
-                                            a.shared_ffn / 8, lane)));
-  if (lane == 0) {
-    const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + s);
-    a.y[i] = FloatToBf16Bits(y);
+  WaitForPrerequisites();
+  __shared__ float s_routed[kMoeWarps][kDownGroup];
+  __shared__ float s_shared[kMoeWarps];
+  const int fmax = a.ffn > a.shared_ffn ? a.ffn : a.shared_ffn;
+  const bf16* h = reinterpret_cast<const bf16*>(ws.h);
+  if (live) {
+    const int j0 = group * kDownGroup;
+    const bf16* rows[kDownGroup + 1];
+    const bf16* xs[kDownGroup + 1];
+    int n8[kDownGroup + 1];
+#pragma unroll
+    for (int r = 0; r < kDownGroup; ++r) {
+      const int j = j0 + r;
+      rows[r] = j < a.top_k ? a.down_w[ws.ids[j]] + static_cast<size_t>(i) * a.ffn : nullptr;
+      xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * fmax;
+      n8[r] = a.ffn / 8;
+    }
+    rows[kDownGroup] = group == 0 ? shared_row : nullptr;
+    xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * fmax;
+    n8[kDownGroup] = a.shared_ffn / 8;
+    float o[kDownGroup + 1];
+    LaneDots<kDownGroup + 1, 2, false>(rows, xs, n8, lane, o);
+#pragma unroll
+    for (int r = 0; r < kDownGroup; ++r) {
+      const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;
+      if (lane == 0) s_routed[warp][r] = v;
+    }
+    if (group == 0) {
+      const float sh = RoundBf16(WarpSum(o[kDownGroup]));
+      if (lane == 0) s_shared[warp] = sh;
+    }
+  }
+  __syncthreads();
+  if (live && group == 0 && lane == 0) {
+    float routed = 0.0f;
+    for (int j = 0; j < a.top_k; ++j) routed += s_routed[warp + j / kDownGroup][j % kDownGroup];
+    const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + s_shared[warp]);
+    a.y[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(y);
   }
 }
 
 }  // namespace dev
 
-size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn) {
-  const size_t fmax = std::max(ffn, shared_ffn);
-  return dev::Align16(num_experts * sizeof(float)) + dev::Align16(top_k * sizeof(int32_t)) +
-         dev::Align16(top_k * sizeof(float)) + dev::Align16((top_k + 1) * fmax * sizeof(uint16_t));
+size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
+  return dev::MoeTokenWorkspaceBytes(num_experts, top_k, ffn, shared_ffn) *
+         static_cast<size_t>(std::max(num_tokens, 1));
 }
 
 Status Moe(const MoeParams& p, Stream stream) {
@@ -204,15 +275,22 @@ Status Moe(const MoeParams& p, Stream stream) {
     return InvalidArgument("moe: {} experts / top-{} unsupported (E <= {}, k <= min(E, {}))",
                            p.num_experts, p.top_k, dev::kMoeMaxExperts, dev::kMoeMaxTopK);
   }
+  if (p.num_tokens < 1 || p.num_tokens > 65535) {
+    return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
+  }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
-  dev::MoeRouterKernel<<<(p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, threads, 0, s>>>(p);
+  const int T = p.num_tokens;
+  dev::LaunchDependent(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
+                       dim3(threads), s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
-  dev::MoeGateUpKernel<<<dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1), threads,
-                         0, s>>>(p);
+  dev::LaunchDependent(dev::MoeGateUpKernel,
+                       dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads),
+                       s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
-  dev::MoeDownKernel<<<(p.d + dev::kMoeWarps - 1) / dev::kMoeWarps, threads, 0, s>>>(p);
+  const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
+  dev::LaunchDependent(dev::MoeDownKernel, dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_down_combine");
   return Status::Ok();
 }

@@ -10,6 +10,8 @@ constexpr int kNormThreads = 256;
 constexpr int kNormMaxChunks = 4;  // n <= 256 * 8 * 4 = 8192
 
 __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParams a) {
+  AllowDependents();
+  WaitForPrerequisites();
   const int row = blockIdx.x;
   const int n8 = a.n / 8;
   uint4* h_row = reinterpret_cast<uint4*>(a.residual + static_cast<size_t>(row) * a.n);
@@ -77,7 +79,8 @@ Status AddRmsNorm(const AddRmsNormParams& p, Stream stream) {
                            dev::kNormThreads * 8 * dev::kNormMaxChunks);
   }
   if (p.rows < 1) return InvalidArgument("add_rmsnorm: {} rows", p.rows);
-  dev::AddRmsNormKernel<<<p.rows, dev::kNormThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  dev::LaunchDependent(dev::AddRmsNormKernel, dim3(p.rows), dim3(dev::kNormThreads),
+                       reinterpret_cast<cudaStream_t>(stream), p);
   DL_KERNEL_LAUNCH_CHECK("add_rmsnorm");
   return Status::Ok();
 }

@@ -12,6 +12,8 @@ constexpr int kRopeWarps = 4;
 constexpr int kRopeMaxDim = 256;
 
 __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNormRopeAppendParams a) {
+  AllowDependents();
+  WaitForPrerequisites();
   __shared__ float s_x[kRopeWarps][kRopeMaxDim];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int head = blockIdx.x * kRopeWarps + warp;
@@ -98,8 +100,8 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream) {
   }
   const int heads = p.num_q_heads + 2 * p.num_kv_heads;
   dim3 grid((heads + dev::kRopeWarps - 1) / dev::kRopeWarps, p.num_tokens);
-  dev::QkNormRopeAppendKernel<<<grid, dev::kRopeWarps * 32, 0,
-                                reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  dev::LaunchDependent(dev::QkNormRopeAppendKernel, grid, dim3(dev::kRopeWarps * 32),
+                       reinterpret_cast<cudaStream_t>(stream), p);
   DL_KERNEL_LAUNCH_CHECK("qknorm_rope_append");
   return Status::Ok();
 }

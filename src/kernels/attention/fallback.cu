@@ -1,52 +1,10 @@
-// Chunk combine + softplus gate, and the generic slow attention kernel used only with
-// --allow-fallback.
+// The generic slow attention kernel, used only with --allow-fallback.
 #include <cmath>
 
 #include "kernels/attention/attention_kernel.cuh"
 
 namespace dl::kernels {
 namespace dev {
-
-// out = bf16(attn); with a gate: out = bf16(out * bf16(softplus(g))) (reference order, §3.4).
-__device__ __forceinline__ uint16_t GateAndRound(const AttentionParams& a, int t, int h, int d,
-                                                 float attn) {
-  float o = RoundBf16(attn);
-  if (a.gate != nullptr) {
-    const size_t gi = static_cast<size_t>(t) * a.gate_stride +
-                      (a.gate_per_element ? static_cast<size_t>(h) * a.head_dim + d : h);
-    const float gamma = RoundBf16(Softplus(Bf16BitsToFloat(a.gate[gi])));
-    o = RoundBf16(o * gamma);
-  }
-  return FloatToBf16Bits(o);
-}
-
-// Grid (H, T), 128 threads; each thread owns dims d = tid, tid+128, ... Chunks are merged in
-// ascending order; empty chunks (l == 0) are skipped.
-__global__ void __launch_bounds__(128) AttentionCombineKernel(const AttentionParams a,
-                                                              int num_chunks) {
-  const int h = blockIdx.x, t = blockIdx.y;
-  const int D = a.head_dim, H = a.num_q_heads;
-  const float* ws_o = static_cast<const float*>(a.workspace);
-  const size_t n_part = static_cast<size_t>(a.num_tokens) * H * num_chunks;
-  const float* ws_m = ws_o + n_part * D;
-  const float* ws_l = ws_m + n_part;
-  const size_t base = (static_cast<size_t>(t) * H + h) * num_chunks;
-  float mx = -INFINITY;
-  for (int c = 0; c < num_chunks; ++c)
-    if (ws_l[base + c] > 0.0f) mx = fmaxf(mx, ws_m[base + c]);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float l = 0.0f, o = 0.0f;
-    for (int c = 0; c < num_chunks; ++c) {
-      const float lc = ws_l[base + c];
-      if (lc <= 0.0f) continue;
-      const float w = expf(ws_m[base + c] - mx);
-      l = fmaf(lc, w, l);
-      o = fmaf(ws_o[(base + c) * D + d], w, o);
-    }
-    const float attn = l > 0.0f ? o / l : 0.0f;
-    a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, attn);
-  }
-}
 
 // The generic path: any D <= 256, G, P, dtype and window at run time. One block per (query head,
 // token), one key at a time with an online softmax. Slow by design; it exists so that a missing
@@ -102,14 +60,6 @@ __global__ void __launch_bounds__(128) AttentionFallbackKernel(const AttentionPa
 }
 
 }  // namespace dev
-
-Status LaunchAttentionCombine(const AttentionParams& p, int num_chunks, Stream stream) {
-  dim3 grid(p.num_q_heads, p.num_tokens);
-  dev::AttentionCombineKernel<<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      p, num_chunks);
-  DL_KERNEL_LAUNCH_CHECK("attention combine");
-  return Status::Ok();
-}
 
 Status LaunchAttentionFallback(const AttentionParams& params, Stream stream) {
   AttentionParams p = params;
