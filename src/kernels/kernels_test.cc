@@ -201,10 +201,10 @@ namespace dl::kernels {
 namespace {
 
 TEST(GemvKSplit, FollowsTheShapeOnly) {
-  EXPECT_EQ(GemvKSplitFor(10304, 2048), 1);   // fused q/k/v/g: plenty of rows
-  EXPECT_EQ(GemvKSplitFor(2048, 8192), 4);    // o_proj: 8,192 warps, 8 loads per lane each
-  EXPECT_EQ(GemvKSplitFor(100352, 2048), 1);  // LM head
-  EXPECT_EQ(GemvKSplitFor(64, 64), 1);        // tiny model: a slice needs 256 chunks
+  EXPECT_EQ(GemvKSplitFor(10304, 2048), 2);   // fused q/k/v/g: 20,608 warps, 4 loads per lane each
+  EXPECT_EQ(GemvKSplitFor(2048, 8192), 8);    // o_proj: 16,384 warps
+  EXPECT_EQ(GemvKSplitFor(100352, 2048), 1);  // LM head: plenty of rows
+  EXPECT_EQ(GemvKSplitFor(64, 64), 1);        // tiny model: a slice needs 128 chunks
   EXPECT_EQ(GemvKSplitFor(16, 65536), 8);     // capped at 8 warps per row
   EXPECT_EQ(GemvKSplitFor(100, 2056), 1);     // 257 chunks: no even split
 }

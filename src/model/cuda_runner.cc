@@ -411,6 +411,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.v_pool = L.v_pool.data();
     ap.block_table = block_tables[group].as<int32_t>();
     ap.positions = positions.as<int32_t>();
+    ap.history_stable = true;  // keys before this forward's first token come from earlier forwards
     ap.max_position = opt.max_seq_len - 1;
     ap.num_tokens = T;
     ap.num_q_heads = H;

@@ -262,6 +262,9 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   AttentionParams p;
   p.q = d_q.as<bf16>(), p.k_pool = d_k.data(), p.v_pool = d_v.data();
   p.block_table = d_t.as<int32_t>(), p.first_position = first, p.max_position = max_position;
+  // The cache is complete before the launch, so earlier keys may be loaded before the wait; this
+  // exercises both the early (s < first) and the late (the launch's own tokens) load paths.
+  p.history_stable = true;
   p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = c.K, p.head_dim = D, p.page_size = c.P;
   p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
   p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;

@@ -23,6 +23,11 @@ struct AttentionParams {
   const int32_t* block_table = nullptr;  // [max_pages]: position s lives in page block_table[s / P]
   const int32_t* positions = nullptr;    // [T] query positions, or nullptr: first_position + t
   int32_t first_position = 0;
+  // True when the keys at positions below the launch's first query position (positions[0], else
+  // first_position) were written by EARLIER launches: the kernel then loads them before waiting on
+  // the previous kernel (programmatic dependent launch), overlapping that kernel's tail. Leave false
+  // unless that holds (the engine's forwards: earlier tokens' KV comes from earlier forwards).
+  bool history_stable = false;
   // Upper bound of every query position; sizes the grid and the workspace, so a CUDA graph captured
   // with a large bound stays valid while positions (read from `positions`) grow.
   int32_t max_position = 0;

@@ -44,24 +44,31 @@ namespace dev {
   } while (0)
 #endif
 
+// The raw gate value of output (t, h, d) as BF16 bits (0 when there is no gate).
+__device__ __forceinline__ uint16_t LoadGate(const AttentionParams& a, int t, int h, int d) {
+  if (a.gate == nullptr) return 0;
+  const size_t gi = static_cast<size_t>(t) * a.gate_stride +
+                    (a.gate_per_element ? static_cast<size_t>(h) * a.head_dim + d : h);
+  return a.gate[gi];
+}
 // out = bf16(attn); with a gate: out = bf16(out * bf16(softplus(g))) (reference order, §3.4).
+__device__ __forceinline__ uint16_t ApplyGateAndRound(const AttentionParams& a, uint16_t gate_bits,
+                                                      float attn) {
+  float o = RoundBf16(attn);
+  if (a.gate != nullptr) o = RoundBf16(o * RoundBf16(Softplus(Bf16BitsToFloat(gate_bits))));
+  return FloatToBf16Bits(o);
+}
 __device__ __forceinline__ uint16_t GateAndRound(const AttentionParams& a, int t, int h, int d,
                                                  float attn) {
-  float o = RoundBf16(attn);
-  if (a.gate != nullptr) {
-    const size_t gi = static_cast<size_t>(t) * a.gate_stride +
-                      (a.gate_per_element ? static_cast<size_t>(h) * a.head_dim + d : h);
-    const float gamma = RoundBf16(Softplus(Bf16BitsToFloat(a.gate[gi])));
-    o = RoundBf16(o * gamma);
-  }
-  return FloatToBf16Bits(o);
+  return ApplyGateAndRound(a, LoadGate(a, t, h, d), attn);
 }
 
 // Stage 4 for query heads kvh*G .. kvh*G+G-1 of token t, kThreads threads, over the chunks [0, used)
-// that hold visible keys (the grid's later chunks are empty): m = max over non-empty chunks,
-// w_c = exp(m_c - m), l = sum l_c w_c, o = sum o_c w_c (ascending c, empty chunks skipped),
-// out = gate(bf16(o / l)). The (l_c, w_c) of a tile of C chunks go to shared memory once, with every
-// load of the tile in flight together: this block is the kernel's critical path.
+// that hold visible keys (the grid's later chunks are empty, and every chunk below `used` holds at
+// least one visible key, so l_c >= 1): m = max_c m_c, w_c = exp(m_c - m), l = sum l_c w_c,
+// o = sum o_c w_c (ascending c), out = gate(bf16(o / l)). This block is the kernel's critical path,
+// so its loads go out in one round: the first kBatch chunks' partials, the gates and, up to C chunks,
+// every (l_c, m_c) into shared memory; longer contexts take further tiles of C chunks.
 template <int D, int G, int C, int kThreads>
 __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int kvh, int num_chunks,
                                             int used, const float* ws_o, const float* ws_m, const float* ws_l,
@@ -75,12 +82,37 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
   auto part = [&](int g, int c) {
     return (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks + c;
   };
+  float ov[kPer][kBatch];
+  uint16_t gate[kPer];
+  auto load_partials = [&](int c) {  // chunks c .. c+kBatch-1 (< used) of this thread's outputs
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = threadIdx.x + kThreads * i;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        ov[i][u] = 0.0f;
+        if (idx < G * D && c + u < used) ov[i][u] = __ldcg(&ws_o[part(idx / D, c + u) * D + idx % D]);
+      }
+    }
+  };
+  load_partials(0);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + kThreads * i;
+    gate[i] = idx < G * D ? LoadGate(a, t, kvh * G + idx / D, idx % D) : 0;
+  }
+  auto load_stats = [&](int c0, int n) {  // (l, m) of chunks c0 .. c0+n-1 -> s_l, s_w (m for now)
+    for (int idx = threadIdx.x; idx < G * n; idx += kThreads) {
+      const int g = idx / n, c = idx % n;
+      s_l[g][c] = __ldcg(&ws_l[part(g, c0 + c)]);
+      s_w[g][c] = __ldcg(&ws_m[part(g, c0 + c)]);
+    }
+  };
+  load_stats(0, min(C, used));
+  __syncthreads();
   for (int g = warp; g < G; g += kWarps) {
     float mx = -INFINITY;
-    for (int c = lane; c < used; c += 32) {
-      const float lc = __ldcg(&ws_l[part(g, c)]), mc = __ldcg(&ws_m[part(g, c)]);
-      if (lc > 0.0f) mx = fmaxf(mx, mc);
-    }
+    for (int c = lane; c < used; c += 32) mx = fmaxf(mx, c < C ? s_w[g][c] : __ldcg(&ws_m[part(g, c)]));
     mx = WarpMax(mx);
     if (lane == 0) s_mx[g] = mx;
   }
@@ -90,26 +122,17 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
   for (int c0 = 0; c0 < used; c0 += C) {
     const int n = min(C, used - c0);
     __syncthreads();  // s_mx ready; the previous tile's s_w/s_l consumed
+    if (c0 > 0) {
+      load_stats(c0, n);
+      __syncthreads();
+    }
     for (int idx = threadIdx.x; idx < G * n; idx += kThreads) {
       const int g = idx / n, c = idx % n;
-      const float lc = __ldcg(&ws_l[part(g, c0 + c)]), mc = __ldcg(&ws_m[part(g, c0 + c)]);
-      s_l[g][c] = lc;
-      s_w[g][c] = lc > 0.0f ? expf(mc - s_mx[g]) : 0.0f;
+      s_w[g][c] = expf(s_w[g][c] - s_mx[g]);
     }
     __syncthreads();
     for (int c = 0; c < n; c += kBatch) {
-      float ov[kPer][kBatch];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int idx = threadIdx.x + kThreads * i;
-        const int g = idx / D, d = idx % D;
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          ov[i][u] = 0.0f;
-          if (idx < G * D && c + u < n && s_l[g][c + u] > 0.0f)
-            ov[i][u] = __ldcg(&ws_o[part(g, c0 + c + u) * D + d]);
-        }
-      }
+      if (c0 + c > 0) load_partials(c0 + c);
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int idx = threadIdx.x + kThreads * i;
@@ -117,7 +140,7 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
         const int g = idx / D;
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          if (c + u >= n || s_l[g][c + u] <= 0.0f) continue;
+          if (c + u >= n) break;
           l_acc[i] = fmaf(s_l[g][c + u], s_w[g][c + u], l_acc[i]);
           o_acc[i] = fmaf(ov[i][u], s_w[g][c + u], o_acc[i]);
         }
@@ -130,8 +153,7 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
     if (idx >= G * D) break;
     const int g = idx / D, d = idx % D;
     const int h = kvh * G + g;
-    const float attn = l_acc[i] > 0.0f ? o_acc[i] / l_acc[i] : 0.0f;
-    a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, attn);
+    a.out[(static_cast<size_t>(t) * H + h) * D + d] = ApplyGateAndRound(a, gate[i], o_acc[i] / l_acc[i]);
   }
 }
 
@@ -157,8 +179,6 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
 template <int D, int G, int P, KvDtype KV, bool SLIDING>
 __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
   AllowDependents();
-  WaitForPrerequisites();
-  DL_ATTN_MARK(0);
   constexpr int C = kAttnChunk;  // keys per block: two threads per key in stage 1
   constexpr int kThreads = 256;
   constexpr int kWarps = kThreads / 32;
@@ -184,10 +204,6 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   constexpr int kVBytes = C * kRowBytes;
   constexpr int kMergeBytes = 2 * G * C * 4;
   __shared__ __align__(16) unsigned char s_raw[kVBytes > kMergeBytes ? kVBytes : kMergeBytes];
-  // Page ids of the chunk's visible positions, loaded once.
-  constexpr int kChunkPages = (C + P - 1) / P + 1;
-  __shared__ int s_page[kChunkPages];
-
   const int t = blockIdx.z;
   const int kvh = blockIdx.y;
   const int ci = blockIdx.x;
@@ -221,6 +237,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   };
 
   if (chunk_lo > pos) {  // past the query: an empty chunk (the grid is sized for the largest query)
+    WaitForPrerequisites();
     if (threadIdx.x < G) {
       ws_m[part(threadIdx.x)] = -INFINITY;
       ws_l[part(threadIdx.x)] = 0.0f;
@@ -231,17 +248,6 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
 
   const int lo = max(start, chunk_lo);        // first visible key of the chunk
   const int hi = min(pos, chunk_lo + C - 1);  // last
-  {
-    const int first_page = lo / P;
-    const int last_page = hi / P;
-    if (threadIdx.x <= last_page - first_page) s_page[threadIdx.x] = a.block_table[first_page + threadIdx.x];
-  }
-  for (int i = threadIdx.x; i < G * D; i += kThreads) {
-    s_q[i / D][i % D] = Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + kvh * G) * D + i]);
-  }
-  __syncthreads();  // s_page, s_q
-  DL_ATTN_MARK(1);
-
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   // softmax_scale is resolved on the host (launcher): D^-1/2 when the caller passed 0.
@@ -250,62 +256,74 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   const char* v_base = static_cast<const char*>(a.v_pool);
 
   // ---- Stage 1: threads 2k and 2k+1 own key s = chunk_lo + k, one half of its row each: load the
-  // K half, dot it with the G queries (FMAs in dimension order), start copying the V half into
-  // shared memory; score = lower half + upper half.
+  // K half, start copying the V half into shared memory, dot the K half with the G queries (FMAs in
+  // dimension order); score = lower half + upper half. Keys written by earlier launches are loaded
+  // before waiting on the previous kernel (which wrote q and this launch's own keys).
+  const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const int s = chunk_lo + k;
+  const bool valid = s >= lo && s <= hi;
+  const bool active = kSplitRow || half == 0;
+  const int first = a.positions ? a.positions[0] : a.first_position;
+  const bool early = a.history_stable && s < first;
+  unsigned char* v_dst = s_raw + k * kRowBytes + (kSplitRow ? half * kPartBytes : 0);
+  constexpr int kLoads = kPartBytes / 16;
+  uint4 kv[kLoads];
+  const size_t off = valid ? ((static_cast<size_t>(a.block_table[s / P]) * P + s % P) * K + kvh) * kRowBytes +
+                                 (kSplitRow ? half * kPartBytes : 0)
+                           : 0;
+  auto fetch = [&]() {
+    const uint4* krow = reinterpret_cast<const uint4*>(k_base + off);
+    const uint32_t v_sh = static_cast<uint32_t>(__cvta_generic_to_shared(v_dst));
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(v_sh + 16 * c), "l"(v_base + off + 16 * c));
+    }
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) kv[c] = krow[c];
+  };
+  if (valid && active && early) fetch();
+  WaitForPrerequisites();
+  DL_ATTN_MARK(0);
+  if (valid && active && !early) fetch();
+  if (!valid && active) {  // outside the visible range: p will be 0; V must be finite
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) reinterpret_cast<uint4*>(v_dst)[c] = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  for (int i = threadIdx.x; i < G * D; i += kThreads) {
+    s_q[i / D][i % D] = Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + kvh * G) * D + i]);
+  }
+  __syncthreads();  // s_q
+  DL_ATTN_MARK(1);
   {
-    const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
-    const int s = chunk_lo + k;
-    const bool valid = s >= lo && s <= hi;
-    const bool active = kSplitRow || half == 0;
-    unsigned char* v_dst = s_raw + k * kRowBytes + (kSplitRow ? half * kPartBytes : 0);
     float sc[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) sc[g] = 0.0f;
     if (valid && active) {
-      const size_t off = ((static_cast<size_t>(s_page[s / P - lo / P]) * P + s % P) * K + kvh) * kRowBytes +
-                         (kSplitRow ? half * kPartBytes : 0);
-      const uint4* krow = reinterpret_cast<const uint4*>(k_base + off);
-      const uint32_t v_sh = static_cast<uint32_t>(__cvta_generic_to_shared(v_dst));
-#pragma unroll
-      for (int c = 0; c < kPartBytes / 16; ++c) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(v_sh + 16 * c), "l"(v_base + off + 16 * c));
-      }
-      constexpr int kLoads = kPartBytes / 16;
-      constexpr int kBatch = kLoads < 8 ? kLoads : 8;  // 16-byte loads in flight
       const int dim0 = kSplitRow ? half * kPartDims : 0;
 #pragma unroll
-      for (int c0 = 0; c0 < kLoads; c0 += kBatch) {
-        uint4 kv[kBatch];
+      for (int c = 0; c < kLoads; ++c) {
+        float kf[kVec];
+        if constexpr (KV == KvDtype::kFp8) {
+          Fp8x8ToFloat(make_uint2(kv[c].x, kv[c].y), kf);
+          Fp8x8ToFloat(make_uint2(kv[c].z, kv[c].w), kf + 8);
+        } else {
+          Bf16x8ToFloat(kv[c], kf);
+        }
+        const int d0 = dim0 + c * kVec;
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) kv[u] = krow[c0 + u];
+        for (int g = 0; g < G; ++g) {
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          float kf[kVec];
-          if constexpr (KV == KvDtype::kFp8) {
-            Fp8x8ToFloat(make_uint2(kv[u].x, kv[u].y), kf);
-            Fp8x8ToFloat(make_uint2(kv[u].z, kv[u].w), kf + 8);
-          } else {
-            Bf16x8ToFloat(kv[u], kf);
-          }
-          const int d0 = dim0 + (c0 + u) * kVec;
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int e = 0; e < kVec; e += 4) {
-              const float4 qv = *reinterpret_cast<const float4*>(&s_q[g][d0 + e]);
-              sc[g] = fmaf(qv.x, kf[e], sc[g]);
-              sc[g] = fmaf(qv.y, kf[e + 1], sc[g]);
-              sc[g] = fmaf(qv.z, kf[e + 2], sc[g]);
-              sc[g] = fmaf(qv.w, kf[e + 3], sc[g]);
-            }
+          for (int e = 0; e < kVec; e += 4) {
+            const float4 qv = *reinterpret_cast<const float4*>(&s_q[g][d0 + e]);
+            sc[g] = fmaf(qv.x, kf[e], sc[g]);
+            sc[g] = fmaf(qv.y, kf[e + 1], sc[g]);
+            sc[g] = fmaf(qv.z, kf[e + 2], sc[g]);
+            sc[g] = fmaf(qv.w, kf[e + 3], sc[g]);
           }
         }
       }
-    } else if (active) {  // outside the visible range: p will be 0; V must be finite
-#pragma unroll
-      for (int c = 0; c < kPartBytes / 16; ++c) reinterpret_cast<uint4*>(v_dst)[c] = make_uint4(0, 0, 0, 0);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const float other = __shfl_xor_sync(0xffffffffu, sc[g], 1);

@@ -22,16 +22,17 @@ constexpr int kMoeMaxTopK = 32;
 constexpr int kDownGroup = 4;  // routed slots whose down rows one warp loads together
 
 struct MoeWs {
-  float* logits;   // [E]
-  int32_t* ids;    // [k]
-  float* weights;  // [k]
-  uint16_t* h;     // [k+1, Fmax]
+  float* logits;       // [E]
+  int32_t* ids;        // [k]
+  float* weights;      // [k]
+  const bf16** rows;   // [3, k]: gate, up and down base pointers of each selected expert
+  uint16_t* h;         // [k+1, Fmax]
 };
 __host__ __device__ inline size_t Align16(size_t x) { return (x + 15) & ~size_t{15}; }
 __host__ __device__ inline size_t MoeTokenWorkspaceBytes(int E, int k, int ffn, int shared_ffn) {
   const size_t fmax = ffn > shared_ffn ? ffn : shared_ffn;
   return Align16(E * sizeof(float)) + Align16(k * sizeof(int32_t)) + Align16(k * sizeof(float)) +
-         Align16((k + 1) * fmax * sizeof(uint16_t));
+         Align16(3 * k * sizeof(void*)) + Align16((k + 1) * fmax * sizeof(uint16_t));
 }
 // Token t's slice of the workspace.
 __host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
@@ -44,6 +45,8 @@ __host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
   p += Align16(a.top_k * sizeof(int32_t));
   w.weights = reinterpret_cast<float*>(p);
   p += Align16(a.top_k * sizeof(float));
+  w.rows = reinterpret_cast<const bf16**>(p);
+  p += Align16(3 * a.top_k * sizeof(void*));
   w.h = reinterpret_cast<uint16_t*>(p);
   return w;
 }
@@ -143,6 +146,14 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     if (rank < a.top_k) s_sel[rank] = i;
   }
   __syncthreads();
+  // The experts' base pointers, resolved here once so the expert kernels start with one dependent
+  // load (the pointer) instead of two (id, then pointer).
+  if (threadIdx.x < a.top_k) {
+    const int e = s_sel[threadIdx.x];
+    ws.rows[threadIdx.x] = a.gate_w[e];
+    ws.rows[a.top_k + threadIdx.x] = a.up_w[e];
+    ws.rows[2 * a.top_k + threadIdx.x] = a.down_w[e];
+  }
   if (threadIdx.x == 0) {
     float sum = 0.0f;
     for (int j = 0; j < a.top_k; ++j) sum += s_score[s_sel[j]];
@@ -178,9 +189,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
     LaneDots<2, 8, true>(rows, xs, n8, lane, acc);
   } else {
     WaitForPrerequisites();
-    const int e = ws.ids[j];
-    const bf16* rows[2] = {a.gate_w[e] + static_cast<size_t>(f) * a.d,
-                           a.up_w[e] + static_cast<size_t>(f) * a.d};
+    const bf16* rows[2] = {ws.rows[j] + static_cast<size_t>(f) * a.d,
+                           ws.rows[a.top_k + j] + static_cast<size_t>(f) * a.d};
     LaneDots<2, 8, false>(rows, xs, n8, lane, acc);
   }
   const float g = RoundBf16(WarpSum(acc[0]));
@@ -225,7 +235,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const int j = j0 + r;
-      rows[r] = j < a.top_k ? a.down_w[ws.ids[j]] + static_cast<size_t>(i) * a.ffn : nullptr;
+      rows[r] = j < a.top_k ? ws.rows[2 * a.top_k + j] + static_cast<size_t>(i) * a.ffn : nullptr;
       xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * fmax;
       n8[r] = a.ffn / 8;
     }
