@@ -161,9 +161,7 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
 template <int N, KvDtype KV>
 __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]) {
   if constexpr (KV == KvDtype::kFp8 && N == 4) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) f[b] = Fp8ToFloat(static_cast<uint8_t>(w >> (8 * b)));
+    Fp8x4ToFloat(*reinterpret_cast<const uint32_t*>(p), f);
   } else if constexpr (KV == KvDtype::kBf16 && N == 4) {
     const uint2 w = *reinterpret_cast<const uint2*>(p);
     f[0] = __uint_as_float(w.x << 16), f[1] = __uint_as_float(w.x & 0xffff0000u);

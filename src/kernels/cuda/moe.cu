@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   __threadfence();
 
   __shared__ float s_score[kMoeMaxExperts];
-  __shared__ float s_biased[kMoeMaxExperts];
+  __shared__ __align__(16) float s_biased[kMoeMaxExperts];
   __shared__ int s_sel[kMoeMaxTopK];
   for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
     float z = __ldcg(&ws.logits[i]);
@@ -139,10 +139,13 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
     const float bi = s_biased[i];
     int rank = 0;
-    for (int j = 0; j < a.num_experts; ++j) {
-      const float bj = s_biased[j];
-      rank += (bj > bi || (bj == bi && j < i)) ? 1 : 0;
+    int j = 0;
+    for (; j + 4 <= a.num_experts; j += 4) {  // four experts per shared-memory read
+      const float4 b4 = *reinterpret_cast<const float4*>(&s_biased[j]);
+      rank += (b4.x > bi || (b4.x == bi && j < i)) + (b4.y > bi || (b4.y == bi && j + 1 < i)) +
+              (b4.z > bi || (b4.z == bi && j + 2 < i)) + (b4.w > bi || (b4.w == bi && j + 3 < i));
     }
+    for (; j < a.num_experts; ++j) rank += s_biased[j] > bi || (s_biased[j] == bi && j < i);
     if (rank < a.top_k) s_sel[rank] = i;
   }
   __syncthreads();
