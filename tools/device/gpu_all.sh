@@ -3,7 +3,7 @@
 # under compute-sanitizer memcheck, the NCCL probe (2+ GPUs), `decodelab bench` on the XS.2 shape and
 # the per-kernel microbenchmark; logs go to $OUT, a short table comes last.
 #   usage (repo root, on the GPU machine, .deps and .decodelab-commit carried; write the latter here
-#   first with `git rev-parse --short=12 HEAD > .decodelab-commit`): bash tools/device/gpu_all.sh [--peer]
+#   first with tools/device/stamp-commit.sh): bash tools/device/gpu_all.sh [--peer|--quick]
 #   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
 #   --quick: kernel work in progress: only the GPU targets, GPU tests, one bench run, kernel bench.
 set -uo pipefail
@@ -31,7 +31,7 @@ if ! ninja -C build decodelab cuda_runner_test kernels_gpu_test kernels_bench > 
   echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
 fi
 [ "$QUICK" = 1 ] || ninja -C build -k 0 > "$OUT/build_rest.log" 2>&1 || { echo "NOTE: some non-GPU targets failed to build:"; grep -E "^FAILED" "$OUT/build_rest.log" | head; }
-echo "build: $(( $(date +%s) - t0 )) s"
+echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '(no .decodelab-commit)')"
 B=build/bin/decodelab
 timeout 300 ctest --test-dir build -L gpu --output-on-failure > "$OUT/gpu_tests.log" 2>&1; R[gpu_tests]=$?
 grep -E "tests passed|Failed|\*\*\*|\[bf16-golden\]" "$OUT/gpu_tests.log" | head -30
@@ -55,7 +55,7 @@ timeout 200 python3 tools/device/serve_check.py $B --model tests/data/golden/tin
   --kv-dtype bf16 > "$OUT/serve_tiny.log" 2>&1; R[serve_cuda_tiny]=$?
 timeout 300 python3 tools/device/serve_check.py $B --shape xs2 --num-layers 4 --backend cuda \
   --kv-dtype fp8 --page-size 32 > "$OUT/serve_xs2.log" 2>&1; R[serve_cuda_xs2_4l]=$?
-tail -2 "$OUT/serve_tiny.log" "$OUT/serve_xs2.log"
+tail -n 2 "$OUT/serve_tiny.log" "$OUT/serve_xs2.log"
 fi
 timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat $([ "$QUICK" = 1 ] && echo 1 || echo 3) --kv-dtype fp8 \
   --page-size 32 --json-out "$OUT/bench_xs2_fp8_p32.json" > "$OUT/bench_xs2.log" 2>&1; R[bench_xs2]=$?
