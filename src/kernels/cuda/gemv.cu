@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
     }
   }
   if constexpr (KS == 1) {
-    if (row >= a.out) return;
+    if (!live) return;
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
       if (t >= nt) break;
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
       if (lane == 0) s_part[warp][t] = s;
     }
     __syncthreads();
-    if (slice != 0 || row >= a.out || lane >= nt) return;
+    if (slice != 0 || !live || lane >= nt) return;
     const int t = lane;  // lane t writes token t
     float s = s_part[warp][t];
 #pragma unroll

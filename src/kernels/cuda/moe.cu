@@ -1,15 +1,14 @@
-// MoE for T tokens, three launches, no host round trip (token t = blockIdx.y in every kernel):
+// MoE for T tokens, three launches, no host round trip (token t: the grid's last dimension):
 //   1. router GEMV over E rows (warp per expert) + last-block top-k selection (ticket counter used for
 //      scheduling only; selection and weights come from one block in a fixed order);
 //   2. gate/up of the k selected experts and the shared expert (warp per (slot, row): both rows' loads
 //      in flight together), SwiGLU;
 //   3. down projections (ceil(k/4) warps per output row, each with 4 routed rows and, for the first,
 //      the shared row loaded together) + the weighted combine in slot order.
-// Expert ids never leave the device: kernels 2 and 3 read them from the workspace and index the
-// per-expert pointer arrays. Batch 1 is memory-bound: the point of the layout is enough 16-byte loads
-// in flight per SM (~64 KB) to keep HBM busy, with FMAs in the reference's per-lane order.
-#include <climits>
-
+// Expert ids never leave the device: the router's last block writes the selected experts' base
+// pointers into the workspace, and kernels 2 and 3 read those. Batch 1 is memory-bound: the point of
+// the layout is enough 16-byte loads in flight per SM (~64 KB) to keep HBM busy, with FMAs in the
+// reference's per-lane order.
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/ops.h"
 
@@ -22,33 +21,35 @@ constexpr int kMoeMaxTopK = 32;
 constexpr int kDownGroup = 4;  // routed slots whose down rows one warp loads together
 
 struct MoeWs {
-  float* logits;       // [E]
-  int32_t* ids;        // [k]
-  float* weights;      // [k]
-  const bf16** rows;   // [3, k]: gate, up and down base pointers of each selected expert
-  uint16_t* h;         // [k+1, Fmax]
+  float* logits;      // [E]
+  float* weights;     // [k]
+  const bf16** rows;  // [3, k]: gate, up and down base pointers of each selected expert
+  uint16_t* h;        // [k+1, h_stride]
+  int h_stride;       // max(F, Fs)
 };
 __host__ __device__ inline size_t Align16(size_t x) { return (x + 15) & ~size_t{15}; }
-__host__ __device__ inline size_t MoeTokenWorkspaceBytes(int E, int k, int ffn, int shared_ffn) {
-  const size_t fmax = ffn > shared_ffn ? ffn : shared_ffn;
-  return Align16(E * sizeof(float)) + Align16(k * sizeof(int32_t)) + Align16(k * sizeof(float)) +
-         Align16(3 * k * sizeof(void*)) + Align16((k + 1) * fmax * sizeof(uint16_t));
+// One token's workspace: byte offsets of MoeWs's arrays and the total; the one place that knows it.
+struct MoeWsLayout {
+  size_t logits, weights, rows, h, bytes;
+  int h_stride;
+};
+__host__ __device__ inline MoeWsLayout MoeWorkspaceLayout(int E, int k, int ffn, int shared_ffn) {
+  MoeWsLayout l;
+  l.h_stride = ffn > shared_ffn ? ffn : shared_ffn;
+  size_t off = 0;
+  l.logits = off, off += Align16(E * sizeof(float));
+  l.weights = off, off += Align16(k * sizeof(float));
+  l.rows = off, off += Align16(3 * k * sizeof(void*));
+  l.h = off, off += Align16((k + 1) * static_cast<size_t>(l.h_stride) * sizeof(uint16_t));
+  l.bytes = off;
+  return l;
 }
 // Token t's slice of the workspace.
 __host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
-  char* p = static_cast<char*>(a.workspace) +
-            t * MoeTokenWorkspaceBytes(a.num_experts, a.top_k, a.ffn, a.shared_ffn);
-  MoeWs w;
-  w.logits = reinterpret_cast<float*>(p);
-  p += Align16(a.num_experts * sizeof(float));
-  w.ids = reinterpret_cast<int32_t*>(p);
-  p += Align16(a.top_k * sizeof(int32_t));
-  w.weights = reinterpret_cast<float*>(p);
-  p += Align16(a.top_k * sizeof(float));
-  w.rows = reinterpret_cast<const bf16**>(p);
-  p += Align16(3 * a.top_k * sizeof(void*));
-  w.h = reinterpret_cast<uint16_t*>(p);
-  return w;
+  const MoeWsLayout l = MoeWorkspaceLayout(a.num_experts, a.top_k, a.ffn, a.shared_ffn);
+  char* base = static_cast<char*>(a.workspace) + t * l.bytes;
+  return {reinterpret_cast<float*>(base + l.logits), reinterpret_cast<float*>(base + l.weights),
+          reinterpret_cast<const bf16**>(base + l.rows), reinterpret_cast<uint16_t*>(base + l.h), l.h_stride};
 }
 
 // Per-lane partial dots of NR BF16 rows (row r: n8[r] chunks, with vector xs[r]; a null row is skipped)
@@ -162,7 +163,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     for (int j = 0; j < a.top_k; ++j) sum += s_score[s_sel[j]];
     for (int j = 0; j < a.top_k; ++j) {
       const float w = RoundBf16(s_score[s_sel[j]] / sum);
-      ws.ids[j] = s_sel[j];
       ws.weights[j] = w;
       if (a.topk_ids) a.topk_ids[t * a.top_k + j] = s_sel[j];
       if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
@@ -200,8 +200,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
   const float u = RoundBf16(WarpSum(acc[1]));
   if (lane == 0) {
     const float act = RoundBf16(g / (1.0f + expf(-g)));
-    const int fmax = a.ffn > a.shared_ffn ? a.ffn : a.shared_ffn;
-    ws.h[static_cast<size_t>(j) * fmax + f] = FloatToBf16Bits(act * u);
+    ws.h[static_cast<size_t>(j) * ws.h_stride + f] = FloatToBf16Bits(act * u);
   }
 }
 
@@ -228,7 +227,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
   WaitForPrerequisites();
   __shared__ float s_routed[kMoeWarps][kDownGroup];
   __shared__ float s_shared[kMoeWarps];
-  const int fmax = a.ffn > a.shared_ffn ? a.ffn : a.shared_ffn;
   const bf16* h = reinterpret_cast<const bf16*>(ws.h);
   if (live) {
     const int j0 = group * kDownGroup;
@@ -239,11 +237,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
     for (int r = 0; r < kDownGroup; ++r) {
       const int j = j0 + r;
       rows[r] = j < a.top_k ? ws.rows[2 * a.top_k + j] + static_cast<size_t>(i) * a.ffn : nullptr;
-      xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * fmax;
+      xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * ws.h_stride;
       n8[r] = a.ffn / 8;
     }
     rows[kDownGroup] = group == 0 ? shared_row : nullptr;
-    xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * fmax;
+    xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
     n8[kDownGroup] = a.shared_ffn / 8;
     float o[kDownGroup + 1];
     LaneDots<kDownGroup + 1, 2, false>(rows, xs, n8, lane, o);
@@ -269,7 +267,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
-  return dev::MoeTokenWorkspaceBytes(num_experts, top_k, ffn, shared_ffn) *
+  return dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes *
          static_cast<size_t>(std::max(num_tokens, 1));
 }
 
