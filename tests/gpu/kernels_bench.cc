@@ -103,7 +103,10 @@ struct Row {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // Optional: one section only (gemv, norm, rope, attn, moe, argmax); the copy row always runs.
+  const std::string only = argc > 1 ? argv[1] : "";
+  auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
   if (cuda::DeviceCount(&why) == 0) {
     std::fprintf(stderr, "kernels_bench: no CUDA device: %s\n", why.c_str());
@@ -129,7 +132,7 @@ int main() {
   // (> L2). k_split 0 = the shape's default (GemvKSplitFor).
   auto x = Random(8192, 1, 1.0f);
   auto y = Alloc(100352 * 2);
-  for (auto [name, out, in, copies, ks] : {std::tuple{"gemv qkvg", 10304, 2048, 8, 0},
+  if (want("gemv")) for (auto [name, out, in, copies, ks] : {std::tuple{"gemv qkvg", 10304, 2048, 8, 0},
                                            std::tuple{"gemv qkvg ks1", 10304, 2048, 8, 1},
                                            std::tuple{"gemv o_proj", 2048, 8192, 8, 0},
                                            std::tuple{"gemv o_proj ks1", 2048, 8192, 8, 1},
@@ -147,7 +150,7 @@ int main() {
   }
 
   // Residual add + RMSNorm, d = 2048.
-  {
+  if (want("norm")) {
     auto h = Random(2048, 2, 1.0f), dl = Random(2048, 3, 1.0f), w = Random(2048, 4, 1.0f);
     auto o = Alloc(4096);
     const double ms = TimeMs([&](int) {
@@ -158,7 +161,7 @@ int main() {
   }
 
   // QK-norm + RoPE + FP8 append, sliding layer (H 64, K 8, D 128, R 128), one token.
-  {
+  if (want("rope")) {
     const int H = 64, K = 8, D = 128, P = 32;
     auto qkv = Random((H + 2 * K) * D, 5, 1.0f), qn = Random(D, 6, 1.0f), kn = Random(D, 7, 1.0f);
     std::vector<float> f(64);
@@ -188,7 +191,7 @@ int main() {
     AttnPresetKey key;
     int pos, copies;
   };
-  for (const AttnCase& c :
+  if (want("attn")) for (const AttnCase& c :
        {AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kFp8, WindowKind::kSliding}, 4095, 30},
         AttnCase{"attn sliding ctx4k", {128, 8, 32, KvDtype::kBf16, WindowKind::kSliding}, 4095, 30},
         AttnCase{"attn global ctx100", {128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal}, 99, 30},
@@ -237,7 +240,7 @@ int main() {
   }
 
   // MoE, XS.2 layer: E 256, top-8, F 512, shared 512, d 2048; 2 layers' experts, 16 inputs.
-  {
+  if (want("moe")) {
     const int E = 256, k = 8, d = 2048, F = 512;
     const int layers = 2;
     std::vector<cuda::DeviceBuffer> experts;
@@ -281,7 +284,7 @@ int main() {
   }
 
   // Argmax over the vocabulary.
-  {
+  if (want("argmax")) {
     auto logits = Random(100352, 90, 3.0f);
     auto ws = Alloc(ArgmaxWorkspaceBytes(100352)), counter = Alloc(4), out = Alloc(4);
     CHECK_OK(counter.Fill(0));

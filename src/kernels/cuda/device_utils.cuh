@@ -91,6 +91,22 @@ __device__ __forceinline__ void WaitForPrerequisites() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// A 16-byte load of data read once per step (weights): read-only path, and marked first to leave L2
+// (evict_first policy), so streaming gigabytes of weights does not push out what is read again soon
+// (lines prefetched for a later phase, activations, KV).
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(DL_LOAD_STREAMING_PLAIN)  // A/B build flag
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  uint4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
 // Warms L2 with a line the kernel will read after WaitForPrerequisites (weights only).
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

@@ -73,7 +73,7 @@ __device__ __forceinline__ void LaneDots(const bf16* const (&rows)[NR], const bf
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < NR; ++r)
-        if (rows[r] && c0 + 32 * u < n8[r]) rv[r][u] = __ldg(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
+        if (rows[r] && c0 + 32 * u < n8[r]) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
     if (!waited) {
       WaitForPrerequisites();
       waited = true;
@@ -123,31 +123,48 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   if (!s_last) return;
   __threadfence();
 
+  // Top-k in two rounds instead of an O(E^2) rank pass: each warp ranks a 32-expert chunk with
+  // shuffles and keeps its first k as candidates; a candidate's rank among all candidates is then its
+  // true rank when that is below k (every expert ahead of a true top-k member is itself in its
+  // chunk's first k) and at least k otherwise. The order is total (higher biased score first, ties
+  // to the lower id; NaN never wins), so this is exactly the iterative top-k.
   __shared__ float s_score[kMoeMaxExperts];
-  __shared__ __align__(16) float s_biased[kMoeMaxExperts];
+  __shared__ float s_cand_b[kMoeMaxExperts];  // slot c*k + r: the r-th of chunk c
+  __shared__ int s_cand_id[kMoeMaxExperts];   // -1: a lane past E
   __shared__ int s_sel[kMoeMaxTopK];
-  for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
-    float z = __ldcg(&ws.logits[i]);
-    if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
-    const float s = 1.0f / (1.0f + expf(-z));
-    const float b = s + Bf16BitsToFloat(a.router_bias[i]);
-    s_score[i] = s;
-    s_biased[i] = isnan(b) ? -INFINITY : b;  // NaN never wins (and the order stays total)
+  const int E = a.num_experts, k = a.top_k;
+  auto ahead = [](float b_other, int id_other, float b, int id) {
+    return b_other > b || (b_other == b && id_other < id);
+  };
+  const int chunks = (E + 31) / 32;
+  for (int c = warp; c < chunks; c += kMoeWarps) {
+    const int i = c * 32 + lane;
+    float b = -INFINITY;
+    if (i < E) {
+      float z = __ldcg(&ws.logits[i]);
+      if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
+      const float sc = 1.0f / (1.0f + expf(-z));
+      b = sc + Bf16BitsToFloat(a.router_bias[i]);
+      if (isnan(b)) b = -INFINITY;
+      s_score[i] = sc;
+    }
+    int rank = 0;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) rank += ahead(__shfl_sync(0xffffffffu, b, l), c * 32 + l, b, i);
+    if (rank < k) {  // lanes past E rank after every real expert of the chunk
+      s_cand_b[c * k + rank] = b;
+      s_cand_id[c * k + rank] = i < E ? i : -1;
+    }
   }
   __syncthreads();
-  // Rank of each expert = number of experts ahead of it (higher biased score, ties to the lower id):
-  // a total order, so the first k ranks are exactly the iterative top-k, found in one pass.
-  for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) {
-    const float bi = s_biased[i];
+  const int cands = chunks * k;  // <= 32 * 32
+  for (int q = threadIdx.x; q < cands; q += blockDim.x) {
+    const int id = s_cand_id[q];
+    if (id < 0) continue;
+    const float b = s_cand_b[q];
     int rank = 0;
-    int j = 0;
-    for (; j + 4 <= a.num_experts; j += 4) {  // four experts per shared-memory read
-      const float4 b4 = *reinterpret_cast<const float4*>(&s_biased[j]);
-      rank += (b4.x > bi || (b4.x == bi && j < i)) + (b4.y > bi || (b4.y == bi && j + 1 < i)) +
-              (b4.z > bi || (b4.z == bi && j + 2 < i)) + (b4.w > bi || (b4.w == bi && j + 3 < i));
-    }
-    for (; j < a.num_experts; ++j) rank += s_biased[j] > bi || (s_biased[j] == bi && j < i);
-    if (rank < a.top_k) s_sel[rank] = i;
+    for (int o = 0; o < cands; ++o) rank += s_cand_id[o] >= 0 && ahead(s_cand_b[o], s_cand_id[o], b, id);
+    if (rank < k) s_sel[rank] = id;
   }
   __syncthreads();
   // The experts' base pointers, resolved here once so the expert kernels start with one dependent
