@@ -136,6 +136,9 @@ int main(int argc, char** argv) {
                                            std::tuple{"gemv qkvg ks1", 10304, 2048, 8, 1},
                                            std::tuple{"gemv o_proj", 2048, 8192, 8, 0},
                                            std::tuple{"gemv o_proj ks1", 2048, 8192, 8, 1},
+                                           // One copy: the weights stay in L2 (what a prefetch hint buys).
+                                           std::tuple{"gemv qkvg L2-hot", 10304, 2048, 1, 0},
+                                           std::tuple{"gemv o_proj L2-hot", 2048, 8192, 1, 0},
                                            std::tuple{"gemv o_proj ks2", 2048, 8192, 8, 2},
                                            std::tuple{"gemv o_proj ks4", 2048, 8192, 8, 4},
                                            std::tuple{"gemv lm_head", 100352, 2048, 1, 0}}) {
