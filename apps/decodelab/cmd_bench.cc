@@ -30,6 +30,7 @@ struct BenchFlags {
   int repeat = 3;
   bool allow_fallback = false;
   bool no_graph = false;
+  std::vector<std::string> skip_ops;
   std::string json_out;
 };
 
@@ -55,6 +56,7 @@ int RunBench(const BenchFlags& f) {
   opts->max_seq_len = f.prompt_len + f.gen_len + 1;
   opts->allow_fallback = f.allow_fallback;
   opts->use_graph = !f.no_graph;
+  opts->skip_ops = f.skip_ops;
   if (opts->backend == BackendKind::kAuto && f.engine.kv_dtype == "f32" &&
       cuda::DeviceCount() > 0) {
     opts->kv_dtype = DType::kF8E4M3;  // the bench default on a GPU is the FP8 cache
@@ -159,6 +161,7 @@ int RunBench(const BenchFlags& f) {
       {"kernels_per_step", kernels},
       {"kernels_per_layer", cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0},
       {"fallback", describe.value("fallback", false)},
+      {"skipped_ops", f.skip_ops},
       {"backend", describe},
       {"commit", BuildCommit()},
       {"compilers", BuildCompilers()},
@@ -188,6 +191,10 @@ int RunBench(const BenchFlags& f) {
               std::string(DTypeName((*engine)->kv->spec().dtype)).c_str(),
               (*engine)->kv->spec().page_size, f.prompt_len, f.gen_len, f.repeat,
               describe.value("fallback", false) ? "  ** FALLBACK: not a speed result **" : "");
+  if (!f.skip_ops.empty()) {
+    std::printf("  ** SKIPPED OPS: %s (timing experiment; outputs are wrong; not a speed result) **\n",
+                fmt::format("{}", fmt::join(f.skip_ops, ",")).c_str());
+  }
   std::printf("  TPOT         median %.4f ms  p10 %.4f  p90 %.4f  (%.1f tok/s; run spread %.1f%%)\n",
               tpot, lab::Percentile(all_steps, 10), lab::Percentile(all_steps, 90), 1e3 / tpot, 100 * spread);
   std::printf("  prefill      %.2f ms (median of runs)\n", lab::Median(prefill_ms));
@@ -225,6 +232,11 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
                 "Run a generic attention kernel where a preset is not built (the result says "
                 "fallback and is not a speed result)");
   cmd->add_flag("--no-graph", flags->no_graph, "Launch kernels one by one instead of a CUDA graph");
+  cmd->add_option("--skip-ops", flags->skip_ops,
+                  "Timing experiment (CUDA): leave these op families out of every forward to see what "
+                  "each costs inside the real step: norm, qkvg, rope, attention, o_proj, moe, dense_mlp. "
+                  "Outputs are wrong; the result is marked and is not a speed result")
+      ->delimiter(',');
   cmd->add_option("--json-out", flags->json_out, "Write the results as JSON");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunBench(*flags); });
 }

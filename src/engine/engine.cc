@@ -141,6 +141,7 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   const ModelConfig& c = checkpoint.config();
   DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kBF16, 16, 128, 1, 128)));
   CudaRunnerOptions co = base;
+  co.skip_ops.clear();  // calibration runs the whole model whatever the bench leaves out
   co.max_seq_len = 128;
   co.max_chunk = 128;
   co.use_graph = false;
@@ -171,6 +172,10 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     engine->backend_choice_reason = "cuda: requested";
   } else {
     engine->backend_choice_reason = "cpu: requested";
+  }
+  if (chosen == BackendKind::kCpu && !o.skip_ops.empty()) {
+    return InvalidArgument("--skip-ops is a CUDA timing experiment; the CPU backend ({}) has no such switch",
+                           engine->backend_choice_reason);
   }
   EngineOptions effective = o;
   if (chosen == BackendKind::kCuda && o.kv_dtype == DType::kF32) {
@@ -204,6 +209,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   co.max_seq_len = o.max_seq_len;
   co.max_chunk = o.prefill_chunk;
   co.synthetic_seed = o.seed;
+  co.skip_ops = o.skip_ops;
 
   // KV scales for FP8: file, else checkpoint, else built-in calibration. Never from a request.
   KvScales scales;

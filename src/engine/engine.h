@@ -34,6 +34,7 @@ struct EngineOptions {
   bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
   bool use_graph = true;        // CUDA: one captured graph per decode step
   bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales
+  std::vector<std::string> skip_ops;  // CUDA timing experiments only (CudaRunnerOptions::skip_ops)
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.

@@ -69,6 +69,10 @@ struct CudaRunner::Impl {
   std::string device_name;
 
   explicit Impl(const ModelConfig& c) : cfg(c) {}
+  // Timing experiments (CudaRunnerOptions::skip_ops): whether op family `op` is left out.
+  bool Skips(std::string_view op) const {
+    return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
+  }
   Status Init(const Checkpoint& ck);
   Status StageInputs(const SequenceKv& seq, std::span<const int32_t> tokens);
   Status Enqueue(int32_t T, bool all_logits);
@@ -374,10 +378,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     norm1.rows = T;
     norm1.n = d;
     norm1.eps = eps;
-    DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm1, s));
+    if (!Skips("norm")) DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm1, s));
 
-    DL_RETURN_IF_ERROR(RunGemv(L.qkvg.as<bf16>(), u.as<bf16>(), qkvg.as<bf16>(),
-                               static_cast<int>(L.qkvg_width), d, T, s));
+    if (!Skips("qkvg")) {
+      DL_RETURN_IF_ERROR(RunGemv(L.qkvg.as<bf16>(), u.as<bf16>(), qkvg.as<bf16>(),
+                                 static_cast<int>(L.qkvg_width), d, T, s));
+    }
 
     kernels::QkNormRopeAppendParams rp;
     rp.q = qkvg.as<bf16>();
@@ -403,7 +409,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     rp.v_scale = scales.v[l];
     rp.block_table = block_tables[group].as<int32_t>();
     rp.page_size = kv.page_size;
-    DL_RETURN_IF_ERROR(kernels::QkNormRopeAppend(rp, s));
+    if (!Skips("rope")) DL_RETURN_IF_ERROR(kernels::QkNormRopeAppend(rp, s));
 
     kernels::AttentionParams ap;
     ap.q = q_out.as<bf16>();
@@ -430,16 +436,24 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace = attn_ws.data();
     ap.workspace_bytes = attn_ws_bytes;
     ap.counters = attn_counters.as<uint32_t>();
-    DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
+    if (!Skips("attention")) {
+      DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
+    }
 
-    DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
+    if (!Skips("o_proj")) {
+      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
+    }
 
     kernels::AddRmsNormParams norm2 = norm1;
     norm2.delta = delta.as<bf16>();
     norm2.weight = L.post_norm.as<bf16>();
-    DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm2, s));
+    if (!Skips("norm")) DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm2, s));
 
-    if (L.sparse) {
+    if (L.sparse && Skips("moe")) {
+      // timing experiment: the MoE's output is left as it was
+    } else if (!L.sparse && Skips("dense_mlp")) {
+      // timing experiment: the dense MLP's output is left as it was
+    } else if (L.sparse) {
       kernels::MoeParams mp;
       mp.x = u.as<bf16>();
       mp.num_tokens = T;
@@ -549,6 +563,11 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint& checkpo
   impl->kv = kv;
   impl->scales = std::move(scales);
   impl->opt = options;
+  for (const std::string& op : options.skip_ops) {
+    if (std::find(std::begin(kSkippableOps), std::end(kSkippableOps), op) == std::end(kSkippableOps)) {
+      return InvalidArgument("--skip-ops: unknown op '{}' (known: {})", op, fmt::join(kSkippableOps, ", "));
+    }
+  }
   DL_RETURN_IF_ERROR(impl->Init(checkpoint));
   return std::unique_ptr<CudaRunner>(new CudaRunner(std::move(impl)));
 }
@@ -625,7 +644,8 @@ nlohmann::json CudaRunner::Describe() const {
           {"kv_dtype", std::string(DTypeName(impl_->kv.dtype))},
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
-          {"dependent_launch", kernels::DependentLaunchEnabled()}};
+          {"dependent_launch", kernels::DependentLaunchEnabled()},
+          {"skipped_ops", impl_->opt.skip_ops}};
 }
 
 #else  // no CUDA backend in this build

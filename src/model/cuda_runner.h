@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -23,7 +24,12 @@ struct CudaRunnerOptions {
   // For a shape-only checkpoint (null data): generate each tensor on the device with this seed,
   // by the formula of model/synthetic.h.
   uint64_t synthetic_seed = 0;
+  // Timing experiments only (bench --skip-ops): leave these op families out of every forward, to
+  // measure what each costs inside the real step. Outputs are then wrong; Describe() lists them.
+  // Names: kSkippableOps.
+  std::vector<std::string> skip_ops;
 };
+inline constexpr std::string_view kSkippableOps[] = {"norm", "qkvg", "rope", "attention", "o_proj", "moe", "dense_mlp"};
 
 class CudaRunner : public ModelRunner {
  public:

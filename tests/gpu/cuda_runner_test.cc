@@ -228,5 +228,37 @@ TEST(CudaRunnerTest, ReportsGraphTopologyAndPresets) {
   EXPECT_EQ(d["layer_presets"].size(), 5u);
 }
 
+// bench --skip-ops: an unknown name is an error that lists the known ones; a skipped family leaves
+// the captured step (fewer kernel nodes) and is reported by Describe.
+TEST(CudaRunnerTest, SkipOpsAreValidatedAndReported) {
+  SKIP_WITHOUT_GPU();
+  auto make = [](std::vector<std::string> skip) {
+    EngineOptions o;
+    o.model_dir = GoldenDir("tiny").string();
+    o.backend = BackendKind::kCuda;
+    o.kv_dtype = DType::kBF16;
+    o.max_seq_len = 64;
+    o.skip_ops = std::move(skip);
+    return LoadEngine(o);
+  };
+  auto bad = make({"moe", "attn"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("unknown op 'attn'"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("attention"), std::string::npos) << bad.status().message();
+  int nodes[2] = {0, 0};
+  for (int skip = 0; skip < 2; ++skip) {
+    auto e = make(skip ? std::vector<std::string>{"moe"} : std::vector<std::string>{});
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    GenerateOptions g;
+    g.max_tokens = 3;
+    g.ignore_eos = true;
+    ASSERT_TRUE(GenerateGreedy(**e, std::vector<int32_t>{3, 4, 5}, g).ok());
+    const auto d = (*e)->runner->Describe();
+    nodes[skip] = d["topology"][0]["kernel_nodes"].get<int>();
+    EXPECT_EQ(d["skipped_ops"].size(), static_cast<size_t>(skip));
+  }
+  EXPECT_LT(nodes[1], nodes[0]) << "skipping the MoE must remove its kernels from the step";
+}
+
 }  // namespace
 }  // namespace dl
