@@ -6,6 +6,8 @@
 #   first with tools/device/stamp-commit.sh): bash tools/device/gpu_all.sh [--peer|--quick]
 #   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
 #   --quick: kernel work in progress: only the GPU targets, GPU tests, one bench run, kernel bench.
+#   --ab NAME=VALUE (repeatable): after the main bench, one more bench run (same settings, 1 run)
+#     with that environment variable set, e.g. --ab DECODELAB_PDL=0: an A/B in the same call.
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 # Logs go to a scratch folder and come back as one tarball (the device returns at most 8 files).
@@ -15,9 +17,15 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
 export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps
 export PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig:$PWD/.deps/usr/share/pkgconfig
-PEER=0; QUICK=0
-for a in "$@"; do
-  case "$a" in --peer) PEER=1 ;; --quick) QUICK=1 ;; *) echo "unknown flag $a"; exit 2 ;; esac
+PEER=0; QUICK=0; AB=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --peer) PEER=1 ;;
+    --quick) QUICK=1 ;;
+    --ab) shift; [[ "${1:-}" == *=* ]] || { echo "--ab needs NAME=VALUE"; exit 2; }; AB+=("$1") ;;
+    *) echo "unknown flag $1"; exit 2 ;;
+  esac
+  shift
 done
 declare -A R
 t0=$(date +%s)
@@ -60,6 +68,12 @@ fi
 timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat $([ "$QUICK" = 1 ] && echo 1 || echo 3) --kv-dtype fp8 \
   --page-size 32 --json-out "$OUT/bench_xs2_fp8_p32.json" > "$OUT/bench_xs2.log" 2>&1; R[bench_xs2]=$?
 cat "$OUT/bench_xs2.log" | tail -12
+for kv in "${AB[@]}"; do
+  name=${kv%%=*}
+  env "$kv" timeout 200 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
+    --page-size 32 --json-out "$OUT/bench_xs2_ab_$name.json" > "$OUT/bench_ab_$name.log" 2>&1; R[bench_ab_$name]=$?
+  echo "A/B $kv: $(grep -E '^  TPOT' "$OUT/bench_ab_$name.log")"
+done
 timeout 120 ./build/tests/gpu/kernels_bench > "$OUT/kernels_bench.log" 2>&1; R[kernels_bench]=$?
 if [ "$PEER" = 1 ]; then
   timeout 400 python3 tools/peers/transformers_bench.py --prompt-len 1024 --gen-len 64 \
