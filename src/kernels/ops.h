@@ -32,6 +32,20 @@ struct AddRmsNormParams {
 };
 Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 
+// An add + RMSNorm folded into the kernel that consumes its output (the GEMV, the MoE router): every
+// block recomputes the normalised rows it needs into shared memory (the same bits as AddRmsNorm), so
+// the step has one kernel boundary fewer. One block writes the updated residual to residual_out,
+// which must be a different buffer from residual (other blocks are still reading that), and, where
+// later kernels need the normalised rows, u_out. n = the consumer's input width, at most 8192.
+struct FusedInputNorm {
+  const bf16* residual = nullptr;  // [T, n]; nullptr = nothing fused (the consumer reads its x)
+  const bf16* delta = nullptr;     // [T, n] or nullptr (plain RMSNorm)
+  const bf16* weight = nullptr;    // [n]
+  bf16* residual_out = nullptr;    // [T, n] bf16(residual + delta), or nullptr (not written)
+  bf16* u_out = nullptr;           // [T, n] normalised rows, or nullptr (not written)
+  float eps = 1e-6f;
+};
+
 // ---- 2. QK-norm + partial/YaRN RoPE + KV quantise/append ------------------------------------------
 // For every token t (position pos_t) and head:
 //   q, k heads: y = RMSNorm(x; w_qn / w_kn, eps) (rounding as above), then RoPE on dims [0, R):
@@ -86,6 +100,8 @@ struct GemvParams {
   // Warps per output row (1, 2, 4 or 8; 0 = GemvKSplitFor(out, in)). A function of the shape only,
   // never of num_tokens, so a token's result does not depend on the batch it was computed in.
   int k_split = 0;
+  // Set: x is computed from it (x itself is not read); token t's rows come from row t of residual.
+  FusedInputNorm norm;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -123,6 +139,9 @@ struct MoeParams {
   float* topk_weights = nullptr;    // [T, top_k]
   void* workspace = nullptr;        // MoeWorkspaceBytes(..., T); contents need no initialisation
   uint32_t* counter = nullptr;      // [T] words, zero before first use; kernels leave them zero
+  // Set: the router computes u2 from it and writes it to norm.u_out, which must be x, for the expert
+  // kernels.
+  FusedInputNorm norm;
 };
 size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
@@ -143,6 +162,9 @@ Status Argmax(const ArgmaxParams& p, Stream stream);
 // Whether the decode kernels use programmatic dependent launch (sm_90+): on by default; the
 // environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
 bool DependentLaunchEnabled();
+// Whether the engine folds the add + RMSNorm kernels into their consumers (FusedInputNorm): on by
+// default; DECODELAB_FUSED_NORM=0 keeps them separate (A/B). Reported by bench.
+bool FusedNormEnabled();
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------
 // dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,

@@ -53,7 +53,7 @@ struct CudaRunner::Impl {
   RopeTable rope[2];
   cuda::DeviceBuffer inv_freq[2];
   // Activations, sized for max_chunk tokens.
-  cuda::DeviceBuffer ids, positions, residual, u, qkvg, q_out, attn_out, delta, gate_up, hidden;
+  cuda::DeviceBuffer ids, positions, residual, residual_alt, u, qkvg, q_out, attn_out, delta, gate_up, hidden;
   cuda::DeviceBuffer logits_bf16, logits_f32, argmax;
   cuda::DeviceBuffer block_tables[2];
   int32_t max_pages = 0;
@@ -165,8 +165,10 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
 }
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
-Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s) {
+Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
+              const kernels::FusedInputNorm& norm = {}) {
   kernels::GemvParams p;
+  p.norm = norm;
   p.w = w;
   p.x = x;
   p.y = y;
@@ -272,6 +274,7 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   DL_ASSIGN_OR_RETURN(ids, Zeroed<int32_t>(T));
   DL_ASSIGN_OR_RETURN(positions, Zeroed<int32_t>(T));
   DL_ASSIGN_OR_RETURN(residual, Zeroed<bf16>(static_cast<size_t>(T) * d));
+  DL_ASSIGN_OR_RETURN(residual_alt, Zeroed<bf16>(static_cast<size_t>(T) * d));
   DL_ASSIGN_OR_RETURN(u, Zeroed<bf16>(static_cast<size_t>(T) * d));
   DL_ASSIGN_OR_RETURN(delta, Zeroed<bf16>(static_cast<size_t>(T) * d));
   DL_ASSIGN_OR_RETURN(qkvg, Zeroed<bf16>(static_cast<size_t>(T) * max_qkvg));
@@ -362,27 +365,53 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   const int d = static_cast<int>(c.hidden_size), D = static_cast<int>(c.head_dim);
   const int K = static_cast<int>(c.num_key_value_heads);
   const float eps = static_cast<float>(c.rms_norm_eps);
-  bf16* res = residual.as<bf16>();
+  // The residual stream lives in res[cur]. A norm folded into its consumer (FusedInputNorm) writes the
+  // updated stream to the other buffer, because the consumer's other blocks still read this one; the
+  // separate AddRmsNorm kernel (fusion off, timing experiments, the final norm) updates it in place.
+  bf16* res_buf[2] = {residual.as<bf16>(), residual_alt.as<bf16>()};
+  int cur = 0;
+  const bool fuse = kernels::FusedNormEnabled() && opt.skip_ops.empty();
+  auto fused_norm = [&](const bf16* delta_in, const cuda::DeviceBuffer& weight, bf16* u_out) {
+    kernels::FusedInputNorm n;
+    n.residual = res_buf[cur];
+    n.delta = delta_in;
+    n.weight = weight.as<bf16>();
+    n.residual_out = delta_in ? res_buf[cur ^ 1] : nullptr;  // no delta: the stream is unchanged
+    n.u_out = u_out;
+    n.eps = eps;
+    if (delta_in) cur ^= 1;
+    return n;
+  };
+  auto separate_norm = [&](const bf16* delta_in, const cuda::DeviceBuffer& weight) -> Status {
+    if (Skips("norm")) return Status::Ok();
+    kernels::AddRmsNormParams n;
+    n.residual = res_buf[cur];
+    n.delta = delta_in;
+    n.weight = weight.as<bf16>();
+    n.out = u.as<bf16>();
+    n.rows = T;
+    n.n = d;
+    n.eps = eps;
+    return kernels::AddRmsNorm(n, s);
+  };
 
-  DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res, T, d,
+  DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res_buf[cur], T, d,
                                            static_cast<int>(c.vocab_size)}, s));
   for (size_t l = 0; l < layers.size(); ++l) {
     DeviceLayer& L = layers[l];
     const int H = static_cast<int>(L.heads);
     const int group = L.sliding ? 1 : 0;
-    kernels::AddRmsNormParams norm1;
-    norm1.residual = res;
-    norm1.delta = l == 0 ? nullptr : delta.as<bf16>();
-    norm1.weight = L.input_norm.as<bf16>();
-    norm1.out = u.as<bf16>();
-    norm1.rows = T;
-    norm1.n = d;
-    norm1.eps = eps;
-    if (!Skips("norm")) DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm1, s));
+    const bf16* delta1 = l == 0 ? nullptr : delta.as<bf16>();
+    kernels::FusedInputNorm norm1;
+    if (fuse) {
+      norm1 = fused_norm(delta1, L.input_norm, nullptr);  // u1 feeds only q/k/v/g
+    } else {
+      DL_RETURN_IF_ERROR(separate_norm(delta1, L.input_norm));
+    }
 
     if (!Skips("qkvg")) {
       DL_RETURN_IF_ERROR(RunGemv(L.qkvg.as<bf16>(), u.as<bf16>(), qkvg.as<bf16>(),
-                                 static_cast<int>(L.qkvg_width), d, T, s));
+                                 static_cast<int>(L.qkvg_width), d, T, s, norm1));
     }
 
     kernels::QkNormRopeAppendParams rp;
@@ -444,10 +473,14 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
     }
 
-    kernels::AddRmsNormParams norm2 = norm1;
-    norm2.delta = delta.as<bf16>();
-    norm2.weight = L.post_norm.as<bf16>();
-    if (!Skips("norm")) DL_RETURN_IF_ERROR(kernels::AddRmsNorm(norm2, s));
+    kernels::FusedInputNorm norm2;
+    if (fuse) {
+      // The MoE's expert kernels read u2 too: the router writes it (u_out = x); the dense MLP's
+      // gate/up is u2's only reader.
+      norm2 = fused_norm(delta.as<bf16>(), L.post_norm, L.sparse ? u.as<bf16>() : nullptr);
+    } else {
+      DL_RETURN_IF_ERROR(separate_norm(delta.as<bf16>(), L.post_norm));
+    }
 
     if (L.sparse && Skips("moe")) {
       // timing experiment: the MoE's output is left as it was
@@ -477,16 +510,18 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.topk_weights = topk_w.as<float>();
       mp.workspace = moe_ws.data();
       mp.counter = moe_counter.as<uint32_t>();
+      mp.norm = norm2;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
-      DL_RETURN_IF_ERROR(RunGemv(L.gate_up.as<bf16>(), u.as<bf16>(), gate_up.as<bf16>(), 2 * F, d, T, s));
+      DL_RETURN_IF_ERROR(
+          RunGemv(L.gate_up.as<bf16>(), u.as<bf16>(), gate_up.as<bf16>(), 2 * F, d, T, s, norm2));
       DL_RETURN_IF_ERROR(kernels::SiluMul({gate_up.as<bf16>(), hidden.as<bf16>(), T, F}, s));
       DL_RETURN_IF_ERROR(RunGemv(L.down.as<bf16>(), hidden.as<bf16>(), delta.as<bf16>(), d, F, T, s));
     }
   }
   kernels::AddRmsNormParams fin;
-  fin.residual = res;
+  fin.residual = res_buf[cur];
   fin.delta = delta.as<bf16>();
   fin.weight = final_norm.as<bf16>();
   fin.out = u.as<bf16>();
@@ -645,6 +680,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
+          {"fused_norm", kernels::FusedNormEnabled() && impl_->opt.skip_ops.empty()},
           {"skipped_ops", impl_->opt.skip_ops}};
 }
 

@@ -411,6 +411,53 @@ TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   }
 }
 
+// A norm folded into the GEMV (FusedInputNorm) gives the bits of AddRmsNorm followed by the GEMV: y,
+// the updated residual (written to the other buffer) and u; with 1 and 11 tokens (11 = two tiles),
+// with and without delta, and with the widest row the norm takes.
+TEST(GemvGpu, FusedInputNormMatchesSeparateKernels) {
+  SKIP_WITHOUT_GPU();
+  for (auto [out, in, T, with_delta] : {std::tuple{1000, 2048, 1, true}, std::tuple{1000, 2048, 11, true},
+                                        std::tuple{300, 2048, 3, false}, std::tuple{64, 8192, 2, true}}) {
+    SCOPED_TRACE(testing::Message() << out << "x" << in << " T " << T << " delta " << with_delta);
+    auto w = RandomBf16(static_cast<size_t>(out) * in, 96, 0.05f);
+    auto h = RandomBf16(static_cast<size_t>(T) * in, 97, 4.0f), dl = RandomBf16(static_cast<size_t>(T) * in, 98);
+    auto nw = RandomBf16(in, 99);
+    auto d_w = Upload(w), d_nw = Upload(nw), d_dl = Upload(dl);
+    // Separate: AddRmsNorm in place, then the GEMV of u.
+    auto d_h_sep = Upload(h), d_u = Alloc(static_cast<size_t>(T) * in * 2), d_y_sep = Alloc(static_cast<size_t>(T) * out * 2);
+    AddRmsNormParams np{d_h_sep.as<bf16>(), with_delta ? d_dl.as<bf16>() : nullptr, d_nw.as<bf16>(), d_u.as<bf16>(),
+                        T, in, 1e-6f};
+    ASSERT_OK(AddRmsNorm(np, nullptr));
+    GemvParams sep{d_w.as<bf16>(), d_u.as<bf16>(), d_y_sep.as<bf16>(), out, in, T};
+    ASSERT_OK(Gemv(sep, nullptr));
+    // Fused: x is not read (null); the residual goes to a second buffer, u to a third.
+    auto d_h = Upload(h), d_h_out = Alloc(static_cast<size_t>(T) * in * 2), d_u_out = Alloc(static_cast<size_t>(T) * in * 2);
+    auto d_y = Alloc(static_cast<size_t>(T) * out * 2);
+    GemvParams fused{d_w.as<bf16>(), nullptr, d_y.as<bf16>(), out, in, T};
+    fused.norm.residual = d_h.as<bf16>();
+    fused.norm.delta = with_delta ? d_dl.as<bf16>() : nullptr;
+    fused.norm.weight = d_nw.as<bf16>();
+    fused.norm.residual_out = with_delta ? d_h_out.as<bf16>() : nullptr;
+    fused.norm.u_out = d_u_out.as<bf16>();
+    fused.norm.eps = 1e-6f;
+    ASSERT_OK(Gemv(fused, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * out), Download<bf16>(d_y_sep, static_cast<size_t>(T) * out));
+    EXPECT_EQ(Download<bf16>(d_u_out, static_cast<size_t>(T) * in), Download<bf16>(d_u, static_cast<size_t>(T) * in));
+    EXPECT_EQ(Download<bf16>(d_h, static_cast<size_t>(T) * in), h) << "the input residual is never written";
+    if (with_delta) {
+      EXPECT_EQ(Download<bf16>(d_h_out, static_cast<size_t>(T) * in), Download<bf16>(d_h_sep, static_cast<size_t>(T) * in));
+    }
+  }
+  // In place is refused: other blocks still read the residual.
+  auto buf = Alloc(2048 * 2), wv = Alloc(64 * 2048 * 2), yv = Alloc(64 * 2);
+  GemvParams bad{wv.as<bf16>(), nullptr, yv.as<bf16>(), 64, 2048, 1};
+  bad.norm.residual = buf.as<bf16>();
+  bad.norm.weight = buf.as<bf16>();
+  bad.norm.residual_out = buf.as<bf16>();
+  EXPECT_FALSE(Gemv(bad, nullptr).ok());
+}
+
 // ---------------------------------------------------------------------------------------------------
 struct MoeCase {
   int E, k, d, F, Fs;
@@ -532,6 +579,66 @@ TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
         << "token " << t;
     EXPECT_EQ(Download<int32_t>(d_ids, k),
               std::vector<int32_t>(ids_all.begin() + t * k, ids_all.begin() + (t + 1) * k));
+  }
+}
+
+// The norm folded into the router gives the bits of AddRmsNorm followed by the MoE: y, ids, u2 (written
+// to x for the expert kernels) and the updated residual, for 1 and 5 tokens.
+TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
+  SKIP_WITHOUT_GPU();
+  const int E = 64, k = 8, d = 512, F = 128, Fs = 64;
+  std::vector<cuda::DeviceBuffer> dw;
+  std::vector<const bf16*> dg(E), du(E), dd(E);
+  for (int e = 0; e <= E; ++e) {
+    const int f = e == E ? Fs : F;
+    for (int m = 0; m < 3; ++m) dw.push_back(Upload(RandomBf16(static_cast<size_t>(f) * d, 3000 + 3 * e + m, 0.08f)));
+    if (e < E) dg[e] = dw[3 * e].as<bf16>(), du[e] = dw[3 * e + 1].as<bf16>(), dd[e] = dw[3 * e + 2].as<bf16>();
+  }
+  auto d_router = Upload(RandomBf16(static_cast<size_t>(E) * d, 301, 0.1f));
+  auto d_bias = Upload(RandomBf16(E, 302, 0.05f)), d_nw = Upload(RandomBf16(d, 303));
+  auto d_g = Upload(dg), d_u = Upload(du), d_d = Upload(dd);
+  for (int T : {1, 5}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    const size_t n = static_cast<size_t>(T) * d;
+    auto h = RandomBf16(n, 304, 4.0f), dl = RandomBf16(n, 305);
+    auto d_dl = Upload(dl);
+    auto base = [&](cuda::DeviceBuffer& x, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ids, cuda::DeviceBuffer& ws,
+                    cuda::DeviceBuffer& counter) {
+      MoeParams p;
+      p.x = x.as<bf16>(), p.router_w = d_router.as<bf16>(), p.router_bias = d_bias.as<bf16>();
+      p.gate_w = d_g.as<const bf16*>(), p.up_w = d_u.as<const bf16*>(), p.down_w = d_d.as<const bf16*>();
+      p.shared_gate_w = dw[3 * E].as<bf16>(), p.shared_up_w = dw[3 * E + 1].as<bf16>();
+      p.shared_down_w = dw[3 * E + 2].as<bf16>();
+      p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = Fs, p.alpha = 2.5f;
+      p.num_tokens = T, p.y = y.as<bf16>(), p.topk_ids = ids.as<int32_t>();
+      p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      return p;
+    };
+    // Separate kernels.
+    auto d_h_sep = Upload(h), x_sep = Alloc(n * 2), y_sep = Alloc(n * 2), ids_sep = Alloc(static_cast<size_t>(T) * k * 4);
+    auto ws_sep = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), c_sep = Alloc(T * 4, 0);
+    AddRmsNormParams np{d_h_sep.as<bf16>(), d_dl.as<bf16>(), d_nw.as<bf16>(), x_sep.as<bf16>(), T, d, 1e-6f};
+    ASSERT_OK(AddRmsNorm(np, nullptr));
+    ASSERT_OK(Moe(base(x_sep, y_sep, ids_sep, ws_sep, c_sep), nullptr));
+    // Fused.
+    auto d_h = Upload(h), d_h_out = Alloc(n * 2), x = Alloc(n * 2), y = Alloc(n * 2);
+    auto ids = Alloc(static_cast<size_t>(T) * k * 4), ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), c = Alloc(T * 4, 0);
+    MoeParams p = base(x, y, ids, ws, c);
+    p.norm.residual = d_h.as<bf16>();
+    p.norm.delta = d_dl.as<bf16>();
+    p.norm.weight = d_nw.as<bf16>();
+    p.norm.residual_out = d_h_out.as<bf16>();
+    p.norm.u_out = x.as<bf16>();
+    p.norm.eps = 1e-6f;
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(y, n), Download<bf16>(y_sep, n));
+    EXPECT_EQ(Download<int32_t>(ids, static_cast<size_t>(T) * k), Download<int32_t>(ids_sep, static_cast<size_t>(T) * k));
+    EXPECT_EQ(Download<bf16>(x, n), Download<bf16>(x_sep, n)) << "u2 as written for the expert kernels";
+    EXPECT_EQ(Download<bf16>(d_h_out, n), Download<bf16>(d_h_sep, n));
+    EXPECT_EQ(Download<bf16>(d_h, n), h) << "the input residual is never written";
+    p.norm.u_out = nullptr;
+    EXPECT_FALSE(Moe(p, nullptr).ok()) << "the expert kernels need u2 in x";
   }
 }
 

@@ -117,15 +117,21 @@ __device__ __forceinline__ float Softplus(float z) {
   return z > 20.0f ? z : log1pf(expf(z));
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-stream-serialisation attribute
-// (see AllowDependents above). Captured into a CUDA graph it becomes a programmatic edge.
+// kernel<<<grid, block, smem_bytes, stream>>>(args...) with the programmatic-stream-serialisation
+// attribute (see AllowDependents above). Captured into a CUDA graph it becomes a programmatic edge.
+// More than 48 KB of dynamic shared memory needs the kernel's opt-in, which this sets.
 template <typename... Params, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                            Args&&... args) {
+cudaError_t LaunchDependentSmem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                cudaStream_t stream, Args&&... args) {
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem_bytes));
+    if (e != cudaSuccess) return e;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -133,6 +139,11 @@ cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, cu
   cfg.attrs = attr;
   cfg.numAttrs = DependentLaunchEnabled() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                            Args&&... args) {
+  return LaunchDependentSmem(kernel, grid, block, 0, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace dl::kernels::dev

@@ -3,7 +3,7 @@
 // U loads in flight per lane, FP32 FMAs in a fixed sequence, xor-butterfly warp sums, slices added
 // in ascending order. The per-token arithmetic is identical for every tile width and token count, so
 // y for token t does not depend on how many tokens share the launch.
-#include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
 namespace dl::kernels {
@@ -12,8 +12,9 @@ namespace dev {
 constexpr int kGemvWarps = 8;
 constexpr int kGemvTile = 8;  // tokens per pass over W
 
-// Grid ceil(out / (8 / KS)); block 256 threads = 8 / KS rows x KS slices.
-template <int TT, int KS>
+// Grid ceil(out / (8 / KS)); block 256 threads = 8 / KS rows x KS slices. With a fused input norm,
+// dynamic shared memory holds the TT normalised input rows ([TT, in] BF16), computed by every block.
+template <int TT, int KS, bool kFusedNorm>
 __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int t0, int nt) {
   AllowDependents();
   constexpr int U = TT == 1 ? 8 : 4;  // 8 x 16 B per lane in flight; a token tile needs registers for x
@@ -40,6 +41,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   // The first batch of weights depends on nothing: it is in flight before x is ready.
   load(lo + lane);
   WaitForPrerequisites();
+  // x rows: given, or (fused norm) computed here while those loads are in flight.
+  extern __shared__ uint4 s_x[];
+  const FusedInputNorm& nm = a.norm;
+  constexpr bool fused = kFusedNorm;
+  if constexpr (fused) {
+    const bool writer = blockIdx.x == 0;
+    for (int t = 0; t < nt; ++t) {
+      const size_t r = static_cast<size_t>(t0 + t) * a.in;
+      BlockAddRmsNorm<true>(nm.residual + r, nm.delta ? nm.delta + r : nullptr, nm.weight, a.in, nm.eps,
+                      writer && nm.residual_out ? nm.residual_out + r : nullptr,
+                      writer && nm.u_out ? nm.u_out + r : nullptr, reinterpret_cast<uint16_t*>(s_x + t * n8));
+    }
+  }
+  const uint4* x_base = fused ? s_x : reinterpret_cast<const uint4*>(a.x + t0 * a.x_stride);
+  const int64_t x_step = fused ? n8 : a.x_stride / 8;  // 16-byte chunks between token rows
   if (live) {
     for (int c0 = lo + lane; c0 < hi; c0 += 32 * U) {
       if (c0 != lo + lane) load(c0);
@@ -53,7 +69,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
         for (int t = 0; t < TT; ++t) {
           if (t >= nt) break;
           float xf[8];
-          Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x + (t0 + t) * a.x_stride)[c], xf);
+          Bf16x8ToFloat(x_base[t * x_step + c], xf);
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
         }
@@ -88,11 +104,22 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
 template <int TT>
 void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
   auto grid = [&](int k) { return dim3((p.out + kGemvWarps / k - 1) / (kGemvWarps / k)); };
+  const dim3 block(kGemvWarps * 32);
+  if (p.norm.residual) {  // a separate instantiation: the plain GEMV keeps its register count
+    const size_t smem = static_cast<size_t>(TT) * p.in * sizeof(uint16_t);
+    switch (ks) {
+      case 1: LaunchDependentSmem(GemvKernel<TT, 1, true>, grid(1), block, smem, s, p, t0, nt); break;
+      case 2: LaunchDependentSmem(GemvKernel<TT, 2, true>, grid(2), block, smem, s, p, t0, nt); break;
+      case 4: LaunchDependentSmem(GemvKernel<TT, 4, true>, grid(4), block, smem, s, p, t0, nt); break;
+      default: LaunchDependentSmem(GemvKernel<TT, 8, true>, grid(8), block, smem, s, p, t0, nt); break;
+    }
+    return;
+  }
   switch (ks) {
-    case 1: LaunchDependent(GemvKernel<TT, 1>, grid(1), dim3(kGemvWarps * 32), s, p, t0, nt); break;
-    case 2: LaunchDependent(GemvKernel<TT, 2>, grid(2), dim3(kGemvWarps * 32), s, p, t0, nt); break;
-    case 4: LaunchDependent(GemvKernel<TT, 4>, grid(4), dim3(kGemvWarps * 32), s, p, t0, nt); break;
-    default: LaunchDependent(GemvKernel<TT, 8>, grid(8), dim3(kGemvWarps * 32), s, p, t0, nt); break;
+    case 1: LaunchDependent(GemvKernel<TT, 1, false>, grid(1), block, s, p, t0, nt); break;
+    case 2: LaunchDependent(GemvKernel<TT, 2, false>, grid(2), block, s, p, t0, nt); break;
+    case 4: LaunchDependent(GemvKernel<TT, 4, false>, grid(4), block, s, p, t0, nt); break;
+    default: LaunchDependent(GemvKernel<TT, 8, false>, grid(8), block, s, p, t0, nt); break;
   }
 }
 
@@ -100,7 +127,7 @@ void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
 
 Status Gemv(const GemvParams& params, Stream stream) {
   GemvParams p = params;
-  if (!p.w || !p.x || !p.y) return InvalidArgument("gemv: w, x and y must be set");
+  if (!p.w || !p.y) return InvalidArgument("gemv: w, x and y must be set");
   if (p.out < 1 || p.in < 8 || p.in % 8 != 0 || p.num_tokens < 1) {
     return InvalidArgument("gemv: shape [{} x {}] x {} tokens unsupported (in must be a multiple "
                            "of 8)", p.out, p.in, p.num_tokens);
@@ -108,6 +135,18 @@ Status Gemv(const GemvParams& params, Stream stream) {
   if (p.x_stride == 0) p.x_stride = p.in;
   if (p.y_stride == 0) p.y_stride = p.out;
   if (p.x_stride % 8 != 0) return InvalidArgument("gemv: x_stride {} not a multiple of 8", p.x_stride);
+  if (p.norm.residual) {
+    if (!p.norm.weight) return InvalidArgument("gemv: a fused input norm needs its weight");
+    if (p.in > dev::kNormThreads * 8 * dev::kNormMaxChunks) {
+      return InvalidArgument("gemv: a fused input norm takes rows of at most {} (in = {})",
+                             dev::kNormThreads * 8 * dev::kNormMaxChunks, p.in);
+    }
+    if (p.norm.residual_out == p.norm.residual) {
+      return InvalidArgument("gemv: a fused input norm cannot update the residual in place (other blocks read it)");
+    }
+  } else if (!p.x) {
+    return InvalidArgument("gemv: w, x and y must be set");
+  }
   const int ks = p.k_split == 0 ? GemvKSplitFor(p.out, p.in) : p.k_split;
   if ((ks != 1 && ks != 2 && ks != 4 && ks != 8) || (p.in / 8) % ks != 0) {
     return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide in / 8 = {}", ks, p.in / 8);

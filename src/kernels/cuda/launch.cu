@@ -6,11 +6,21 @@
 
 namespace dl::kernels {
 
+namespace {
+// On unless the variable is "0".
+bool SwitchOn(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v != nullptr && std::string_view(v) == "0");
+}
+}  // namespace
+
 bool DependentLaunchEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("DECODELAB_PDL");
-    return !(v != nullptr && std::string_view(v) == "0");
-  }();
+  static const bool enabled = SwitchOn("DECODELAB_PDL");
+  return enabled;
+}
+
+bool FusedNormEnabled() {
+  static const bool enabled = SwitchOn("DECODELAB_FUSED_NORM");
   return enabled;
 }
 

@@ -9,7 +9,7 @@
 // pointers into the workspace, and kernels 2 and 3 read those. Batch 1 is memory-bound: the point of
 // the layout is enough 16-byte loads in flight per SM (~64 KB) to keep HBM busy, with FMAs in the
 // reference's per-lane order.
-#include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
 namespace dl::kernels {
@@ -55,28 +55,34 @@ __host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
 // Per-lane partial dots of NR BF16 rows (row r: n8[r] chunks, with vector xs[r]; a null row is skipped)
 // over the 16-byte chunks lane, lane+32, ..., in ascending order: the FMA sequence per row is the same
 // whatever NR and U are. U chunks per row are loaded before any is used (NR * U loads in flight).
-// kWait: the rows are weights (independent of earlier kernels) but xs are not: wait for the
-// prerequisites after the first batch of row loads is issued.
-template <int NR, int U, bool kWait>
+// before_use() runs once, after the first batch of row loads is issued and before any xs is read: the
+// rows are weights (independent of earlier kernels) but xs are not, so this is where the warp waits
+// (and where the router computes its fused input norm) with its weight loads in flight. The trip
+// count depends on n8 only, never on which rows are null, and is the same for every lane, so a
+// before_use that synchronises the block runs at one point of the code in every warp that passes
+// the same n8.
+template <int NR, int U, typename BeforeUse>
 __device__ __forceinline__ void LaneDots(const bf16* const (&rows)[NR], const bf16* const (&xs)[NR],
-                                         const int (&n8)[NR], int lane, float (&acc)[NR]) {
+                                         const int (&n8)[NR], int lane, float (&acc)[NR],
+                                         BeforeUse&& before_use) {
   int n8max = 0;
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     acc[r] = 0.0f;
-    if (rows[r]) n8max = max(n8max, n8[r]);
+    n8max = max(n8max, n8[r]);
   }
-  bool waited = !kWait;
-  for (int c0 = lane; c0 < n8max; c0 += 32 * U) {
+  bool used = false;
+  for (int base = 0; base < n8max; base += 32 * U) {
+    const int c0 = base + lane;
     uint4 rv[NR][U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < NR; ++r)
         if (rows[r] && c0 + 32 * u < n8[r]) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
-    if (!waited) {
-      WaitForPrerequisites();
-      waited = true;
+    if (!used) {
+      before_use();
+      used = true;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -92,26 +98,45 @@ __device__ __forceinline__ void LaneDots(const bf16* const (&rows)[NR], const bf
       }
     }
   }
-  if (!waited) WaitForPrerequisites();
+  if (!used) before_use();
 }
+struct NothingToWaitFor {
+  __device__ void operator()() const {}
+};
+struct WaitForEarlierKernels {
+  __device__ void operator()() const { WaitForPrerequisites(); }
+};
 
-// Grid (ceil(E / 8), T).
+// Grid (ceil(E / 8), T). With a fused input norm, dynamic shared memory holds token t's u2 ([d] BF16),
+// computed by every block of the token after its router-row loads are issued; block (0, t) writes it
+// to x for the expert kernels, and the updated residual.
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   AllowDependents();
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * kMoeWarps + warp;
-  if (e < a.num_experts) {
-    const bf16* rows[1] = {a.router_w + static_cast<size_t>(e) * a.d};
-    const bf16* xs[1] = {a.x + static_cast<size_t>(t) * a.d};
+  extern __shared__ uint4 s_u[];
+  const FusedInputNorm& nm = a.norm;
+  const bool fused = nm.residual != nullptr;
+  const size_t row = static_cast<size_t>(t) * a.d;
+  auto wait_then_norm = [&] {
+    WaitForPrerequisites();
+    if (fused) {
+      const bool writer = blockIdx.x == 0;
+      BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, nm.weight, a.d, nm.eps,
+                      writer && nm.residual_out ? nm.residual_out + row : nullptr, writer ? nm.u_out + row : nullptr,
+                      reinterpret_cast<uint16_t*>(s_u));
+    }
+  };
+  {  // every warp runs this (a warp past E with a null row) so the block-wide norm is reached by all
+    const bf16* rows[1] = {e < a.num_experts ? a.router_w + static_cast<size_t>(e) * a.d : nullptr};
+    const bf16* xs[1] = {fused ? reinterpret_cast<const bf16*>(s_u) : a.x + row};
     const int n8[1] = {a.d / 8};
     float acc[1];
-    LaneDots<1, 8, true>(rows, xs, n8, lane, acc);
+    LaneDots<1, 8>(rows, xs, n8, lane, acc, wait_then_norm);
     const float z = WarpSum(acc[0]);
-    if (lane == 0) ws.logits[e] = RoundBf16(z);
-  } else {
-    WaitForPrerequisites();
+    if (e < a.num_experts && lane == 0) ws.logits[e] = RoundBf16(z);
   }
   __shared__ bool s_last;
   __syncthreads();
@@ -206,12 +231,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
   if (shared) {  // the shared expert's rows are known before the router has run
     const bf16* rows[2] = {a.shared_gate_w + static_cast<size_t>(f) * a.d,
                            a.shared_up_w + static_cast<size_t>(f) * a.d};
-    LaneDots<2, 8, true>(rows, xs, n8, lane, acc);
+    LaneDots<2, 8>(rows, xs, n8, lane, acc, WaitForEarlierKernels{});
   } else {
     WaitForPrerequisites();
     const bf16* rows[2] = {ws.rows[j] + static_cast<size_t>(f) * a.d,
                            ws.rows[a.top_k + j] + static_cast<size_t>(f) * a.d};
-    LaneDots<2, 8, false>(rows, xs, n8, lane, acc);
+    LaneDots<2, 8>(rows, xs, n8, lane, acc, NothingToWaitFor{});
   }
   const float g = RoundBf16(WarpSum(acc[0]));
   const float u = RoundBf16(WarpSum(acc[1]));
@@ -261,7 +286,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
     xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
     n8[kDownGroup] = a.shared_ffn / 8;
     float o[kDownGroup + 1];
-    LaneDots<kDownGroup + 1, 2, false>(rows, xs, n8, lane, o);
+    LaneDots<kDownGroup + 1, 2>(rows, xs, n8, lane, o, NothingToWaitFor{});
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;
@@ -303,14 +328,28 @@ Status Moe(const MoeParams& p, Stream stream) {
     return InvalidArgument("moe: {} experts / top-{} unsupported (E <= {}, k <= min(E, {}))",
                            p.num_experts, p.top_k, dev::kMoeMaxExperts, dev::kMoeMaxTopK);
   }
+  if (p.norm.residual) {
+    if (!p.norm.weight) return InvalidArgument("moe: a fused input norm needs its weight");
+    if (p.d > dev::kNormThreads * 8 * dev::kNormMaxChunks) {
+      return InvalidArgument("moe: a fused input norm takes rows of at most {} (d = {})",
+                             dev::kNormThreads * 8 * dev::kNormMaxChunks, p.d);
+    }
+    if (p.norm.residual_out == p.norm.residual) {
+      return InvalidArgument("moe: a fused input norm cannot update the residual in place (other blocks read it)");
+    }
+    if (p.norm.u_out == nullptr || p.norm.u_out != p.x) {
+      return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
+    }
+  }
   if (p.num_tokens < 1 || p.num_tokens > 65535) {
     return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
   const int T = p.num_tokens;
-  dev::LaunchDependent(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
-                       dim3(threads), s, p);
+  const size_t router_smem = p.norm.residual ? static_cast<size_t>(p.d) * sizeof(uint16_t) : 0;
+  dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
+                           dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
   dev::LaunchDependent(dev::MoeGateUpKernel,

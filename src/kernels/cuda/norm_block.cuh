@@ -1,0 +1,89 @@
+// The residual add + RMSNorm of one row by one block of kNormThreads threads, shared by the
+// AddRmsNorm kernel and the kernels that fold it into their prologue (FusedInputNorm): the same
+// thread-to-chunk map and the same reduction order everywhere, so every caller gets the same bits.
+#pragma once
+
+#include "kernels/cuda/device_utils.cuh"
+
+namespace dl::kernels::dev {
+
+constexpr int kNormThreads = 256;
+constexpr int kNormMaxChunks = 4;  // n <= 256 * 8 * 4 = 8192
+
+// h = bf16(h_in + delta) (delta null: h = h_in), u = bf16(bf16(h * inv_rms) * w), inv_rms from the
+// FP32 sum of squares of h: per thread over its chunks threadIdx.x + 256 c (16 bytes each) in order,
+// then the warp's xor butterfly, then the 8 warp sums in order. Outputs, each optional: h_out and
+// u_out (global, may alias h_in: a thread reads its chunks before it writes them) and u_smem
+// (shared). Every thread of the block must call it (it synchronises the block).
+// kStageInSmem (needs u_smem): h waits in u_smem between the two passes instead of in registers (h is
+// BF16 already, so the bits are the same), for callers with weight loads in flight in registers.
+template <bool kStageInSmem = false>
+__device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* delta, const bf16* weight, int n,
+                                                float eps, bf16* h_out, bf16* u_out, uint16_t* u_smem) {
+  constexpr int kHeld = kStageInSmem ? 1 : kNormMaxChunks;  // chunks of h kept in registers
+  const int n8 = n / 8;
+  const uint4* h_row = reinterpret_cast<const uint4*>(h_in);
+  const uint4* d_row = reinterpret_cast<const uint4*>(delta);
+  uint4* stage = reinterpret_cast<uint4*>(u_smem);
+  float x[kHeld][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int i = threadIdx.x + c * kNormThreads;
+    if (i >= n8) break;
+    float* xc = x[kStageInSmem ? 0 : c];
+    Bf16x8ToFloat(h_row[i], xc);
+    if (d_row) {
+      float dl[8];
+      Bf16x8ToFloat(d_row[i], dl);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xc[e] = RoundBf16(xc[e] + dl[e]);
+    }
+    if (h_out || kStageInSmem) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        packed[e] = static_cast<uint32_t>(FloatToBf16Bits(xc[2 * e])) |
+                    (static_cast<uint32_t>(FloatToBf16Bits(xc[2 * e + 1])) << 16);
+      }
+      const uint4 v = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (h_out) reinterpret_cast<uint4*>(h_out)[i] = v;
+      if (kStageInSmem) stage[i] = v;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(xc[e], xc[e], ss);
+  }
+  __shared__ float s_warp[kNormThreads / 32];
+  ss = WarpSum(ss);
+  __syncthreads();  // s_warp may still be read by a previous call
+  if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kNormThreads / 32; ++w) total += s_warp[w];
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(n) + eps);
+  const uint4* w_row = reinterpret_cast<const uint4*>(weight);
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int i = threadIdx.x + c * kNormThreads;
+    if (i >= n8) break;
+    float* xc = x[kStageInSmem ? 0 : c];
+    if (kStageInSmem) Bf16x8ToFloat(stage[i], xc);  // this thread's own chunk: no barrier needed
+    float w[8];
+    Bf16x8ToFloat(w_row[i], w);
+    uint32_t packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float y0 = RoundBf16(xc[2 * e] * inv) * w[2 * e];
+      const float y1 = RoundBf16(xc[2 * e + 1] * inv) * w[2 * e + 1];
+      packed[e] = static_cast<uint32_t>(FloatToBf16Bits(y0)) |
+                  (static_cast<uint32_t>(FloatToBf16Bits(y1)) << 16);
+    }
+    const uint4 v = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    if (u_out) reinterpret_cast<uint4*>(u_out)[i] = v;
+    if (u_smem) reinterpret_cast<uint4*>(u_smem)[i] = v;
+  }
+  __syncthreads();  // u_smem complete for every thread
+}
+
+}  // namespace dl::kernels::dev
