@@ -210,8 +210,9 @@ int RunBench(const BenchFlags& f) {
               f.no_graph ? "launched one by one" : "one CUDA graph",
               describe.value("dependent_launch", false) ? "programmatic dependent launch"
                                                         : "plain launches (DECODELAB_PDL=0)",
-              describe.value("fused_norm", false) ? "norms folded into their consumers"
-                                                  : "separate norm kernels");
+              !describe.value("fused_norm", false) ? "separate norm kernels"
+              : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
+                                                                      : "norm folded into the router only");
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
     out << j.dump(2) << "\n";

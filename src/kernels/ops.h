@@ -162,9 +162,15 @@ Status Argmax(const ArgmaxParams& p, Stream stream);
 // Whether the decode kernels use programmatic dependent launch (sm_90+): on by default; the
 // environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
 bool DependentLaunchEnabled();
-// Whether the engine folds the add + RMSNorm kernels into their consumers (FusedInputNorm): on by
-// default; DECODELAB_FUSED_NORM=0 keeps them separate (A/B). Reported by bench.
-bool FusedNormEnabled();
+// Which add + RMSNorm kernels the engine folds into their consumers (FusedInputNorm), from
+// DECODELAB_FUSED_NORM: "1" (default) both of each layer, "router" only the one before the MoE router
+// / dense MLP (32 router blocks recompute it; before q/k/v/g every one of ~2,600 GEMV blocks reads 12 KB
+// from L2 for it, so that half may cost more than it saves), "0" none (A/B). Reported by bench.
+struct FusedNormMode {
+  bool before_attention = false, before_mlp = false;
+};
+FusedNormMode FusedNorm();
+bool FusedNormEnabled();  // any
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------
 // dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,

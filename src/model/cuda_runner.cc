@@ -370,7 +370,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   // separate AddRmsNorm kernel (fusion off, timing experiments, the final norm) updates it in place.
   bf16* res_buf[2] = {residual.as<bf16>(), residual_alt.as<bf16>()};
   int cur = 0;
-  const bool fuse = kernels::FusedNormEnabled() && opt.skip_ops.empty();
+  const kernels::FusedNormMode fuse = opt.skip_ops.empty() ? kernels::FusedNorm() : kernels::FusedNormMode{};
   auto fused_norm = [&](const bf16* delta_in, const cuda::DeviceBuffer& weight, bf16* u_out) {
     kernels::FusedInputNorm n;
     n.residual = res_buf[cur];
@@ -403,7 +403,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     const int group = L.sliding ? 1 : 0;
     const bf16* delta1 = l == 0 ? nullptr : delta.as<bf16>();
     kernels::FusedInputNorm norm1;
-    if (fuse) {
+    if (fuse.before_attention) {
       norm1 = fused_norm(delta1, L.input_norm, nullptr);  // u1 feeds only q/k/v/g
     } else {
       DL_RETURN_IF_ERROR(separate_norm(delta1, L.input_norm));
@@ -474,7 +474,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     }
 
     kernels::FusedInputNorm norm2;
-    if (fuse) {
+    if (fuse.before_mlp) {
       // The MoE's expert kernels read u2 too: the router writes it (u_out = x); the dense MLP's
       // gate/up is u2's only reader.
       norm2 = fused_norm(delta.as<bf16>(), L.post_norm, L.sparse ? u.as<bf16>() : nullptr);
@@ -681,6 +681,8 @@ nlohmann::json CudaRunner::Describe() const {
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
           {"fused_norm", kernels::FusedNormEnabled() && impl_->opt.skip_ops.empty()},
+          {"fused_norm_before_attention", kernels::FusedNorm().before_attention && impl_->opt.skip_ops.empty()},
+          {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
           {"skipped_ops", impl_->opt.skip_ops}};
 }
 

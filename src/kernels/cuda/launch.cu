@@ -19,9 +19,17 @@ bool DependentLaunchEnabled() {
   return enabled;
 }
 
-bool FusedNormEnabled() {
-  static const bool enabled = SwitchOn("DECODELAB_FUSED_NORM");
-  return enabled;
+FusedNormMode FusedNorm() {
+  static const FusedNormMode mode = [] {
+    const char* v = std::getenv("DECODELAB_FUSED_NORM");
+    const std::string_view s = v ? v : "1";
+    FusedNormMode m;
+    m.before_mlp = s != "0";
+    m.before_attention = s != "0" && s != "router";
+    return m;
+  }();
+  return mode;
 }
+bool FusedNormEnabled() { return FusedNorm().before_attention || FusedNorm().before_mlp; }
 
 }  // namespace dl::kernels
