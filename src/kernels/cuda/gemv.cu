@@ -136,14 +136,7 @@ Status Gemv(const GemvParams& params, Stream stream) {
   if (p.y_stride == 0) p.y_stride = p.out;
   if (p.x_stride % 8 != 0) return InvalidArgument("gemv: x_stride {} not a multiple of 8", p.x_stride);
   if (p.norm.residual) {
-    if (!p.norm.weight) return InvalidArgument("gemv: a fused input norm needs its weight");
-    if (p.in > dev::kNormThreads * 8 * dev::kNormMaxChunks) {
-      return InvalidArgument("gemv: a fused input norm takes rows of at most {} (in = {})",
-                             dev::kNormThreads * 8 * dev::kNormMaxChunks, p.in);
-    }
-    if (p.norm.residual_out == p.norm.residual) {
-      return InvalidArgument("gemv: a fused input norm cannot update the residual in place (other blocks read it)");
-    }
+    DL_RETURN_IF_ERROR(dev::CheckFusedInputNorm(p.norm, p.in, "gemv"));
   } else if (!p.x) {
     return InvalidArgument("gemv: w, x and y must be set");
   }

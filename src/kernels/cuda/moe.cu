@@ -329,14 +329,7 @@ Status Moe(const MoeParams& p, Stream stream) {
                            p.num_experts, p.top_k, dev::kMoeMaxExperts, dev::kMoeMaxTopK);
   }
   if (p.norm.residual) {
-    if (!p.norm.weight) return InvalidArgument("moe: a fused input norm needs its weight");
-    if (p.d > dev::kNormThreads * 8 * dev::kNormMaxChunks) {
-      return InvalidArgument("moe: a fused input norm takes rows of at most {} (d = {})",
-                             dev::kNormThreads * 8 * dev::kNormMaxChunks, p.d);
-    }
-    if (p.norm.residual_out == p.norm.residual) {
-      return InvalidArgument("moe: a fused input norm cannot update the residual in place (other blocks read it)");
-    }
+    DL_RETURN_IF_ERROR(dev::CheckFusedInputNorm(p.norm, p.d, "moe"));
     if (p.norm.u_out == nullptr || p.norm.u_out != p.x) {
       return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
     }

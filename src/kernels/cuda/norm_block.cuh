@@ -86,4 +86,17 @@ __device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* de
   __syncthreads();  // u_smem complete for every thread
 }
 
+// The launchers' check of a FusedInputNorm (set) for rows of width n; `op` names the consumer.
+inline Status CheckFusedInputNorm(const FusedInputNorm& norm, int n, const char* op) {
+  if (!norm.weight) return InvalidArgument("{}: a fused input norm needs its weight", op);
+  if (n > kNormThreads * 8 * kNormMaxChunks) {
+    return InvalidArgument("{}: a fused input norm takes rows of at most {} (width {})", op,
+                           kNormThreads * 8 * kNormMaxChunks, n);
+  }
+  if (norm.residual_out == norm.residual) {
+    return InvalidArgument("{}: a fused input norm cannot update the residual in place (other blocks read it)", op);
+  }
+  return Status::Ok();
+}
+
 }  // namespace dl::kernels::dev
