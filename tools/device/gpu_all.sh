@@ -69,7 +69,7 @@ timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat $([ "
   --page-size 32 --json-out "$OUT/bench_xs2_fp8_p32.json" > "$OUT/bench_xs2.log" 2>&1; R[bench_xs2]=$?
 cat "$OUT/bench_xs2.log" | tail -12
 for kv in "${AB[@]}"; do
-  name=${kv%%=*}
+  name=$(printf '%s' "$kv" | tr -c 'A-Za-z0-9_' '_')  # NAME=VALUE as a file name
   env "$kv" timeout 200 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
     --page-size 32 --json-out "$OUT/bench_xs2_ab_$name.json" > "$OUT/bench_ab_$name.log" 2>&1; R[bench_ab_$name]=$?
   echo "A/B $kv: $(grep -E '^  TPOT' "$OUT/bench_ab_$name.log")"

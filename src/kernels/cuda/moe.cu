@@ -213,14 +213,17 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   }
 }
 
-// Grid (ceil(Fmax / 8), k + 1, T): slot k is the shared expert.
+// Grid (ceil(Fmax / 8), k + 1, T). blockIdx.y 0 is the shared expert (slot k of h), 1..k the routed
+// slots 0..k-1: blocks are scheduled in index order, so the shared expert's, which need not wait for
+// the router, are resident first and stream their weights during the router's selection, instead of
+// queueing behind routed blocks that hold every free slot while they wait.
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
   AllowDependents();
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int j = blockIdx.y;
-  const bool shared = j == a.top_k;
+  const bool shared = blockIdx.y == 0;
+  const int j = shared ? a.top_k : static_cast<int>(blockIdx.y) - 1;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int f = blockIdx.x * kMoeWarps + warp;
   if (f >= F) return;
