@@ -123,7 +123,12 @@ struct MoeParams {
   float* topk_weights = nullptr;    // [T, top_k]
   void* workspace = nullptr;        // MoeWorkspaceBytes(..., T); contents need no initialisation
   uint32_t* counter = nullptr;      // [T] words, zero before first use; kernels leave them zero
+  // Experiments: shapes of the gate/up and down kernels (0 = default; MoeGateUpVariants() /
+  // MoeDownVariants() of each). Every variant gives the same bits.
+  int gate_up_variant = 0, down_variant = 0;
 };
+int MoeGateUpVariants();
+int MoeDownVariants();
 size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
 

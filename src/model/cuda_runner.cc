@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -363,6 +365,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   const int K = static_cast<int>(c.num_key_value_heads);
   const float eps = static_cast<float>(c.rms_norm_eps);
   bf16* res = residual.as<bf16>();
+  // Experiment: DECODELAB_MOE_VARIANT="gate_up,down" picks the expert kernels' shape (kernels/ops.h).
+  static const std::pair<int, int> moe_variant = [] {
+    std::pair<int, int> v{0, 0};
+    if (const char* e = std::getenv("DECODELAB_MOE_VARIANT")) std::sscanf(e, "%d,%d", &v.first, &v.second);
+    return v;
+  }();
 
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res, T, d,
                                            static_cast<int>(c.vocab_size)}, s));
@@ -477,6 +485,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.topk_weights = topk_w.as<float>();
       mp.workspace = moe_ws.data();
       mp.counter = moe_counter.as<uint32_t>();
+      mp.gate_up_variant = moe_variant.first, mp.down_variant = moe_variant.second;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -645,7 +654,8 @@ nlohmann::json CudaRunner::Describe() const {
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
-          {"skipped_ops", impl_->opt.skip_ops}};
+          {"skipped_ops", impl_->opt.skip_ops},
+          {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"}};
 }
 
 #else  // no CUDA backend in this build

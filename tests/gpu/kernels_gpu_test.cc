@@ -490,31 +490,49 @@ TEST(MoeGpu, MatchesReference) {
   }
 }
 
-// T tokens in one launch (prefill) give each token exactly what it gets alone (decode).
+// A random MoE layer on the device (E experts of F rows and a shared expert of Fs rows, width d,
+// weights from seeds weight_seed + 3e + m) and the MoeParams for T tokens that point at it.
+struct RandomMoeLayer {
+  int E, k, d, F, Fs;
+  std::vector<cuda::DeviceBuffer> weights;  // gate, up, down of each expert, then the shared expert's
+  cuda::DeviceBuffer gate_ptrs, up_ptrs, down_ptrs, router, bias;
+  RandomMoeLayer(int E_, int k_, int d_, int F_, int Fs_, uint64_t weight_seed, uint64_t router_seed,
+                 uint64_t bias_seed)
+      : E(E_), k(k_), d(d_), F(F_), Fs(Fs_) {
+    std::vector<const bf16*> g(E), u(E), dn(E);
+    for (int e = 0; e <= E; ++e) {
+      const int f = e == E ? Fs : F;
+      for (int m = 0; m < 3; ++m) {
+        weights.push_back(Upload(RandomBf16(static_cast<size_t>(f) * d, weight_seed + 3 * e + m, 0.08f)));
+      }
+      if (e < E) g[e] = weights[3 * e].as<bf16>(), u[e] = weights[3 * e + 1].as<bf16>(), dn[e] = weights[3 * e + 2].as<bf16>();
+    }
+    gate_ptrs = Upload(g), up_ptrs = Upload(u), down_ptrs = Upload(dn);
+    router = Upload(RandomBf16(static_cast<size_t>(E) * d, router_seed, 0.1f));
+    bias = Upload(RandomBf16(E, bias_seed, 0.05f));
+  }
+  MoeParams Params(const bf16* x, bf16* y, int32_t* ids, void* workspace, uint32_t* counter, int T) const {
+    MoeParams p;
+    p.x = x, p.router_w = router.as<bf16>(), p.router_bias = bias.as<bf16>();
+    p.gate_w = gate_ptrs.as<const bf16*>(), p.up_w = up_ptrs.as<const bf16*>(), p.down_w = down_ptrs.as<const bf16*>();
+    p.shared_gate_w = weights[3 * E].as<bf16>(), p.shared_up_w = weights[3 * E + 1].as<bf16>();
+    p.shared_down_w = weights[3 * E + 2].as<bf16>();
+    p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = Fs, p.alpha = 2.5f;
+    p.num_tokens = T, p.y = y, p.topk_ids = ids, p.workspace = workspace, p.counter = counter;
+    return p;
+  }
+};
+
 TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
   SKIP_WITHOUT_GPU();
   const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 5;
-  std::vector<cuda::DeviceBuffer> dw;
-  std::vector<const bf16*> dg(E), du(E), dd(E);
-  for (int e = 0; e <= E; ++e) {
-    const int f = e == E ? Fs : F;
-    for (int m = 0; m < 3; ++m) dw.push_back(Upload(RandomBf16(static_cast<size_t>(f) * d, 2000 + 3 * e + m, 0.08f)));
-    if (e < E) dg[e] = dw[3 * e].as<bf16>(), du[e] = dw[3 * e + 1].as<bf16>(), dd[e] = dw[3 * e + 2].as<bf16>();
-  }
+  const RandomMoeLayer layer(E, k, d, F, Fs, 2000, 202, 203);
   auto x = RandomBf16(static_cast<size_t>(T) * d, 201);
-  auto d_x = Upload(x), d_router = Upload(RandomBf16(static_cast<size_t>(E) * d, 202, 0.1f));
-  auto d_bias = Upload(RandomBf16(E, 203, 0.05f));
-  auto d_g = Upload(dg), d_u = Upload(du), d_d = Upload(dd);
+  auto d_x = Upload(x);
   auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ids = Alloc(static_cast<size_t>(T) * k * 4);
   auto d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
-  MoeParams p;
-  p.x = d_x.as<bf16>(), p.router_w = d_router.as<bf16>(), p.router_bias = d_bias.as<bf16>();
-  p.gate_w = d_g.as<const bf16*>(), p.up_w = d_u.as<const bf16*>(), p.down_w = d_d.as<const bf16*>();
-  p.shared_gate_w = dw[3 * E].as<bf16>(), p.shared_up_w = dw[3 * E + 1].as<bf16>();
-  p.shared_down_w = dw[3 * E + 2].as<bf16>();
-  p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = Fs, p.alpha = 2.5f;
-  p.num_tokens = T, p.y = d_y.as<bf16>(), p.topk_ids = d_ids.as<int32_t>();
-  p.workspace = d_ws.data(), p.counter = d_counter.as<uint32_t>();
+  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(),
+                             d_counter.as<uint32_t>(), T);
   ASSERT_OK(Moe(p, nullptr));
   Sync();
   const auto y_all = Download<bf16>(d_y, static_cast<size_t>(T) * d);
@@ -535,6 +553,32 @@ TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
   }
 }
 
+// Every kernel-shape variant of the expert kernels (occupancy, loads in flight) gives the same bits.
+TEST(MoeGpu, KernelVariantsAreBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 3;
+  const RandomMoeLayer layer(E, k, d, F, Fs, 4000, 402, 403);
+  auto d_x = Upload(RandomBf16(static_cast<size_t>(T) * d, 401));
+  auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
+  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), T);
+  ASSERT_OK(Moe(p, nullptr));
+  Sync();
+  const auto y0 = Download<bf16>(d_y, static_cast<size_t>(T) * d);
+  for (int g = 0; g < MoeGateUpVariants(); ++g) {
+    for (int v = 0; v < MoeDownVariants(); ++v) {
+      MoeParams q = p;
+      q.gate_up_variant = g, q.down_variant = v;
+      ASSERT_OK(Moe(q, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0) << "gate/up " << g << " down " << v;
+    }
+  }
+  MoeParams bad = p;
+  bad.gate_up_variant = MoeGateUpVariants();
+  EXPECT_FALSE(Moe(bad, nullptr).ok());
+}
+
+// T tokens in one launch (prefill) give each token exactly what it gets alone (decode).
 // ---------------------------------------------------------------------------------------------------
 TEST(ArgmaxGpu, MatchesReferenceWithTiesAndNan) {
   SKIP_WITHOUT_GPU();

@@ -17,6 +17,8 @@ Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
 size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
+int MoeGateUpVariants() { return 1; }
+int MoeDownVariants() { return 1; }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
 Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
 Status FillRandomBf16(bf16*, size_t, uint64_t, float, Stream) { return NoCuda("fill_random_bf16"); }
