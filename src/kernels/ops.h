@@ -142,7 +142,12 @@ struct MoeParams {
   // Set: the router computes u2 from it and writes it to norm.u_out, which must be x, for the expert
   // kernels.
   FusedInputNorm norm;
+  // Experiments: shapes of the gate/up and down kernels (0 = default; MoeGateUpVariants() /
+  // MoeDownVariants() of each). Every variant gives the same bits.
+  int gate_up_variant = 0, down_variant = 0;
 };
+int MoeGateUpVariants();
+int MoeDownVariants();
 size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
 

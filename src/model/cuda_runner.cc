@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -394,6 +396,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
+  // Experiment: DECODELAB_MOE_VARIANT="gate_up,down" picks the expert kernels' shape (kernels/ops.h).
+  static const std::pair<int, int> moe_variant = [] {
+    std::pair<int, int> v{0, 0};
+    if (const char* e = std::getenv("DECODELAB_MOE_VARIANT")) std::sscanf(e, "%d,%d", &v.first, &v.second);
+    return v;
+  }();
 
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res_buf[cur], T, d,
                                            static_cast<int>(c.vocab_size)}, s));
@@ -511,6 +519,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.workspace = moe_ws.data();
       mp.counter = moe_counter.as<uint32_t>();
       mp.norm = norm2;
+      mp.gate_up_variant = moe_variant.first, mp.down_variant = moe_variant.second;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -683,7 +692,8 @@ nlohmann::json CudaRunner::Describe() const {
           {"fused_norm", kernels::FusedNormEnabled() && impl_->opt.skip_ops.empty()},
           {"fused_norm_before_attention", kernels::FusedNorm().before_attention && impl_->opt.skip_ops.empty()},
           {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
-          {"skipped_ops", impl_->opt.skip_ops}};
+          {"skipped_ops", impl_->opt.skip_ops},
+          {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"}};
 }
 
 #else  // no CUDA backend in this build

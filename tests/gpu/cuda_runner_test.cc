@@ -45,6 +45,9 @@ std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, boo
 // (2026-11-30): 41-48 of 45-48 checked steps agree per prompt, mismatches start at steps whose golden
 // router gap is < 6e-3, and last-position logits are within 1.1e-2..4.6e-2 (transformers' own BF16 run
 // is 1.5e-2..1.2e-1 from its FP32 run). Bound: >= 80 % of checked steps, >= 20 checked, logits < 6e-2.
+// In 7 of the 9 golden prompts a router gap below 1e-3 occurs already at step 0 (the prompt's own
+// routing), so no "stop at the first near-tie" rule would leave steps to check: a strict check needs
+// goldens from models and prompts without near-ties.
 TEST(CudaRunnerTest, TeacherForcedAgainstTransformersBf16) {
   SKIP_WITHOUT_GPU();
   for (const std::string name : {"tiny", "tiny_softcap", "tiny_elem"}) {

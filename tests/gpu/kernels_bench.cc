@@ -265,22 +265,40 @@ int main(int argc, char** argv) {
     auto xs = Random(size_t(16) * d, 80, 1.0f);
     auto yv = Alloc(d * 2), ws = Alloc(MoeWorkspaceBytes(E, k, F, F)), counter = Alloc(4);
     CHECK_OK(counter.Fill(0));
+    // Launch i of a timed graph: layer i % layers, input row i % 16.
+    auto moe_params = [&](int i, int top_k) {
+      const int l = i % layers;
+      MoeParams p;
+      p.x = xs.as<bf16>() + size_t(i % 16) * d, p.router_w = routers[l].as<bf16>();
+      p.router_bias = biases[l].as<bf16>();
+      p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
+      p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
+      p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
+      p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
+      p.d = d, p.num_experts = E, p.top_k = top_k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      return p;
+    };
+    // Kernel-shape variants of the expert kernels at top-k 8 (section "moe" only): does occupancy or
+    // loads in flight per warp set their speed? One knob at a time.
+    if (only == "moe") {
+      for (int g = 0; g < MoeGateUpVariants(); ++g) {
+        for (int v = 0; v < MoeDownVariants(); ++v) {
+          if (g != 0 && v != 0) continue;
+          const double ms = TimeMs([&](int i) {
+            MoeParams p = moe_params(i, k);
+            p.gate_up_variant = g, p.down_variant = v;
+            CHECK_OK(Moe(p, g_stream));
+          }, 200);
+          rows.push_back({fmt::format("moe k8 gu{} dn{}", g, v), "E256 k8 F512 d2048 variant", ms * 1e3,
+                          2.0 * (size_t(E) * d + size_t(k + 1) * 3 * F * d)});
+        }
+      }
+    }
     // top-k 8 is the model; 1 and 4 separate the fixed cost (router, launches, chains) from the
     // per-slot streaming cost.
     for (int top_k : {k, 4, 1}) {
-      const double ms = TimeMs([&](int i) {
-        const int l = i % layers;
-        MoeParams p;
-        p.x = xs.as<bf16>() + size_t(i % 16) * d, p.router_w = routers[l].as<bf16>();
-        p.router_bias = biases[l].as<bf16>();
-        p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
-        p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
-        p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
-        p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
-        p.d = d, p.num_experts = E, p.top_k = top_k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
-        p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
-        CHECK_OK(Moe(p, g_stream));
-      }, 200);
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, top_k), g_stream)); }, 200);
       rows.push_back({fmt::format("moe (router+{}+shared)", top_k), fmt::format("E256 k{} F512 d2048", top_k),
                       ms * 1e3, 2.0 * (size_t(E) * d + size_t(top_k + 1) * 3 * F * d)});
     }

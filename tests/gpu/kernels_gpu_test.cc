@@ -537,7 +537,6 @@ TEST(MoeGpu, MatchesReference) {
   }
 }
 
-// T tokens in one launch (prefill) give each token exactly what it gets alone (decode).
 // A random MoE layer on the device (E experts of F rows and a shared expert of Fs rows, width d,
 // weights from seeds weight_seed + 3e + m) and the MoeParams for T tokens that point at it.
 struct RandomMoeLayer {
@@ -571,6 +570,7 @@ struct RandomMoeLayer {
   }
 };
 
+// T tokens in one launch (prefill) give each token exactly what it gets alone (decode).
 TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
   SKIP_WITHOUT_GPU();
   const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 5;
@@ -643,6 +643,31 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
     p.norm.u_out = nullptr;
     EXPECT_FALSE(Moe(p, nullptr).ok()) << "the expert kernels need u2 in x";
   }
+}
+
+// Every kernel-shape variant of the expert kernels (occupancy, loads in flight) gives the same bits.
+TEST(MoeGpu, KernelVariantsAreBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 3;
+  const RandomMoeLayer layer(E, k, d, F, Fs, 4000, 402, 403);
+  auto d_x = Upload(RandomBf16(static_cast<size_t>(T) * d, 401));
+  auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
+  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), T);
+  ASSERT_OK(Moe(p, nullptr));
+  Sync();
+  const auto y0 = Download<bf16>(d_y, static_cast<size_t>(T) * d);
+  for (int g = 0; g < MoeGateUpVariants(); ++g) {
+    for (int v = 0; v < MoeDownVariants(); ++v) {
+      MoeParams q = p;
+      q.gate_up_variant = g, q.down_variant = v;
+      ASSERT_OK(Moe(q, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0) << "gate/up " << g << " down " << v;
+    }
+  }
+  MoeParams bad = p;
+  bad.gate_up_variant = MoeGateUpVariants();
+  EXPECT_FALSE(Moe(bad, nullptr).ok());
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@
 // pointers into the workspace, and kernels 2 and 3 read those. Batch 1 is memory-bound: the point of
 // the layout is enough 16-byte loads in flight per SM (~64 KB) to keep HBM busy, with FMAs in the
 // reference's per-lane order.
+#include <array>
+#include <iterator>
+#include <utility>
+
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -213,11 +217,22 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   }
 }
 
+// Kernel-shape variants of the two expert kernels (MoeParams::gate_up_variant / down_variant), for
+// measuring whether occupancy and loads in flight per warp set their speed: {min blocks per SM (the
+// register cap), chunks per row in flight per lane}. Variant 0 is the default. The FMA order per row
+// does not depend on either, so every variant gives the same bits.
+struct MoeKernelShape {
+  int min_blocks, chunks;
+};
+constexpr MoeKernelShape kGateUpShapes[] = {{1, 8}, {3, 4}, {4, 4}, {4, 2}, {2, 8}};
+constexpr MoeKernelShape kDownShapes[] = {{1, 2}, {3, 1}, {4, 1}};  // (3|4, 2) spill 88-236 bytes
+
 // Grid (ceil(Fmax / 8), k + 1, T). blockIdx.y 0 is the shared expert (slot k of h), 1..k the routed
 // slots 0..k-1: blocks are scheduled in index order, so the shared expert's, which need not wait for
 // the router, are resident first and stream their weights during the router's selection, instead of
 // queueing behind routed blocks that hold every free slot while they wait.
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
+template <int kMinBlocks, int kU>
+__global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(MoeParams a) {
   AllowDependents();
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
@@ -234,12 +249,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
   if (shared) {  // the shared expert's rows are known before the router has run
     const bf16* rows[2] = {a.shared_gate_w + static_cast<size_t>(f) * a.d,
                            a.shared_up_w + static_cast<size_t>(f) * a.d};
-    LaneDots<2, 8>(rows, xs, n8, lane, acc, WaitForEarlierKernels{});
+    LaneDots<2, kU>(rows, xs, n8, lane, acc, WaitForEarlierKernels{});
   } else {
     WaitForPrerequisites();
     const bf16* rows[2] = {ws.rows[j] + static_cast<size_t>(f) * a.d,
                            ws.rows[a.top_k + j] + static_cast<size_t>(f) * a.d};
-    LaneDots<2, 8>(rows, xs, n8, lane, acc, NothingToWaitFor{});
+    LaneDots<2, kU>(rows, xs, n8, lane, acc, NothingToWaitFor{});
   }
   const float g = RoundBf16(WarpSum(acc[0]));
   const float u = RoundBf16(WarpSum(acc[1]));
@@ -255,7 +270,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGateUpKernel(MoeParams a) {
 // adds them in slot order — the same sum as one warp walking the slots.
 __host__ __device__ inline int MoeDownWarpsPerRow(int top_k) { return (top_k + kDownGroup - 1) / kDownGroup; }
 
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
+template <int kMinBlocks, int kU>
+__global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeParams a) {
   AllowDependents();
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);
@@ -289,7 +305,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
     xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
     n8[kDownGroup] = a.shared_ffn / 8;
     float o[kDownGroup + 1];
-    LaneDots<kDownGroup + 1, 2>(rows, xs, n8, lane, o, NothingToWaitFor{});
+    LaneDots<kDownGroup + 1, kU>(rows, xs, n8, lane, o, NothingToWaitFor{});
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;
@@ -309,7 +325,23 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeDownKernel(MoeParams a) {
   }
 }
 
+// The instantiation of variant v (index into the shape tables above).
+using MoeKernelFn = void (*)(MoeParams);
+template <size_t... I>
+constexpr std::array<MoeKernelFn, sizeof...(I)> GateUpKernels(std::index_sequence<I...>) {
+  return {MoeGateUpKernel<kGateUpShapes[I].min_blocks, kGateUpShapes[I].chunks>...};
+}
+template <size_t... I>
+constexpr std::array<MoeKernelFn, sizeof...(I)> DownKernels(std::index_sequence<I...>) {
+  return {MoeDownKernel<kDownShapes[I].min_blocks, kDownShapes[I].chunks>...};
+}
+constexpr auto kGateUpKernels = GateUpKernels(std::make_index_sequence<std::size(kGateUpShapes)>());
+constexpr auto kDownKernels = DownKernels(std::make_index_sequence<std::size(kDownShapes)>());
+
 }  // namespace dev
+
+int MoeGateUpVariants() { return static_cast<int>(std::size(dev::kGateUpShapes)); }
+int MoeDownVariants() { return static_cast<int>(std::size(dev::kDownShapes)); }
 
 size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
   return dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes *
@@ -337,6 +369,11 @@ Status Moe(const MoeParams& p, Stream stream) {
       return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
     }
   }
+  if (p.gate_up_variant < 0 || p.gate_up_variant >= MoeGateUpVariants() || p.down_variant < 0 ||
+      p.down_variant >= MoeDownVariants()) {
+    return InvalidArgument("moe: kernel variants {} / {} (gate/up 0..{}, down 0..{})", p.gate_up_variant,
+                           p.down_variant, MoeGateUpVariants() - 1, MoeDownVariants() - 1);
+  }
   if (p.num_tokens < 1 || p.num_tokens > 65535) {
     return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
   }
@@ -348,12 +385,12 @@ Status Moe(const MoeParams& p, Stream stream) {
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
-  dev::LaunchDependent(dev::MoeGateUpKernel,
+  dev::LaunchDependent(dev::kGateUpKernels[p.gate_up_variant],
                        dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads),
                        s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
   const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
-  dev::LaunchDependent(dev::MoeDownKernel, dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
+  dev::LaunchDependent(dev::kDownKernels[p.down_variant], dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_down_combine");
   return Status::Ok();
 }

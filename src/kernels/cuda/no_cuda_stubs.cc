@@ -19,6 +19,8 @@ bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }
 bool FusedNormEnabled() { return false; }
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
+int MoeGateUpVariants() { return 1; }
+int MoeDownVariants() { return 1; }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
 Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
 Status FillRandomBf16(bf16*, size_t, uint64_t, float, Stream) { return NoCuda("fill_random_bf16"); }
