@@ -182,6 +182,7 @@ int RunBench(const BenchFlags& f) {
         {"prefill_chunk", opts->prefill_chunk},
         {"graph", !f.no_graph},
         {"dependent_launch", describe.value("dependent_launch", false)},
+        {"l2_prefetch", describe.value("l2_prefetch", false)},
         {"ignore_eos", true}}}};
   std::printf("decodelab bench  commit %s  %s\n", BuildCommit().c_str(),
               gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
@@ -204,11 +205,13 @@ int RunBench(const BenchFlags& f) {
     std::printf("  floor        %.4f ms at %.0f GB/s copy bandwidth -> %.1f%% of floor\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot);
   }
-  std::printf("  kernels      %d per step (%.1f per layer), %s, %s\n", kernels,
+  std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
               cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
               f.no_graph ? "launched one by one" : "one CUDA graph",
               describe.value("dependent_launch", false) ? "programmatic dependent launch"
-                                                        : "plain launches (DECODELAB_PDL=0)");
+                                                        : "plain launches (DECODELAB_PDL=0)",
+              describe.value("l2_prefetch", false) ? "L2 prefetch hints"
+                                                   : "no L2 prefetch hints (DECODELAB_L2_PREFETCH=0)");
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
     out << j.dump(2) << "\n";

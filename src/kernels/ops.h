@@ -42,6 +42,10 @@ Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 //     page = block_table[pos_t / P], slot = pos_t % P, element ((page*P + slot)*K + head)*D + d,
 //     FP8: code = round_fp8_e4m3_satfinite(x / scale) (IEEE division), BF16: stored as is.
 // q_out may alias q (each head is staged in shared memory before it is written).
+// Whether the engine attaches L2 prefetch hints: on by default; DECODELAB_L2_PREFETCH=0 turns them off
+// (A/B measurements). Reported by bench.
+bool L2PrefetchEnabled();
+
 struct QkNormRopeAppendParams {
   const bf16* q = nullptr;  // [T, H, D] with row stride qkv_stride (elements per token)
   const bf16* k = nullptr;  // [T, K, D] same stride
@@ -86,6 +90,7 @@ struct GemvParams {
   // Warps per output row (1, 2, 4 or 8; 0 = GemvKSplitFor(out, in)). A function of the shape only,
   // never of num_tokens, so a token's result does not depend on the batch it was computed in.
   int k_split = 0;
+  L2PrefetchList prefetch;  // issued at kernel start, for later kernels
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.

@@ -165,8 +165,10 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
 }
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
-Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s) {
+Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
+              const kernels::L2PrefetchList& prefetch = {}) {
   kernels::GemvParams p;
+  p.prefetch = prefetch;
   p.w = w;
   p.x = x;
   p.y = y;
@@ -363,6 +365,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   const int K = static_cast<int>(c.num_key_value_heads);
   const float eps = static_cast<float>(c.rms_norm_eps);
   bf16* res = residual.as<bf16>();
+  const bool prefetch_l2 = kernels::L2PrefetchEnabled();
 
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res, T, d,
                                            static_cast<int>(c.vocab_size)}, s));
@@ -436,12 +439,27 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace = attn_ws.data();
     ap.workspace_bytes = attn_ws_bytes;
     ap.counters = attn_counters.as<uint32_t>();
+    // L2 prefetch hints (docs/kernels.md): attention is latency-bound, so o_proj's weights stream into
+    // L2 while it runs; o_proj then reads its own weights from L2, so HBM is free for the router's,
+    // the shared expert's and the next layer's q/k/v/g weights, which o_proj asks for in turn and
+    // which stream in during the norm and the router's selection.
+    if (prefetch_l2) ap.prefetch.Add(L.o.data(), L.o.size());
     if (!Skips("attention")) {
       DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
     }
 
+    kernels::L2PrefetchList after_o;
+    if (prefetch_l2) {
+      if (L.sparse) {
+        for (const cuda::DeviceBuffer* b : {&L.router, &L.shared_gate, &L.shared_up, &L.shared_down}) {
+          after_o.Add(b->data(), b->size());
+        }
+      }
+      if (l + 1 < layers.size()) after_o.Add(layers[l + 1].qkvg.data(), layers[l + 1].qkvg.size());
+    }
     if (!Skips("o_proj")) {
-      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
+      DL_RETURN_IF_ERROR(
+          RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, after_o));
     }
 
     kernels::AddRmsNormParams norm2 = norm1;
@@ -645,6 +663,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
+          {"l2_prefetch", kernels::L2PrefetchEnabled()},
           {"skipped_ops", impl_->opt.skip_ops}};
 }
 
