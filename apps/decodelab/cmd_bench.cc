@@ -210,8 +210,10 @@ int RunBench(const BenchFlags& f) {
               f.no_graph ? "launched one by one" : "one CUDA graph",
               describe.value("dependent_launch", false) ? "programmatic dependent launch"
                                                         : "plain launches (DECODELAB_PDL=0)",
-              describe.value("l2_prefetch", false) ? "L2 prefetch hints"
-                                                   : "no L2 prefetch hints (DECODELAB_L2_PREFETCH=0)");
+              describe.value("l2_prefetch", false)
+                  ? fmt::format("L2 prefetch hints:{}{}", describe.value("l2_prefetch_o_proj", false) ? " o_proj" : "",
+                                describe.value("l2_prefetch_next", false) ? " next" : "").c_str()
+                  : "no L2 prefetch hints");
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
     out << j.dump(2) << "\n";

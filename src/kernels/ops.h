@@ -42,9 +42,16 @@ Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 //     page = block_table[pos_t / P], slot = pos_t % P, element ((page*P + slot)*K + head)*D + d,
 //     FP8: code = round_fp8_e4m3_satfinite(x / scale) (IEEE division), BF16: stored as is.
 // q_out may alias q (each head is staged in shared memory before it is written).
-// Whether the engine attaches L2 prefetch hints: on by default; DECODELAB_L2_PREFETCH=0 turns them off
-// (A/B measurements). Reported by bench.
-bool L2PrefetchEnabled();
+// Which L2 prefetch hints the engine attaches (DECODELAB_L2_PREFETCH): "0" none (the default: both
+// measured variants were slower), "o_proj" attention prefetches o_proj's weights, "next" o_proj
+// prefetches the router's, the shared expert's and the next layer's q/k/v/g weights, "all" both.
+// Reported by bench.
+struct L2PrefetchMode {
+  bool o_proj = false, next = false;
+  bool any() const { return o_proj || next; }
+};
+L2PrefetchMode L2Prefetch();
+bool L2PrefetchEnabled();  // L2Prefetch().any()
 
 struct QkNormRopeAppendParams {
   const bf16* q = nullptr;  // [T, H, D] with row stride qkv_stride (elements per token)

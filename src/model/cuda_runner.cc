@@ -365,7 +365,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   const int K = static_cast<int>(c.num_key_value_heads);
   const float eps = static_cast<float>(c.rms_norm_eps);
   bf16* res = residual.as<bf16>();
-  const bool prefetch_l2 = kernels::L2PrefetchEnabled();
+  const kernels::L2PrefetchMode prefetch_l2 = kernels::L2Prefetch();
 
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res, T, d,
                                            static_cast<int>(c.vocab_size)}, s));
@@ -443,13 +443,13 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     // L2 while it runs; o_proj then reads its own weights from L2, so HBM is free for the router's,
     // the shared expert's and the next layer's q/k/v/g weights, which o_proj asks for in turn and
     // which stream in during the norm and the router's selection.
-    if (prefetch_l2) ap.prefetch.Add(L.o.data(), L.o.size());
+    if (prefetch_l2.o_proj) ap.prefetch.Add(L.o.data(), L.o.size());
     if (!Skips("attention")) {
       DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
     }
 
     kernels::L2PrefetchList after_o;
-    if (prefetch_l2) {
+    if (prefetch_l2.next) {
       if (L.sparse) {
         for (const cuda::DeviceBuffer* b : {&L.router, &L.shared_gate, &L.shared_up, &L.shared_down}) {
           after_o.Add(b->data(), b->size());
@@ -664,6 +664,9 @@ nlohmann::json CudaRunner::Describe() const {
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
           {"l2_prefetch", kernels::L2PrefetchEnabled()},
+          {"l2_prefetch", kernels::L2PrefetchEnabled()},
+          {"l2_prefetch_o_proj", kernels::L2Prefetch().o_proj},
+          {"l2_prefetch_next", kernels::L2Prefetch().next},
           {"skipped_ops", impl_->opt.skip_ops}};
 }
 

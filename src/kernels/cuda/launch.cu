@@ -14,12 +14,17 @@ bool DependentLaunchEnabled() {
   return enabled;
 }
 
-bool L2PrefetchEnabled() {
-  static const bool enabled = [] {
+L2PrefetchMode L2Prefetch() {
+  static const L2PrefetchMode mode = [] {
     const char* v = std::getenv("DECODELAB_L2_PREFETCH");
-    return !(v != nullptr && std::string_view(v) == "0");
+    const std::string_view s = v ? v : "0";
+    L2PrefetchMode m;
+    m.o_proj = s == "o_proj" || s == "all";
+    m.next = s == "next" || s == "all";
+    return m;
   }();
-  return enabled;
+  return mode;
 }
+bool L2PrefetchEnabled() { return L2Prefetch().any(); }
 
 }  // namespace dl::kernels

@@ -16,6 +16,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
 size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
+L2PrefetchMode L2Prefetch() { return {}; }
 bool L2PrefetchEnabled() { return false; }
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
