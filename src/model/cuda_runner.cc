@@ -664,7 +664,6 @@ nlohmann::json CudaRunner::Describe() const {
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
           {"l2_prefetch", kernels::L2PrefetchEnabled()},
-          {"l2_prefetch", kernels::L2PrefetchEnabled()},
           {"l2_prefetch_o_proj", kernels::L2Prefetch().o_proj},
           {"l2_prefetch_next", kernels::L2Prefetch().next},
           {"skipped_ops", impl_->opt.skip_ops}};
