@@ -1,4 +1,4 @@
-// The launch-mode switch shared by every decode kernel launcher.
+// The launch-mode switches shared by the decode kernel launchers and the engine.
 #include <cstdlib>
 #include <string_view>
 
@@ -31,5 +31,18 @@ FusedNormMode FusedNorm() {
   return mode;
 }
 bool FusedNormEnabled() { return FusedNorm().before_attention || FusedNorm().before_mlp; }
+
+L2PrefetchMode L2Prefetch() {
+  static const L2PrefetchMode mode = [] {
+    const char* v = std::getenv("DECODELAB_L2_PREFETCH");
+    const std::string_view s = v ? v : "0";
+    L2PrefetchMode m;
+    m.o_proj = s == "o_proj" || s == "all";
+    m.next = s == "next" || s == "all";
+    return m;
+  }();
+  return mode;
+}
+bool L2PrefetchEnabled() { return L2Prefetch().any(); }
 
 }  // namespace dl::kernels

@@ -237,8 +237,9 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(Mo
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool shared = blockIdx.y == 0;
-  const int j = shared ? a.top_k : static_cast<int>(blockIdx.y) - 1;
+  const int y = a.shared_first ? static_cast<int>(blockIdx.y) : (static_cast<int>(blockIdx.y) + 1) % (a.top_k + 1);
+  const bool shared = y == 0;
+  const int j = shared ? a.top_k : y - 1;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int f = blockIdx.x * kMoeWarps + warp;
   if (f >= F) return;
