@@ -242,9 +242,10 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
                 "fallback and is not a speed result)");
   cmd->add_flag("--no-graph", flags->no_graph, "Launch kernels one by one instead of a CUDA graph");
   cmd->add_option("--skip-ops", flags->skip_ops,
-                  "Timing experiment (CUDA): leave these op families out of every forward to see what "
-                  "each costs inside the real step: norm, qkvg, rope, attention, o_proj, moe, dense_mlp. "
-                  "Outputs are wrong; the result is marked and is not a speed result")
+                  fmt::format("Timing experiment (CUDA): leave these op families out of every forward to "
+                              "see what each costs inside the real step: {}. Outputs are wrong; the result "
+                              "is marked and is not a speed result",
+                              fmt::join(kSkippableOps, ", ")))
       ->delimiter(',');
   cmd->add_option("--json-out", flags->json_out, "Write the results as JSON");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunBench(*flags); });

@@ -512,10 +512,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       DL_RETURN_IF_ERROR(separate_norm(delta.as<bf16>(), L.post_norm));
     }
 
-    if (L.sparse && Skips("moe")) {
-      // timing experiment: the MoE's output is left as it was
-    } else if (!L.sparse && Skips("dense_mlp")) {
-      // timing experiment: the dense MLP's output is left as it was
+    if (Skips(L.sparse ? "moe" : "dense_mlp")) {
+      // timing experiment: the MLP's output is left as it was
     } else if (L.sparse) {
       kernels::MoeParams mp;
       mp.x = u.as<bf16>();

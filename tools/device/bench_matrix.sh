@@ -4,10 +4,8 @@
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried): bash tools/device/bench_matrix.sh
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}; W=/tmp/bm; rm -rf "$W"; mkdir -p "$W" "$RESULTS"
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
-export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 > "$W/configure.log" 2>&1 || { tail -20 "$W/configure.log"; exit 1; }
+source tools/device/env.sh
+dl_configure build > "$W/configure.log" 2>&1 || { tail -20 "$W/configure.log"; exit 1; }
 ninja -C build decodelab > "$W/build.log" 2>&1 || { grep -A5 error "$W/build.log" | head -30; exit 1; }
 B=build/bin/decodelab
 run() {  # name, flags...

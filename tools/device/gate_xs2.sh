@@ -5,13 +5,9 @@
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 W=/tmp/gate; rm -rf "$W"; mkdir -p "$W" "$RESULTS"
-export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
-export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps
-export PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig:$PWD/.deps/usr/share/pkgconfig
+source tools/device/env.sh
 t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 > "$W/configure.log" 2>&1 || { tail -30 "$W/configure.log"; exit 1; }
+dl_configure build > "$W/configure.log" 2>&1 || { tail -30 "$W/configure.log"; exit 1; }
 ninja -C build decodelab > "$W/build.log" 2>&1 || { grep -A5 error "$W/build.log" | head -40; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 B=$PWD/build/bin/decodelab

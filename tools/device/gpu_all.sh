@@ -13,10 +13,7 @@ RESULTS=${OUT:-/tmp/out}
 # Logs go to a scratch folder and come back as one tarball (the device returns at most 8 files).
 OUT=/tmp/gpu_all
 rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
-export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
-export PKG_CONFIG_SYSROOT_DIR=$PWD/.deps
-export PKG_CONFIG_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu/pkgconfig:$PWD/.deps/usr/share/pkgconfig
+source tools/device/env.sh
 PEER=0; QUICK=0; AB=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,8 +27,7 @@ done
 declare -A R
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-if ! cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-     -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1; then
+if ! dl_configure build > "$OUT/configure.log" 2>&1; then
   echo "CONFIGURE FAILED"; grep -B2 -A8 -i error "$OUT/configure.log" | head -60; exit 1
 fi
 # What the GPU work needs must build; the rest is built too (-k 0) and reported, but does not stop it.

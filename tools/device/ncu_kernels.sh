@@ -3,8 +3,7 @@
 # throughput, registers, grid, occupancy. Runs after gpu_all.sh has built ./build (same call).
 #   usage: bash tools/device/ncu_kernels.sh [regex]   (default: every decode kernel)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=$PWD/.deps/usr/lib/x86_64-linux-gnu
+source tools/device/env.sh
 RX=${1:-"Moe|Attention|Gemv|AddRmsNorm|QkNorm|Argmax|Embed"}
 M=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_registers
 # In the decode graph of a 2-layer XS.2 model (kernels as the engine launches them): skip the prefill.

@@ -7,10 +7,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/skip_ops}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+source tools/device/env.sh
 if [ ! -x build/bin/decodelab ]; then
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1 && ninja -C build decodelab > "$OUT/build.log" 2>&1 ||
+  dl_configure build > "$OUT/configure.log" 2>&1 && ninja -C build decodelab > "$OUT/build.log" 2>&1 ||
     { echo "build failed (see $OUT)"; exit 1; }
 fi
 run() {  # $1 = label, rest = extra bench flags

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Per-stage timing of one kernel family on the GPU machine: builds kernels_bench in build-timing with
-# -D<MACRO> (DL_MOE_STAGE_TIMING or DL_ATTN_STAGE_TIMING), runs one section of it, and prints the
-# median of every "name value" pair of the kernel's "... stages ns:" lines, grouped by the words
-# before the first number (e.g. "block 0/264"). Usage: bash tools/device/stage_timing.sh MACRO SECTION
+# -D<MACRO> (on main: DL_ATTN_STAGE_TIMING; branch wip/fused-moe adds DL_MOE_STAGE_TIMING), runs one
+# section of it, and prints the median of every "name value" pair of the kernel's "... stages ns:"
+# lines, grouped as first block / last block where the lines name a block.
+# Usage: bash tools/device/stage_timing.sh MACRO SECTION
 set -uo pipefail
-MACRO=${1:?macro, e.g. DL_MOE_STAGE_TIMING}
-SECTION=${2:?kernels_bench section, e.g. moe}
+MACRO=${1:?macro, e.g. DL_ATTN_STAGE_TIMING}
+SECTION=${2:?kernels_bench section, e.g. attn}
 OUT=${OUT:-/tmp/stage_timing}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-cmake -S . -B build-timing -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS="-D$MACRO" > "$OUT/timing_configure.log" 2>&1 || {
+source tools/device/env.sh
+dl_configure build-timing -DCMAKE_CUDA_FLAGS="-D$MACRO" > "$OUT/timing_configure.log" 2>&1 || {
   echo "configure failed"; tail -20 "$OUT/timing_configure.log"; exit 1; }
 ninja -C build-timing kernels_bench > "$OUT/timing_build.log" 2>&1 || {
   echo "build failed"; grep -A5 error "$OUT/timing_build.log" | head -40; exit 1; }
