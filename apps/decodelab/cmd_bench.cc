@@ -183,7 +183,6 @@ int RunBench(const BenchFlags& f) {
         {"graph", !f.no_graph},
         {"dependent_launch", describe.value("dependent_launch", false)},
         {"fused_norm", describe.value("fused_norm", false)},
-        {"l2_prefetch", describe.value("l2_prefetch", false)},
         {"ignore_eos", true}}}};
   std::printf("decodelab bench  commit %s  %s\n", BuildCommit().c_str(),
               gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
@@ -206,18 +205,14 @@ int RunBench(const BenchFlags& f) {
     std::printf("  floor        %.4f ms at %.0f GB/s copy bandwidth -> %.1f%% of floor\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot);
   }
-  std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s, %s\n", kernels,
+  std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
               cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
               f.no_graph ? "launched one by one" : "one CUDA graph",
               describe.value("dependent_launch", false) ? "programmatic dependent launch"
                                                         : "plain launches (DECODELAB_PDL=0)",
               !describe.value("fused_norm", false) ? "separate norm kernels"
               : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
-                                                                      : "norm folded into the router only",
-              describe.value("l2_prefetch", false)
-                  ? fmt::format("L2 prefetch hints:{}{}", describe.value("l2_prefetch_o_proj", false) ? " o_proj" : "",
-                                describe.value("l2_prefetch_next", false) ? " next" : "").c_str()
-                  : "no L2 prefetch hints");
+                                                                      : "norm folded into the router only");
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
     out << j.dump(2) << "\n";

@@ -3,7 +3,6 @@
 // CPU-only builds) can include it.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -31,27 +30,5 @@ inline std::string_view WindowKindName(WindowKind w) {
 // results are combined in ascending chunk order. This is what makes results bit-identical across
 // page sizes, prefill chunkings, and decode vs prefill of the same token.
 inline constexpr int kAttnChunk = 128;
-
-// ---- L2 prefetch hints ------------------------------------------------------------------------------
-// Weight ranges a kernel asks L2 to fetch at its start (before its PDL wait) for a LATER kernel of the
-// step. Batch-1 decode is a chain of latency-bound kernels (norms, RoPE, attention, the router) with
-// HBM mostly idle while they run; the next projections' weights can arrive in L2 then, and be read
-// from there. A hint: results never depend on it. Ranges are whole 16-byte multiples (a tail is
-// dropped).
-struct L2PrefetchList {
-  static constexpr int kMaxRanges = 6;
-  struct Range {
-    const void* ptr = nullptr;
-    size_t bytes = 0;
-  };
-  Range ranges[kMaxRanges];
-  int count = 0;
-  // Appends [ptr, ptr + bytes); false (and nothing added) when the list is full.
-  bool Add(const void* ptr, size_t bytes) {
-    if (count == kMaxRanges) return false;
-    ranges[count++] = {ptr, bytes};
-    return true;
-  }
-};
 
 }  // namespace dl::kernels

@@ -56,17 +56,6 @@ struct FusedInputNorm {
 //     page = block_table[pos_t / P], slot = pos_t % P, element ((page*P + slot)*K + head)*D + d,
 //     FP8: code = round_fp8_e4m3_satfinite(x / scale) (IEEE division), BF16: stored as is.
 // q_out may alias q (each head is staged in shared memory before it is written).
-// Which L2 prefetch hints the engine attaches (DECODELAB_L2_PREFETCH): "0" none (the default: both
-// measured variants were slower), "o_proj" attention prefetches o_proj's weights, "next" o_proj
-// prefetches the router's, the shared expert's and the next layer's q/k/v/g weights, "all" both.
-// Reported by bench.
-struct L2PrefetchMode {
-  bool o_proj = false, next = false;
-  bool any() const { return o_proj || next; }
-};
-L2PrefetchMode L2Prefetch();
-bool L2PrefetchEnabled();  // L2Prefetch().any()
-
 struct QkNormRopeAppendParams {
   const bf16* q = nullptr;  // [T, H, D] with row stride qkv_stride (elements per token)
   const bf16* k = nullptr;  // [T, K, D] same stride
@@ -113,7 +102,6 @@ struct GemvParams {
   int k_split = 0;
   // Set: x is computed from it (x itself is not read); token t's rows come from row t of residual.
   FusedInputNorm norm;
-  L2PrefetchList prefetch;  // issued at kernel start, for later kernels
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -157,7 +145,10 @@ struct MoeParams {
   // Experiments: shapes of the gate/up and down kernels (0 = default; MoeGateUpVariants() /
   // MoeDownVariants() of each). Every variant gives the same bits.
   int gate_up_variant = 0, down_variant = 0;
-  bool shared_first = true;  // the shared expert's gate/up blocks first in index order (else last)
+  // The down kernel loads its weight rows before waiting for gate/up (the router, which chose them,
+  // has completed by then: routed gate/up blocks let the down kernel launch only after their own
+  // wait). Off: it waits first and only warms L2 with the shared expert's rows. Same bits either way.
+  bool down_loads_early = true;
 };
 int MoeGateUpVariants();
 int MoeDownVariants();
@@ -181,9 +172,10 @@ Status Argmax(const ArgmaxParams& p, Stream stream);
 // environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
 bool DependentLaunchEnabled();
 // Which add + RMSNorm kernels the engine folds into their consumers (FusedInputNorm), from
-// DECODELAB_FUSED_NORM: "1" (default) both of each layer, "router" only the one before the MoE router
-// / dense MLP (32 router blocks recompute it; before q/k/v/g every one of ~2,600 GEMV blocks reads 12 KB
-// from L2 for it, so that half may cost more than it saves), "0" none (A/B). Reported by bench.
+// DECODELAB_FUSED_NORM: "router" (default) only the one before the MoE router / dense MLP (32 router
+// blocks recompute it), "1" both of each layer, "0" none (A/B). Measured on XS.2 (docs/performance.md,
+// session 4): router 3.04 ms, both 3.15, none 3.11: before q/k/v/g every one of ~2,600 GEMV blocks
+// reads 12 KB from L2 for the norm, which costs more than the kernel boundary it removes. Reported by bench.
 struct FusedNormMode {
   bool before_attention = false, before_mlp = false;
 };

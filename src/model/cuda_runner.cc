@@ -168,10 +168,9 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
 Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
-              const kernels::FusedInputNorm& norm = {}, const kernels::L2PrefetchList& prefetch = {}) {
+              const kernels::FusedInputNorm& norm = {}) {
   kernels::GemvParams p;
   p.norm = norm;
-  p.prefetch = prefetch;
   p.w = w;
   p.x = x;
   p.y = y;
@@ -397,9 +396,9 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
-  // Experiment: DECODELAB_MOE_SHARED_FIRST=0 schedules the shared expert's gate/up blocks last.
-  static const bool moe_shared_first = [] {
-    const char* e = std::getenv("DECODELAB_MOE_SHARED_FIRST");
+  // Experiment: DECODELAB_MOE_DOWN_EARLY=0 makes the down kernel wait before its weight loads.
+  static const bool moe_down_early = [] {
+    const char* e = std::getenv("DECODELAB_MOE_DOWN_EARLY");
     return !(e && std::string_view(e) == "0");
   }();
   // Experiment: DECODELAB_MOE_VARIANT="gate_up,down" picks the expert kernels' shape (kernels/ops.h).
@@ -408,7 +407,6 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     if (const char* e = std::getenv("DECODELAB_MOE_VARIANT")) std::sscanf(e, "%d,%d", &v.first, &v.second);
     return v;
   }();
-  const kernels::L2PrefetchMode prefetch_l2 = kernels::L2Prefetch();
 
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res_buf[cur], T, d,
                                            static_cast<int>(c.vocab_size)}, s));
@@ -480,27 +478,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace = attn_ws.data();
     ap.workspace_bytes = attn_ws_bytes;
     ap.counters = attn_counters.as<uint32_t>();
-    // L2 prefetch hints (docs/kernels.md): attention is latency-bound, so o_proj's weights stream into
-    // L2 while it runs; o_proj then reads its own weights from L2, so HBM is free for the router's,
-    // the shared expert's and the next layer's q/k/v/g weights, which o_proj asks for in turn and
-    // which stream in during the norm and the router's selection.
-    if (prefetch_l2.o_proj) ap.prefetch.Add(L.o.data(), L.o.size());
     if (!Skips("attention")) {
       DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
     }
 
-    kernels::L2PrefetchList after_o;
-    if (prefetch_l2.next) {
-      if (L.sparse) {
-        for (const cuda::DeviceBuffer* b : {&L.router, &L.shared_gate, &L.shared_up, &L.shared_down}) {
-          after_o.Add(b->data(), b->size());
-        }
-      }
-      if (l + 1 < layers.size()) after_o.Add(layers[l + 1].qkvg.data(), layers[l + 1].qkvg.size());
-    }
     if (!Skips("o_proj")) {
-      DL_RETURN_IF_ERROR(
-          RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, {}, after_o));
+      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
     }
 
     kernels::FusedInputNorm norm2;
@@ -540,7 +523,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.counter = moe_counter.as<uint32_t>();
       mp.norm = norm2;
       mp.gate_up_variant = moe_variant.first, mp.down_variant = moe_variant.second;
-      mp.shared_first = moe_shared_first;
+      mp.down_loads_early = moe_down_early;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -713,12 +696,9 @@ nlohmann::json CudaRunner::Describe() const {
           {"fused_norm", kernels::FusedNormEnabled() && impl_->opt.skip_ops.empty()},
           {"fused_norm_before_attention", kernels::FusedNorm().before_attention && impl_->opt.skip_ops.empty()},
           {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
-          {"l2_prefetch", kernels::L2PrefetchEnabled()},
-          {"l2_prefetch_o_proj", kernels::L2Prefetch().o_proj},
-          {"l2_prefetch_next", kernels::L2Prefetch().next},
           {"skipped_ops", impl_->opt.skip_ops},
           {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"},
-          {"moe_shared_first", std::getenv("DECODELAB_MOE_SHARED_FIRST") ? std::getenv("DECODELAB_MOE_SHARED_FIRST") : "1"}};
+          {"moe_down_early", std::getenv("DECODELAB_MOE_DOWN_EARLY") ? std::getenv("DECODELAB_MOE_DOWN_EARLY") : "1"}};
 }
 
 #else  // no CUDA backend in this build

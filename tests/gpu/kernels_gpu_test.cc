@@ -458,31 +458,6 @@ TEST(GemvGpu, FusedInputNormMatchesSeparateKernels) {
   EXPECT_FALSE(Gemv(bad, nullptr).ok());
 }
 
-// L2 prefetch hints never change a result, whatever the ranges: a full list, a range whose length is
-// not a multiple of 16 (the tail is dropped), a range smaller than one 16 KB piece, and a range of
-// 0 bytes. Run under compute-sanitizer with the rest.
-TEST(GemvGpu, L2PrefetchHintsLeaveResultsUnchanged) {
-  SKIP_WITHOUT_GPU();
-  const int out = 2048, in = 8192;
-  auto w = RandomBf16(static_cast<size_t>(out) * in, 93, 0.05f), x = RandomBf16(in, 94);
-  auto d_w = Upload(w), d_x = Upload(x), d_other = Upload(RandomBf16(3 << 20, 95));
-  auto d_y0 = Alloc(out * 2), d_y1 = Alloc(out * 2);
-  GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y0.as<bf16>(), out, in, 1};
-  ASSERT_OK(Gemv(p, nullptr));
-  GemvParams hinted = p;
-  hinted.y = d_y1.as<bf16>();
-  EXPECT_TRUE(hinted.prefetch.Add(d_w.data(), d_w.size()));
-  EXPECT_TRUE(hinted.prefetch.Add(d_other.data(), d_other.size() - 7));
-  EXPECT_TRUE(hinted.prefetch.Add(d_x.data(), 48));
-  EXPECT_TRUE(hinted.prefetch.Add(d_x.data(), 0));
-  EXPECT_TRUE(hinted.prefetch.Add(d_other.data(), 16 << 10));
-  EXPECT_TRUE(hinted.prefetch.Add(d_w.data(), 1 << 20));
-  EXPECT_FALSE(hinted.prefetch.Add(d_w.data(), 16)) << "the list holds " << L2PrefetchList::kMaxRanges;
-  ASSERT_OK(Gemv(hinted, nullptr));
-  Sync();
-  EXPECT_EQ(Download<bf16>(d_y1, out), Download<bf16>(d_y0, out));
-}
-
 // ---------------------------------------------------------------------------------------------------
 struct MoeCase {
   int E, k, d, F, Fs;
@@ -670,7 +645,7 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
   }
 }
 
-// Every kernel-shape variant of the expert kernels (occupancy, loads in flight) gives the same bits.
+// Every kernel-shape variant of the expert kernels (occupancy, loads in flight), with the down kernel's weight loads before or after its wait: same bits.
 TEST(MoeGpu, KernelVariantsAreBitIdentical) {
   SKIP_WITHOUT_GPU();
   const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 3;
@@ -683,18 +658,17 @@ TEST(MoeGpu, KernelVariantsAreBitIdentical) {
   const auto y0 = Download<bf16>(d_y, static_cast<size_t>(T) * d);
   for (int g = 0; g < MoeGateUpVariants(); ++g) {
     for (int v = 0; v < MoeDownVariants(); ++v) {
-      MoeParams q = p;
-      q.gate_up_variant = g, q.down_variant = v;
-      ASSERT_OK(Moe(q, nullptr));
-      Sync();
-      EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0) << "gate/up " << g << " down " << v;
+      for (bool early : {true, false}) {
+        MoeParams q = p;
+        q.gate_up_variant = g, q.down_variant = v;
+        q.down_loads_early = early;
+        ASSERT_OK(Moe(q, nullptr));
+        Sync();
+        EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0)
+            << "gate/up " << g << " down " << v << " down loads early " << early;
+      }
     }
   }
-  MoeParams last = p;
-  last.shared_first = false;
-  ASSERT_OK(Moe(last, nullptr));
-  Sync();
-  EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0) << "shared expert's blocks last";
   MoeParams bad = p;
   bad.gate_up_variant = MoeGateUpVariants();
   EXPECT_FALSE(Moe(bad, nullptr).ok());

@@ -52,8 +52,6 @@ struct AttentionParams {
   // [T * K] arrival tickets of the split kernel (the last chunk block of a (token, KV head) merges
   // the chunks); zero before first use, the kernel leaves them zero. Not used by the fallback.
   uint32_t* counters = nullptr;
-  // Issued at kernel start, for later kernels (kernels/ops.h); the generic fallback ignores it.
-  L2PrefetchList prefetch;
 };
 
 // Chunks a query's keys can span: grid width of the split-KV kernel.

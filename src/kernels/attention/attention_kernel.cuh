@@ -177,7 +177,6 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
 template <int D, int G, int P, KvDtype KV, bool SLIDING>
 __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
   AllowDependents();
-  IssueL2Prefetch(a.prefetch);
   constexpr int C = kAttnChunk;  // keys per block: two threads per key in stage 1
   constexpr int kThreads = 256;
   constexpr int kWarps = kThreads / 32;

@@ -107,23 +107,6 @@ __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
   return __ldg(p);
 #endif
 }
-// Issues the list's L2 prefetches, spread over every thread of the grid (1-D blocks): thread g takes
-// the 128-byte lines g, g + threads, ... of each range (prefetch.global.L2: no registers, nothing to
-// wait for). Call before WaitForPrerequisites. Not Hopper's bulk prefetch: issued from a 10-block
-// kernel, 16 KB bulk pieces made the decode step 1.3 ms slower (the pieces queue per SM).
-__device__ __forceinline__ void IssueL2Prefetch(const L2PrefetchList& list) {
-  constexpr size_t kLine = 128;
-  const size_t blocks = static_cast<size_t>(gridDim.x) * gridDim.y * gridDim.z;
-  const size_t block = blockIdx.x + static_cast<size_t>(gridDim.x) * (blockIdx.y + static_cast<size_t>(gridDim.y) * blockIdx.z);
-  const size_t threads = blocks * blockDim.x, g = block * blockDim.x + threadIdx.x;
-  for (int r = 0; r < list.count; ++r) {
-    const char* base = static_cast<const char*>(list.ranges[r].ptr);
-    const size_t bytes = list.ranges[r].bytes & ~size_t{15};
-    for (size_t off = g * kLine; off < bytes; off += threads * kLine) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
-    }
-  }
-}
 // Warms L2 with a line the kernel will read after WaitForPrerequisites (weights only).
 __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

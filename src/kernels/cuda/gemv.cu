@@ -17,7 +17,6 @@ constexpr int kGemvTile = 8;  // tokens per pass over W
 template <int TT, int KS, bool kFusedNorm>
 __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int t0, int nt) {
   AllowDependents();
-  IssueL2Prefetch(a.prefetch);
   constexpr int U = TT == 1 ? 8 : 4;  // 8 x 16 B per lane in flight; a token tile needs registers for x
   constexpr int kRows = kGemvWarps / KS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

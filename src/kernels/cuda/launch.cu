@@ -1,4 +1,4 @@
-// The launch-mode switches shared by the decode kernel launchers and the engine.
+// The launch-mode switch shared by every decode kernel launcher.
 #include <cstdlib>
 #include <string_view>
 
@@ -22,7 +22,7 @@ bool DependentLaunchEnabled() {
 FusedNormMode FusedNorm() {
   static const FusedNormMode mode = [] {
     const char* v = std::getenv("DECODELAB_FUSED_NORM");
-    const std::string_view s = v ? v : "1";
+    const std::string_view s = v ? v : "router";
     FusedNormMode m;
     m.before_mlp = s != "0";
     m.before_attention = s != "0" && s != "router";
@@ -31,18 +31,5 @@ FusedNormMode FusedNorm() {
   return mode;
 }
 bool FusedNormEnabled() { return FusedNorm().before_attention || FusedNorm().before_mlp; }
-
-L2PrefetchMode L2Prefetch() {
-  static const L2PrefetchMode mode = [] {
-    const char* v = std::getenv("DECODELAB_L2_PREFETCH");
-    const std::string_view s = v ? v : "0";
-    L2PrefetchMode m;
-    m.o_proj = s == "o_proj" || s == "all";
-    m.next = s == "next" || s == "all";
-    return m;
-  }();
-  return mode;
-}
-bool L2PrefetchEnabled() { return L2Prefetch().any(); }
 
 }  // namespace dl::kernels

@@ -104,6 +104,10 @@ __device__ __forceinline__ void LaneDots(const bf16* const (&rows)[NR], const bf
   }
   if (!used) before_use();
 }
+// A pointer another kernel wrote, read from L2 (not L1, which is not coherent across kernels).
+__device__ __forceinline__ const bf16* LoadPointerFromL2(const bf16* const* p) {
+  return reinterpret_cast<const bf16*>(__ldcg(reinterpret_cast<const unsigned long long*>(p)));
+}
 struct NothingToWaitFor {
   __device__ void operator()() const {}
 };
@@ -233,16 +237,24 @@ constexpr MoeKernelShape kDownShapes[] = {{1, 2}, {3, 1}, {4, 1}};  // (3|4, 2) 
 // queueing behind routed blocks that hold every free slot while they wait.
 template <int kMinBlocks, int kU>
 __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(MoeParams a) {
-  AllowDependents();
+  // With down_loads_early a routed block lets the down kernel launch only after its own wait: the
+  // down kernel then reads the router's expert pointers before its wait, which is safe only once
+  // every routed block has seen the router complete.
+  const bool shared = blockIdx.y == 0;
+  if (shared || !a.down_loads_early) AllowDependents();
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int y = a.shared_first ? static_cast<int>(blockIdx.y) : (static_cast<int>(blockIdx.y) + 1) % (a.top_k + 1);
-  const bool shared = y == 0;
-  const int j = shared ? a.top_k : y - 1;
+  const int j = shared ? a.top_k : static_cast<int>(blockIdx.y) - 1;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int f = blockIdx.x * kMoeWarps + warp;
-  if (f >= F) return;
+  if (f >= F) {
+    if (!shared && a.down_loads_early) {  // the block's trigger must still follow the router
+      WaitForPrerequisites();
+      AllowDependents();
+    }
+    return;
+  }
   const bf16* x = a.x + static_cast<size_t>(t) * a.d;
   const bf16* xs[2] = {x, x};
   const int n8[2] = {a.d / 8, a.d / 8};
@@ -253,6 +265,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(Mo
     LaneDots<2, kU>(rows, xs, n8, lane, acc, WaitForEarlierKernels{});
   } else {
     WaitForPrerequisites();
+    if (a.down_loads_early) AllowDependents();
     const bf16* rows[2] = {ws.rows[j] + static_cast<size_t>(f) * a.d,
                            ws.rows[a.top_k + j] + static_cast<size_t>(f) * a.d};
     LaneDots<2, kU>(rows, xs, n8, lane, acc, NothingToWaitFor{});
@@ -283,10 +296,21 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
   const int i = blockIdx.x * rows_per_block + local_row;
   const bool live = local_row < rows_per_block && i < a.d;
   const bf16* shared_row = a.shared_down_w + static_cast<size_t>(live ? i : 0) * a.shared_ffn;
-  if (live && group == 0) {
-    for (int c = lane; c < a.shared_ffn / 8; c += 32) PrefetchL2(shared_row + 8 * c);
+  const bool early = a.down_loads_early;
+  if (!early) {
+    if (live && group == 0) {
+      for (int c = lane; c < a.shared_ffn / 8; c += 32) PrefetchL2(shared_row + 8 * c);
+    }
+    WaitForPrerequisites();
+  } else if (!live) {
+    WaitForPrerequisites();
   }
-  WaitForPrerequisites();
+  // early: the rows' first loads go out, then the wait (before h, written by gate/up, is read). The
+  // expert pointers come from the router, complete by now (see MoeGateUpKernel); __ldcg because the
+  // workspace is rewritten every layer and L1 is not coherent.
+  auto wait_if_early = [early] {
+    if (early) WaitForPrerequisites();
+  };
   __shared__ float s_routed[kMoeWarps][kDownGroup];
   __shared__ float s_shared[kMoeWarps];
   const bf16* h = reinterpret_cast<const bf16*>(ws.h);
@@ -298,7 +322,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const int j = j0 + r;
-      rows[r] = j < a.top_k ? ws.rows[2 * a.top_k + j] + static_cast<size_t>(i) * a.ffn : nullptr;
+      rows[r] = j < a.top_k ? LoadPointerFromL2(&ws.rows[2 * a.top_k + j]) + static_cast<size_t>(i) * a.ffn : nullptr;
       xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * ws.h_stride;
       n8[r] = a.ffn / 8;
     }
@@ -306,7 +330,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
     xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
     n8[kDownGroup] = a.shared_ffn / 8;
     float o[kDownGroup + 1];
-    LaneDots<kDownGroup + 1, kU>(rows, xs, n8, lane, o, NothingToWaitFor{});
+    LaneDots<kDownGroup + 1, kU>(rows, xs, n8, lane, o, wait_if_early);
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;

@@ -18,8 +18,6 @@ size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }
 bool FusedNormEnabled() { return false; }
-L2PrefetchMode L2Prefetch() { return {}; }
-bool L2PrefetchEnabled() { return false; }
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
 int MoeGateUpVariants() { return 1; }
 int MoeDownVariants() { return 1; }
