@@ -228,8 +228,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
 struct MoeKernelShape {
   int min_blocks, chunks;
 };
-constexpr MoeKernelShape kGateUpShapes[] = {{1, 8}, {3, 4}, {4, 4}, {4, 2}, {2, 8}};
-constexpr MoeKernelShape kDownShapes[] = {{1, 2}, {3, 1}, {4, 1}};  // (3|4, 2) spill 88-236 bytes
+// Measured in the decode step (XS.2, docs/performance.md session 4): gate/up {3, 4} with down {4, 1}
+// 2.91 ms; the first shapes, {1, 8} and {1, 2}, 3.09 ms. Down at 4 blocks per SM holds all 512 of
+// its blocks in one wave (64 registers); at 2 per SM (108 registers) it took two.
+constexpr MoeKernelShape kGateUpShapes[] = {{3, 4}, {1, 8}, {4, 4}, {4, 2}, {2, 8}};
+constexpr MoeKernelShape kDownShapes[] = {{4, 1}, {1, 2}, {3, 1}};  // (3|4, 2) spill 88-236 bytes
 
 // Grid (ceil(Fmax / 8), k + 1, T). blockIdx.y 0 is the shared expert (slot k of h), 1..k the routed
 // slots 0..k-1: blocks are scheduled in index order, so the shared expert's, which need not wait for
