@@ -17,6 +17,7 @@
 #include "cuda/bandwidth.h"
 #include "lab/lab_stats.h"
 #include "cuda/device.h"
+#include "kernels/timeline.h"
 #include "model/cuda_runner.h"
 #include "model/param_count.h"
 
@@ -213,6 +214,29 @@ int RunBench(const BenchFlags& f) {
               !describe.value("fused_norm", false) ? "separate norm kernels"
               : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
                                                                       : "norm folded into the router only");
+  if (kernels::TimelineBuilt() && !gpu.is_null()) {
+    // The runner restarts the recording before every decode step: what is left is the last one.
+    auto records = kernels::TimelineRead();
+    if (!records.ok()) return ReportError(records.status().WithContext("timeline"));
+    const auto spans = kernels::TimelineSpans(*records);
+    const auto rows = kernels::TimelineSummary(spans);
+    std::printf("  timeline of the last decode step (timeline build: the stamps cost time; compare the TPOT of "
+                "a normal build):\n%s  one layer's launches in order:\n%s",
+                kernels::FormatTimeline(rows, spans).c_str(), kernels::FormatLaunches(spans, 12).c_str());
+    nlohmann::json jrows = nlohmann::json::array(), jspans = nlohmann::json::array();
+    for (const auto& r : rows) {
+      jrows.push_back({{"kernel", r.name}, {"count", r.count}, {"exposed_us", r.exposed_us},
+                       {"total_exposed_us", r.total_exposed_us}, {"span_us", r.span_us}, {"lag_us", r.lag_us},
+                       {"release_us", r.release_us}, {"after_us", r.after_us}});
+    }
+    for (const auto& sp : spans) {
+      jspans.push_back({{"kernel", std::string(kernels::TimelineTagName(sp.tag))}, {"blocks", sp.blocks},
+                        {"first_start_ns", sp.first_start}, {"last_start_ns", sp.last_start},
+                        {"first_waited_ns", sp.first_waited}, {"last_waited_ns", sp.last_waited},
+                        {"last_end_ns", sp.last_end}, {"exposed_ns", sp.exposed}});
+    }
+    j["timeline"] = {{"summary", jrows}, {"launches", jspans}};
+  }
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
     out << j.dump(2) << "\n";

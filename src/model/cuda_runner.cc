@@ -17,6 +17,7 @@
 #include "kernels/attention/attention.h"
 #include "kernels/elementwise.h"
 #include "kernels/ops.h"
+#include "kernels/timeline.h"
 #endif
 
 namespace dl {
@@ -643,6 +644,11 @@ Status CudaRunner::Forward(const SequenceKv& seq, std::span<const int32_t> token
 Result<int32_t> CudaRunner::DecodeArgmax(const SequenceKv& seq, int32_t token) {
   DL_RETURN_IF_ERROR(impl_->StageInputs(seq, std::span<const int32_t>(&token, 1)));
   cudaStream_t s = impl_->stream.get();
+  if (kernels::TimelineBuilt()) {  // diagnostic builds: keep the stamps of the latest step only
+    static const Status enabled = kernels::TimelineEnable(size_t{1} << 21);
+    DL_RETURN_IF_ERROR(enabled);
+    DL_RETURN_IF_ERROR(kernels::TimelineReset(s));
+  }
   if (impl_->opt.use_graph) {
     if (!impl_->decode_graph.ready()) DL_RETURN_IF_ERROR(impl_->CaptureDecodeGraph());
     DL_RETURN_IF_ERROR(impl_->decode_graph.Launch(s));

@@ -176,6 +176,7 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
 
 template <int D, int G, int P, KvDtype KV, bool SLIDING>
 __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
+  DL_TIMELINE_SCOPE(kAttention);
   AllowDependents();
   constexpr int C = kAttnChunk;  // keys per block: two threads per key in stage 1
   constexpr int kThreads = 256;

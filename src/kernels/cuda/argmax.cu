@@ -39,6 +39,7 @@ __device__ __forceinline__ void BlockArgmax(float& v, int& i) {
 }
 
 __global__ void __launch_bounds__(kArgmaxThreads) ArgmaxKernel(ArgmaxParams a) {
+  DL_TIMELINE_SCOPE(kArgmax);
   AllowDependents();
   WaitForPrerequisites();
   float best = -INFINITY;

@@ -15,6 +15,7 @@
 #include "cuda/check.h"
 #include "kernels/common.h"
 #include "kernels/ops.h"
+#include "kernels/cuda/timeline.cuh"
 
 namespace dl::kernels::dev {
 
@@ -90,6 +91,7 @@ __device__ __forceinline__ void WaitForPrerequisites() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  DL_TIMELINE_WAITED();
 }
 // A 16-byte load of data read once per step (weights): read-only path, and marked first to leave L2
 // (evict_first policy), so streaming gigabytes of weights does not push out what is read again soon

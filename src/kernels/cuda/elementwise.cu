@@ -14,6 +14,7 @@ namespace {
 
 __global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32_t* __restrict__ ids,
                             __nv_bfloat16* __restrict__ out, int d, int vocab) {
+  DL_TIMELINE_SCOPE(kEmbed);
   dev::AllowDependents();
   dev::WaitForPrerequisites();
   const int t = blockIdx.x;
@@ -26,6 +27,7 @@ __global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32
 
 __global__ void SiluMulKernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
                               int ffn) {
+  DL_TIMELINE_SCOPE(kSiluMul);
   dev::AllowDependents();
   dev::WaitForPrerequisites();
   const int t = blockIdx.y;

@@ -16,6 +16,7 @@ constexpr int kGemvTile = 8;  // tokens per pass over W
 // dynamic shared memory holds the TT normalised input rows ([TT, in] BF16), computed by every block.
 template <int TT, int KS, bool kFusedNorm>
 __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int t0, int nt) {
+  DL_TIMELINE_SCOPE(kGemv);
   AllowDependents();
   constexpr int U = TT == 1 ? 8 : 4;  // 8 x 16 B per lane in flight; a token tile needs registers for x
   constexpr int kRows = kGemvWarps / KS;

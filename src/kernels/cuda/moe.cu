@@ -119,6 +119,7 @@ struct WaitForEarlierKernels {
 // computed by every block of the token after its router-row loads are issued; block (0, t) writes it
 // to x for the expert kernels, and the updated residual.
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeRouter);
   AllowDependents();
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);
@@ -240,6 +241,7 @@ constexpr MoeKernelShape kDownShapes[] = {{4, 1}, {1, 2}, {3, 1}};  // (3|4, 2) 
 // queueing behind routed blocks that hold every free slot while they wait.
 template <int kMinBlocks, int kU>
 __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
   // With down_loads_early a routed block lets the down kernel launch only after its own wait: the
   // down kernel then reads the router's expert pointers before its wait, which is safe only once
   // every routed block has seen the router complete.
@@ -289,6 +291,7 @@ __host__ __device__ inline int MoeDownWarpsPerRow(int top_k) { return (top_k + k
 
 template <int kMinBlocks, int kU>
 __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);

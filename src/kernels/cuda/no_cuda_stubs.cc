@@ -1,6 +1,7 @@
 // CPU-only builds: the launchers exist so callers link, and say plainly that there is no CUDA backend.
 #include "kernels/attention/attention.h"
 #include "kernels/ops.h"
+#include "kernels/timeline.h"
 
 namespace dl::kernels {
 namespace {
@@ -24,6 +25,11 @@ int MoeDownVariants() { return 1; }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
 Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
 Status FillRandomBf16(bf16*, size_t, uint64_t, float, Stream) { return NoCuda("fill_random_bf16"); }
+bool TimelineBuilt() { return false; }
+Status TimelineEnable(size_t) { return NoCuda("timeline"); }
+Status TimelineReset(Stream) { return NoCuda("timeline"); }
+Result<std::vector<TimelineRecord>> TimelineRead() { return NoCuda("timeline"); }
+bool RegisterTimelineInstaller(TimelineInstaller) { return false; }
 Status LaunchAttentionFallback(const AttentionParams&, Stream) {
   return NoCuda("attn_generic_fallback");
 }

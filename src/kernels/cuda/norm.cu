@@ -8,6 +8,7 @@ namespace dl::kernels {
 namespace dev {
 
 __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParams a) {
+  DL_TIMELINE_SCOPE(kAddRmsNorm);
   AllowDependents();
   WaitForPrerequisites();
   const size_t row = static_cast<size_t>(blockIdx.x) * a.n;

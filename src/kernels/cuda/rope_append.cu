@@ -12,6 +12,7 @@ constexpr int kRopeWarps = 4;
 constexpr int kRopeMaxDim = 256;
 
 __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNormRopeAppendParams a) {
+  DL_TIMELINE_SCOPE(kRopeAppend);
   AllowDependents();
   WaitForPrerequisites();
   __shared__ float s_x[kRopeWarps][kRopeMaxDim];
