@@ -102,10 +102,19 @@ struct GemvParams {
   int k_split = 0;
   // Set: x is computed from it (x itself is not read); token t's rows come from row t of residual.
   FusedInputNorm norm;
+  // > 0: the staged kernel (GemvStagedSupported): one block per SM owns consecutive rows and, before
+  // its PDL wait, copies the first stage_rows of them into shared memory and loads up to 4 more
+  // into registers, so the whole weight stream can overlap a latency-bound predecessor (attention
+  // before o_proj). Same bits as the plain kernel. Batch 1 only, no fused norm.
+  int stage_rows = 0;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
 int GemvKSplitFor(int out, int in);
+// Whether GemvParams::stage_rows applies to this shape at T = 1 (8 warps per row, 4 chunks of 16
+// bytes per lane: in = 8,192) and how many rows fit in one block's shared memory.
+bool GemvStagedSupported(int out, int in);
+int GemvMaxStageRows(int in);
 Status Gemv(const GemvParams& p, Stream stream);
 
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------

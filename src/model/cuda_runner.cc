@@ -397,6 +397,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
+  // Rows per block of the staged o_proj GEMV at batch 1 (DECODELAB_OPROJ_STAGE_ROWS; 0 = the plain
+  // GEMV). The default fills the shared memory GemvMaxStageRows leaves beside an attention block.
+  static const int oproj_stage_rows = [] {
+    const char* e = std::getenv("DECODELAB_OPROJ_STAGE_ROWS");
+    return e ? std::max(0, std::atoi(e)) : 12;
+  }();
   // Experiment: DECODELAB_MOE_DOWN_EARLY=0 makes the down kernel wait before its weight loads.
   static const bool moe_down_early = [] {
     const char* e = std::getenv("DECODELAB_MOE_DOWN_EARLY");
@@ -484,7 +490,16 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     }
 
     if (!Skips("o_proj")) {
-      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
+      if (T == 1 && oproj_stage_rows > 0 && kernels::GemvStagedSupported(d, H * D)) {
+        // Batch 1: o_proj's weights stream into shared memory while attention runs (GemvParams).
+        kernels::GemvParams p;
+        p.w = L.o.as<bf16>(), p.x = attn_out.as<bf16>(), p.y = delta.as<bf16>();
+        p.out = d, p.in = H * D, p.num_tokens = 1;
+        p.stage_rows = std::min(oproj_stage_rows, kernels::GemvMaxStageRows(H * D));
+        DL_RETURN_IF_ERROR(kernels::Gemv(p, s));
+      } else {
+        DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
+      }
     }
 
     kernels::FusedInputNorm norm2;
@@ -704,6 +719,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
           {"skipped_ops", impl_->opt.skip_ops},
           {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"},
+          {"oproj_stage_rows", std::getenv("DECODELAB_OPROJ_STAGE_ROWS") ? std::getenv("DECODELAB_OPROJ_STAGE_ROWS") : "12"},
           {"moe_down_early", std::getenv("DECODELAB_MOE_DOWN_EARLY") ? std::getenv("DECODELAB_MOE_DOWN_EARLY") : "1"}};
 }
 

@@ -411,6 +411,37 @@ TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   }
 }
 
+// The staged GEMV (weights copied into shared memory before the PDL wait) gives the plain kernel's
+// bits: o_proj's shape with no, few and the most staged rows, a shape whose blocks are not all full,
+// and one with more rows per block than one register round holds (the after-wait rounds).
+TEST(GemvGpu, StagedMatchesPlainBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const int in = 8192;
+  ASSERT_TRUE(GemvStagedSupported(2048, in));
+  EXPECT_FALSE(GemvStagedSupported(2048, 2048));
+  ASSERT_GE(GemvMaxStageRows(in), 8);
+  for (auto [out, stage] : {std::pair{2048, 1}, std::pair{2048, 8}, std::pair{2048, GemvMaxStageRows(in)},
+                            std::pair{300, 2}, std::pair{8000, 5}}) {
+    SCOPED_TRACE(testing::Message() << out << "x" << in << " stage_rows " << stage);
+    auto d_w = Upload(RandomBf16(static_cast<size_t>(out) * in, 97, 0.05f)), d_x = Upload(RandomBf16(in, 98));
+    auto d_y0 = Alloc(out * 2), d_y1 = Alloc(out * 2);
+    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y0.as<bf16>(), out, in, 1};
+    ASSERT_OK(Gemv(p, nullptr));
+    GemvParams staged = p;
+    staged.y = d_y1.as<bf16>();
+    staged.stage_rows = stage;
+    ASSERT_OK(Gemv(staged, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y1, out), Download<bf16>(d_y0, out));
+    GemvParams two = staged;
+    two.num_tokens = 2;
+    EXPECT_FALSE(Gemv(two, nullptr).ok()) << "staging is batch 1 only";
+    GemvParams too_many = staged;
+    too_many.stage_rows = GemvMaxStageRows(in) + 1;
+    EXPECT_FALSE(Gemv(too_many, nullptr).ok());
+  }
+}
+
 // A norm folded into the GEMV (FusedInputNorm) gives the bits of AddRmsNorm followed by the GEMV: y,
 // the updated residual (written to the other buffer) and u; with 1 and 11 tokens (11 = two tiles),
 // with and without delta, and with the widest row the norm takes.

@@ -41,16 +41,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   };
   // The first batch of weights depends on nothing: it is in flight before x is ready.
   load(lo + lane);
+  const FusedInputNorm& nm = a.norm;
+  constexpr bool fused = kFusedNorm;
+  NormWeights norm_weight;
+  if constexpr (fused) norm_weight = LoadNormWeights(nm.weight, a.in);
   WaitForPrerequisites();
   // x rows: given, or (fused norm) computed here while those loads are in flight.
   extern __shared__ uint4 s_x[];
-  const FusedInputNorm& nm = a.norm;
-  constexpr bool fused = kFusedNorm;
   if constexpr (fused) {
     const bool writer = blockIdx.x == 0;
     for (int t = 0; t < nt; ++t) {
       const size_t r = static_cast<size_t>(t0 + t) * a.in;
-      BlockAddRmsNorm<true>(nm.residual + r, nm.delta ? nm.delta + r : nullptr, nm.weight, a.in, nm.eps,
+      BlockAddRmsNorm<true>(nm.residual + r, nm.delta ? nm.delta + r : nullptr, norm_weight, a.in, nm.eps,
                       writer && nm.residual_out ? nm.residual_out + r : nullptr,
                       writer && nm.u_out ? nm.u_out + r : nullptr, reinterpret_cast<uint16_t*>(s_x + t * n8));
     }
@@ -102,6 +104,98 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   }
 }
 
+// ---- Staged GEMV (GemvParams::stage_rows): batch 1, 8 warps per row (warp w = slice w), kStagedCpl
+// chunks of 16 bytes per lane per slice. Grid ceil(out / rows_per_block) <= SMs, one block per SM.
+// Block b owns rows [b * rpb, b * rpb + rows): the first `stage` are copied into shared memory
+// ([stage, in] BF16, cp.async) and the next kStagedRemain into registers, all before the wait;
+// rows beyond those (only when out is too large for one pass) are loaded after it. Per row and
+// slice, the FMAs, the warp sum and the slice sum run in the plain kernel's order: the same bits.
+constexpr int kStagedCpl = 4;
+constexpr int kStagedRemain = 4;
+constexpr int kStagedMaxRows = 64;
+constexpr int kStagedIn = kGemvWarps * 32 * kStagedCpl * 8;  // 8,192
+
+__global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParams a, int rpb, int stage) {
+  DL_TIMELINE_SCOPE(kGemv);
+  AllowDependents();
+  extern __shared__ uint4 s_w[];  // [stage][n8]
+  __shared__ float s_part[kGemvWarps][kStagedMaxRows];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n8 = a.in / 8;
+  const int r0 = blockIdx.x * rpb;
+  const int rows = max(0, min(rpb, a.out - r0));
+  const int staged = min(stage, rows);
+  const uint4* w = reinterpret_cast<const uint4*>(a.w) + static_cast<size_t>(r0) * n8;
+  {  // the staged rows are one contiguous region of W
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(s_w));
+    for (int k = threadIdx.x; k < staged * n8; k += kGemvWarps * 32) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * k), "l"(w + k));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  const int lo = warp * (n8 / kGemvWarps) + lane;  // this lane's chunks: lo + 32 j
+  uint4 rv[kStagedRemain][kStagedCpl];
+  auto load_round = [&](int i0) {  // rows i0 .. i0 + kStagedRemain - 1 (those below `rows`)
+#pragma unroll
+    for (int r = 0; r < kStagedRemain; ++r)
+#pragma unroll
+      for (int j = 0; j < kStagedCpl; ++j)
+        if (i0 + r < rows) rv[r][j] = __ldg(w + static_cast<size_t>(i0 + r) * n8 + lo + 32 * j);
+  };
+  load_round(staged);
+  WaitForPrerequisites();
+  float xf[kStagedCpl][8];
+#pragma unroll
+  for (int j = 0; j < kStagedCpl; ++j) Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x)[lo + 32 * j], xf[j]);
+  auto dot = [&](const uint4 (&wv)[kStagedCpl]) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kStagedCpl; ++j) {
+      float wf[8];
+      Bf16x8ToFloat(wv[j], wf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[j][e], acc);
+    }
+    return WarpSum(acc);
+  };
+  for (int i0 = staged; i0 < rows; i0 += kStagedRemain) {  // register rows first: already here
+    if (i0 != staged) load_round(i0);
+#pragma unroll
+    for (int r = 0; r < kStagedRemain; ++r) {
+      if (i0 + r >= rows) break;
+      const float v = dot(rv[r]);
+      if (lane == 0) s_part[warp][i0 + r] = v;
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();
+  for (int i = 0; i < staged; ++i) {
+    uint4 wv[kStagedCpl];
+#pragma unroll
+    for (int j = 0; j < kStagedCpl; ++j) wv[j] = s_w[static_cast<size_t>(i) * n8 + lo + 32 * j];
+    const float v = dot(wv);
+    if (lane == 0) s_part[warp][i] = v;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows; i += kGemvWarps * 32) {
+    float sum = s_part[0][i];
+#pragma unroll
+    for (int k = 1; k < kGemvWarps; ++k) sum += s_part[k][i];
+    a.y[r0 + i] = FloatToBf16Bits(sum);
+  }
+}
+
+int StagedGrid(int out, int* rows_per_block) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
+    return n;
+  }();
+  const int rpb = (out + sms - 1) / sms;
+  *rows_per_block = rpb;
+  return (out + rpb - 1) / rpb;
+}
+
 template <int TT>
 void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
   auto grid = [&](int k) { return dim3((p.out + kGemvWarps / k - 1) / (kGemvWarps / k)); };
@@ -146,6 +240,29 @@ Status Gemv(const GemvParams& params, Stream stream) {
     return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide in / 8 = {}", ks, p.in / 8);
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (p.stage_rows > 0) {
+    if (p.num_tokens != 1 || p.norm.residual || !GemvStagedSupported(p.out, p.in) || p.x_stride != p.in ||
+        p.y_stride != p.out || ks != dev::kGemvWarps) {
+      return InvalidArgument("gemv: stage_rows needs one token, no fused norm, dense rows, k_split 8 and a "
+                             "supported shape (in = {}); got [{} x {}] x {} tokens, k_split {}",
+                             dev::kStagedIn, p.out, p.in, p.num_tokens, ks);
+    }
+    if (p.stage_rows > GemvMaxStageRows(p.in)) {
+      return InvalidArgument("gemv: stage_rows {} exceeds one block's shared memory ({} rows of {})", p.stage_rows,
+                             GemvMaxStageRows(p.in), p.in);
+    }
+    int rpb = 0;
+    const int grid = dev::StagedGrid(p.out, &rpb);
+    if (rpb > dev::kStagedMaxRows) {
+      return InvalidArgument("gemv: stage_rows: {} rows need {} per block (at most {})", p.out, rpb,
+                             dev::kStagedMaxRows);
+    }
+    const int stage = std::min(p.stage_rows, rpb);
+    const size_t smem = static_cast<size_t>(stage) * p.in * sizeof(uint16_t);
+    dev::LaunchDependentSmem(dev::GemvStagedKernel, dim3(grid), dim3(dev::kGemvWarps * 32), smem, s, p, rpb, stage);
+    DL_KERNEL_LAUNCH_CHECK("gemv_staged");
+    return Status::Ok();
+  }
   if (p.num_tokens == 1) {
     dev::LaunchGemv<1>(p, ks, 0, 1, s);
   } else {
@@ -156,6 +273,17 @@ Status Gemv(const GemvParams& params, Stream stream) {
   }
   DL_KERNEL_LAUNCH_CHECK("gemv");
   return Status::Ok();
+}
+
+bool GemvStagedSupported(int out, int in) {
+  return out >= 1 && in == dev::kStagedIn && GemvKSplitFor(out, in) == dev::kGemvWarps;
+}
+
+int GemvMaxStageRows(int in) {
+  // 227 KB of shared memory per block on sm_90, less the kernel's own 2 KB and room for a block of
+  // the attention kernel beside it on the same SM (its 24 KB with an FP8 cache).
+  constexpr int kBudget = (227 - 2 - 25) * 1024;
+  return in > 0 ? std::min(dev::kStagedMaxRows, kBudget / (in * 2)) : 0;
 }
 
 }  // namespace dl::kernels

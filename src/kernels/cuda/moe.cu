@@ -130,10 +130,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   const bool fused = nm.residual != nullptr;
   const size_t row = static_cast<size_t>(t) * a.d;
   auto wait_then_norm = [&] {
+    NormWeights weight;
+    if (fused) weight = LoadNormWeights(nm.weight, a.d);
     WaitForPrerequisites();
     if (fused) {
       const bool writer = blockIdx.x == 0;
-      BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, nm.weight, a.d, nm.eps,
+      BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, a.d, nm.eps,
                       writer && nm.residual_out ? nm.residual_out + row : nullptr, writer ? nm.u_out + row : nullptr,
                       reinterpret_cast<uint16_t*>(s_u));
     }
@@ -191,14 +193,22 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     }
   }
   __syncthreads();
+  // Second round: four consecutive threads share a candidate, each counting the candidates ahead of
+  // it in one quarter of the list; two shuffles add the quarters (a count: the order is irrelevant).
   const int cands = chunks * k;  // <= 32 * 32
-  for (int q = threadIdx.x; q < cands; q += blockDim.x) {
-    const int id = s_cand_id[q];
-    if (id < 0) continue;
-    const float b = s_cand_b[q];
+  const int quarter = (cands + 3) / 4;
+  for (int q0 = 0; q0 < cands; q0 += kMoeWarps * 32 / 4) {  // same trip count in every lane
+    const int q = q0 + static_cast<int>(threadIdx.x >> 2), part = threadIdx.x & 3;
+    const int id = q < cands ? s_cand_id[q] : -1;
+    const float b = q < cands ? s_cand_b[q] : 0.0f;
     int rank = 0;
-    for (int o = 0; o < cands; ++o) rank += s_cand_id[o] >= 0 && ahead(s_cand_b[o], s_cand_id[o], b, id);
-    if (rank < k) s_sel[rank] = id;
+    if (id >= 0) {
+      const int o_end = min(cands, (part + 1) * quarter);
+      for (int o = part * quarter; o < o_end; ++o) rank += s_cand_id[o] >= 0 && ahead(s_cand_b[o], s_cand_id[o], b, id);
+    }
+    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+    rank += __shfl_xor_sync(0xffffffffu, rank, 2);
+    if (id >= 0 && part == 0 && rank < k) s_sel[rank] = id;
   }
   __syncthreads();
   // The experts' base pointers, resolved here once so the expert kernels start with one dependent
@@ -209,17 +219,18 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     ws.rows[a.top_k + threadIdx.x] = a.up_w[e];
     ws.rows[2 * a.top_k + threadIdx.x] = a.down_w[e];
   }
-  if (threadIdx.x == 0) {
+  // Weights: each of the first k threads adds the k scores in slot order (the reference's sum, the
+  // same in every thread) and divides its own.
+  if (threadIdx.x < a.top_k) {
     float sum = 0.0f;
     for (int j = 0; j < a.top_k; ++j) sum += s_score[s_sel[j]];
-    for (int j = 0; j < a.top_k; ++j) {
-      const float w = RoundBf16(s_score[s_sel[j]] / sum);
-      ws.weights[j] = w;
-      if (a.topk_ids) a.topk_ids[t * a.top_k + j] = s_sel[j];
-      if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
-    }
-    a.counter[t] = 0u;
+    const int j = threadIdx.x;
+    const float w = RoundBf16(s_score[s_sel[j]] / sum);
+    ws.weights[j] = w;
+    if (a.topk_ids) a.topk_ids[t * a.top_k + j] = s_sel[j];
+    if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
   }
+  if (threadIdx.x == 0) a.counter[t] = 0u;
 }
 
 // Kernel-shape variants of the two expert kernels (MoeParams::gate_up_variant / down_variant), for

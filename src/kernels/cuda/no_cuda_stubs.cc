@@ -15,6 +15,8 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
   return NoCuda("qknorm_rope_append");
 }
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
+bool GemvStagedSupported(int, int) { return false; }
+int GemvMaxStageRows(int) { return 0; }
 size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }

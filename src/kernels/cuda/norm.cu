@@ -10,10 +10,11 @@ namespace dev {
 __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParams a) {
   DL_TIMELINE_SCOPE(kAddRmsNorm);
   AllowDependents();
+  const NormWeights weight = LoadNormWeights(a.weight, a.n);
   WaitForPrerequisites();
   const size_t row = static_cast<size_t>(blockIdx.x) * a.n;
   const bf16* delta = a.delta ? a.delta + row : nullptr;
-  BlockAddRmsNorm(a.residual + row, delta, a.weight, a.n, a.eps, delta ? a.residual + row : nullptr, a.out + row,
+  BlockAddRmsNorm(a.residual + row, delta, weight, a.n, a.eps, delta ? a.residual + row : nullptr, a.out + row,
                   nullptr);
 }
 
