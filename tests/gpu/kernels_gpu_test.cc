@@ -419,9 +419,10 @@ TEST(GemvGpu, StagedMatchesPlainBitForBit) {
   const int in = 8192;
   ASSERT_TRUE(GemvStagedSupported(2048, in));
   EXPECT_FALSE(GemvStagedSupported(2048, 2048));
+  EXPECT_FALSE(GemvStagedSupported(8000, 8192)) << "4 warps per row there: other bits";
   ASSERT_GE(GemvMaxStageRows(in), 8);
   for (auto [out, stage] : {std::pair{2048, 1}, std::pair{2048, 8}, std::pair{2048, GemvMaxStageRows(in)},
-                            std::pair{300, 2}, std::pair{8000, 5}}) {
+                            std::pair{300, 2}, std::pair{4000, 5}}) {
     SCOPED_TRACE(testing::Message() << out << "x" << in << " stage_rows " << stage);
     auto d_w = Upload(RandomBf16(static_cast<size_t>(out) * in, 97, 0.05f)), d_x = Upload(RandomBf16(in, 98));
     auto d_y0 = Alloc(out * 2), d_y1 = Alloc(out * 2);

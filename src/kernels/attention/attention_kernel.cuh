@@ -401,6 +401,18 @@ Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   if (p.softmax_scale <= 0.0f) p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   const int num_chunks = AttentionMaxChunks(p);
   dim3 grid(num_chunks, p.num_kv_heads, p.num_tokens);
+  // The SMs attention runs on keep the largest shared-memory carveout, so the next kernel's blocks
+  // (the staged o_proj GEMV: ~195 KB each) can become resident beside it and stream their weights
+  // while it runs; an SM can change its carveout only when idle.
+  static const bool carveout = [] {  // a hint: a failure leaves the default, never a wrong result
+    if (cudaFuncSetAttribute(dev::SplitAttentionKernel<D, G, P, KV, SLIDING>,
+                             cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+      (void)cudaGetLastError();  // not for the launch check below
+      return false;
+    }
+    return true;
+  }();
+  (void)carveout;
   dev::LaunchDependent(dev::SplitAttentionKernel<D, G, P, KV, SLIDING>, grid, dim3(256),
                        reinterpret_cast<cudaStream_t>(stream), p, num_chunks);
   DL_KERNEL_LAUNCH_CHECK(CanonicalName(PresetKeyOf(p)));

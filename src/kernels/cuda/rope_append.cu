@@ -14,50 +14,25 @@ constexpr int kRopeMaxDim = 256;
 __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNormRopeAppendParams a) {
   DL_TIMELINE_SCOPE(kRopeAppend);
   AllowDependents();
-  constexpr int kPerLane = kRopeMaxDim / 32;  // dims e = lane + 32 i
+  // Everything after the wait, including the constant loads and cos/sin: loading them before it was
+  // measured slower (rope 4.8 -> 9.2 us exposed per layer), because then they queue behind the
+  // q/k/v/g GEMV's weight stream (docs/performance.md, session 4).
+  WaitForPrerequisites();
   __shared__ float s_x[kRopeWarps][kRopeMaxDim];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int head = blockIdx.x * kRopeWarps + warp;
   const int t = blockIdx.y;
   const int H = a.num_q_heads, K = a.num_kv_heads, D = a.head_dim;
-  if (head >= H + 2 * K) return;  // warp-uniform; no block-wide barrier below; reads and writes nothing
-  const int kind = head < H ? 0 : (head < H + K ? 1 : 2);  // q, k, v
-  // Before the wait, everything that does not depend on this step's kernels (positions and block
-  // tables are staged by the host; norm weights and inv_freq are constant): the norm weights, the
-  // RoPE cos/sin of each of this lane's dims, and the cache slot. Only q/k/v are read after it.
+  if (head >= H + 2 * K) return;  // warp-uniform; no block-wide barrier below
   const int pos = a.positions ? a.positions[t] : a.first_position + t;
-  const int R = a.rotary_dim, half = a.rotary_dim / 2;
-  float w[kPerLane], cs[kPerLane], sn[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    w[i] = cs[i] = sn[i] = 0.0f;
-    if (e >= D || kind == 2) continue;
-    w[i] = Bf16BitsToFloat((kind == 0 ? a.q_norm_weight : a.k_norm_weight)[e]);
-    if (e < R) {
-      const int j = e < half ? e : e - half;
-      const float ang = static_cast<float>(pos) * a.inv_freq[j];
-      cs[i] = RoundBf16(cosf(ang) * a.attention_factor);
-      sn[i] = RoundBf16(sinf(ang) * a.attention_factor);
-    }
-  }
-  size_t slot = 0;  // element index of (pos, kv head, dim 0) in the paged cache
-  if (kind != 0) {
-    const int kvh = kind == 1 ? head - H : head - H - K;
-    const int page = a.block_table[pos / a.page_size];
-    slot = ((static_cast<size_t>(page) * a.page_size + pos % a.page_size) * K + kvh) * D;
-  }
-  WaitForPrerequisites();
+  const int kind = head < H ? 0 : (head < H + K ? 1 : 2);  // q, k, v
   const size_t tok = static_cast<size_t>(t) * a.qkv_stride;
   const bf16* src = kind == 0   ? a.q + tok + static_cast<size_t>(head) * D
                     : kind == 1 ? a.k + tok + static_cast<size_t>(head - H) * D
                                 : a.v + tok + static_cast<size_t>(head - H - K) * D;
   float* x = s_x[warp];
   float ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    if (e >= D) break;
+  for (int e = lane; e < D; e += 32) {
     const float v = Bf16BitsToFloat(src[e]);
     x[e] = v;
     ss = fmaf(v, v, ss);
@@ -65,32 +40,34 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
   if (kind != 2) {
     ss = WarpSum(ss);
     const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= D) break;
-      x[e] = RoundBf16(RoundBf16(x[e] * inv) * w[i]);
-    }
+    const bf16* w = kind == 0 ? a.q_norm_weight : a.k_norm_weight;
+    for (int e = lane; e < D; e += 32) x[e] = RoundBf16(RoundBf16(x[e] * inv) * Bf16BitsToFloat(w[e]));
     __syncwarp();
   }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    if (e >= D) break;
+  const int R = a.rotary_dim, half = a.rotary_dim / 2;
+  for (int e = lane; e < D; e += 32) {
     float y = x[e];
     if (kind != 2 && e < R) {
-      y = e < half ? RoundBf16(RoundBf16(y * cs[i]) - RoundBf16(x[e + half] * sn[i]))
-                   : RoundBf16(RoundBf16(y * cs[i]) + RoundBf16(x[e - half] * sn[i]));
+      const int j = e < half ? e : e - half;
+      const float ang = static_cast<float>(pos) * a.inv_freq[j];
+      const float c = RoundBf16(cosf(ang) * a.attention_factor);
+      const float s = RoundBf16(sinf(ang) * a.attention_factor);
+      y = e < half ? RoundBf16(RoundBf16(y * c) - RoundBf16(x[e + half] * s))
+                   : RoundBf16(RoundBf16(y * c) + RoundBf16(x[e - half] * s));
     }
     if (kind == 0) {
       a.q_out[(static_cast<size_t>(t) * H + head) * D + e] = FloatToBf16Bits(y);
     } else {
+      const int kvh = kind == 1 ? head - H : head - H - K;
+      const int page = a.block_table[pos / a.page_size];
+      const size_t idx =
+          ((static_cast<size_t>(page) * a.page_size + pos % a.page_size) * K + kvh) * D + e;
       void* pool = kind == 1 ? a.k_pool : a.v_pool;
       if (a.kv_dtype == KvDtype::kFp8) {
         const float scale = kind == 1 ? a.k_scale : a.v_scale;
-        static_cast<uint8_t*>(pool)[slot + e] = FloatToFp8(y / scale);
+        static_cast<uint8_t*>(pool)[idx] = FloatToFp8(y / scale);
       } else {
-        static_cast<uint16_t*>(pool)[slot + e] = FloatToBf16Bits(y);
+        static_cast<uint16_t*>(pool)[idx] = FloatToBf16Bits(y);
       }
     }
   }
