@@ -397,11 +397,14 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
-  // Rows per block of the staged o_proj GEMV at batch 1 (DECODELAB_OPROJ_STAGE_ROWS; 0 = the plain
-  // GEMV). The default fills the shared memory GemvMaxStageRows leaves beside an attention block.
+  // Experiment: rows per block of the staged o_proj GEMV at batch 1 (DECODELAB_OPROJ_STAGE_ROWS, e.g.
+  // 12; 0, the default, = the plain GEMV). Measured equal within noise (2.863 against 2.868 ms): o_proj
+  // exposes 3 us less per layer, but its weight stream slows the RoPE kernel running beside it, and
+  // beside an attention block (128 registers x 256 threads) it fills the register file, so some of
+  // its blocks start only after attention (docs/performance.md, session 4).
   static const int oproj_stage_rows = [] {
     const char* e = std::getenv("DECODELAB_OPROJ_STAGE_ROWS");
-    return e ? std::max(0, std::atoi(e)) : 12;
+    return e ? std::max(0, std::atoi(e)) : 0;
   }();
   // Experiment: DECODELAB_MOE_DOWN_EARLY=0 makes the down kernel wait before its weight loads.
   static const bool moe_down_early = [] {
@@ -719,7 +722,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
           {"skipped_ops", impl_->opt.skip_ops},
           {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"},
-          {"oproj_stage_rows", std::getenv("DECODELAB_OPROJ_STAGE_ROWS") ? std::getenv("DECODELAB_OPROJ_STAGE_ROWS") : "12"},
+          {"oproj_stage_rows", std::getenv("DECODELAB_OPROJ_STAGE_ROWS") ? std::getenv("DECODELAB_OPROJ_STAGE_ROWS") : "0"},
           {"moe_down_early", std::getenv("DECODELAB_MOE_DOWN_EARLY") ? std::getenv("DECODELAB_MOE_DOWN_EARLY") : "1"}};
 }
 

@@ -46,6 +46,9 @@ grep -E "tests passed|Failed" "$OUT/all_tests.log" | head -10
 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/cuda_runner_test \
   --gtest_filter='*TeacherForced*:*Topology*:*MissingPreset*' > "$OUT/memcheck_runner.log" 2>&1
 R[memcheck_runner]=$?; tail -3 "$OUT/memcheck_runner.log"
+timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_gpu_test \
+  --gtest_filter='GemvGpu*:MoeGpu*:AddRmsNormGpu*:QkNormRopeAppendGpu*' > "$OUT/memcheck_kernels.log" 2>&1
+R[memcheck_kernels]=$?; tail -2 "$OUT/memcheck_kernels.log"
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$ngpu" -ge 2 ]; then
   timeout 120 $B probe --ranks 2 --transport nccl --bytes 4096 --iters 200 --log-dir "$OUT/probe" \
