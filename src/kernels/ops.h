@@ -190,6 +190,14 @@ struct FusedNormMode {
 };
 FusedNormMode FusedNorm();
 bool FusedNormEnabled();  // any
+// Kernel-shape experiments the engine applies to every layer, read once from the environment
+// (docs/kernels.md; measured in docs/performance.md, session 4). Reported by bench.
+struct DecodeExperiments {
+  int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
+  bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
+  int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
+};
+const DecodeExperiments& Experiments();
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------
 // dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,

@@ -4,8 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -75,6 +73,10 @@ struct CudaRunner::Impl {
   // Timing experiments (CudaRunnerOptions::skip_ops): whether op family `op` is left out.
   bool Skips(std::string_view op) const {
     return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
+  }
+  // The norm folding in effect: none while ops are skipped (each skip must leave its own kernels out).
+  kernels::FusedNormMode FusedNorm() const {
+    return opt.skip_ops.empty() ? kernels::FusedNorm() : kernels::FusedNormMode{};
   }
   Status Init(const Checkpoint& ck);
   Status StageInputs(const SequenceKv& seq, std::span<const int32_t> tokens);
@@ -169,9 +171,10 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
 Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
-              const kernels::FusedInputNorm& norm = {}) {
+              const kernels::FusedInputNorm& norm = {}, int stage_rows = 0) {
   kernels::GemvParams p;
   p.norm = norm;
+  p.stage_rows = stage_rows;
   p.w = w;
   p.x = x;
   p.y = y;
@@ -373,7 +376,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   // separate AddRmsNorm kernel (fusion off, timing experiments, the final norm) updates it in place.
   bf16* res_buf[2] = {residual.as<bf16>(), residual_alt.as<bf16>()};
   int cur = 0;
-  const kernels::FusedNormMode fuse = opt.skip_ops.empty() ? kernels::FusedNorm() : kernels::FusedNormMode{};
+  const kernels::FusedNormMode fuse = FusedNorm();
+  const kernels::DecodeExperiments& exp = kernels::Experiments();
   auto fused_norm = [&](const bf16* delta_in, const cuda::DeviceBuffer& weight, bf16* u_out) {
     kernels::FusedInputNorm n;
     n.residual = res_buf[cur];
@@ -397,27 +401,6 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
-  // Experiment: rows per block of the staged o_proj GEMV at batch 1 (DECODELAB_OPROJ_STAGE_ROWS, e.g.
-  // 12; 0, the default, = the plain GEMV). Measured equal within noise (2.863 against 2.868 ms): o_proj
-  // exposes 3 us less per layer, but its weight stream slows the RoPE kernel running beside it, and
-  // beside an attention block (128 registers x 256 threads) it fills the register file, so some of
-  // its blocks start only after attention (docs/performance.md, session 4).
-  static const int oproj_stage_rows = [] {
-    const char* e = std::getenv("DECODELAB_OPROJ_STAGE_ROWS");
-    return e ? std::max(0, std::atoi(e)) : 0;
-  }();
-  // Experiment: DECODELAB_MOE_DOWN_EARLY=0 makes the down kernel wait before its weight loads.
-  static const bool moe_down_early = [] {
-    const char* e = std::getenv("DECODELAB_MOE_DOWN_EARLY");
-    return !(e && std::string_view(e) == "0");
-  }();
-  // Experiment: DECODELAB_MOE_VARIANT="gate_up,down" picks the expert kernels' shape (kernels/ops.h).
-  static const std::pair<int, int> moe_variant = [] {
-    std::pair<int, int> v{0, 0};
-    if (const char* e = std::getenv("DECODELAB_MOE_VARIANT")) std::sscanf(e, "%d,%d", &v.first, &v.second);
-    return v;
-  }();
-
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res_buf[cur], T, d,
                                            static_cast<int>(c.vocab_size)}, s));
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -493,16 +476,12 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     }
 
     if (!Skips("o_proj")) {
-      if (T == 1 && oproj_stage_rows > 0 && kernels::GemvStagedSupported(d, H * D)) {
-        // Batch 1: o_proj's weights stream into shared memory while attention runs (GemvParams).
-        kernels::GemvParams p;
-        p.w = L.o.as<bf16>(), p.x = attn_out.as<bf16>(), p.y = delta.as<bf16>();
-        p.out = d, p.in = H * D, p.num_tokens = 1;
-        p.stage_rows = std::min(oproj_stage_rows, kernels::GemvMaxStageRows(H * D));
-        DL_RETURN_IF_ERROR(kernels::Gemv(p, s));
-      } else {
-        DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s));
-      }
+      // Batch 1 may stage o_proj's weights into shared memory while attention runs (GemvParams);
+      // off by default: equal within noise (docs/performance.md, session 4).
+      const int stage = T == 1 && kernels::GemvStagedSupported(d, H * D)
+                            ? std::min(exp.oproj_stage_rows, kernels::GemvMaxStageRows(H * D))
+                            : 0;
+      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, {}, stage));
     }
 
     kernels::FusedInputNorm norm2;
@@ -541,8 +520,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.workspace = moe_ws.data();
       mp.counter = moe_counter.as<uint32_t>();
       mp.norm = norm2;
-      mp.gate_up_variant = moe_variant.first, mp.down_variant = moe_variant.second;
-      mp.down_loads_early = moe_down_early;
+      mp.gate_up_variant = exp.moe_gate_up_variant, mp.down_variant = exp.moe_down_variant;
+      mp.down_loads_early = exp.moe_down_loads_early;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -702,6 +681,8 @@ nlohmann::json CudaRunner::Describe() const {
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
   const int nodes = impl_->kernel_nodes;
+  const kernels::FusedNormMode fused = impl_->FusedNorm();
+  const kernels::DecodeExperiments& exp = kernels::Experiments();
   return {{"backend", "cuda"},
           {"device", impl_->device_name},
           {"kernel_presets", unique},
@@ -717,13 +698,13 @@ nlohmann::json CudaRunner::Describe() const {
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
-          {"fused_norm", kernels::FusedNormEnabled() && impl_->opt.skip_ops.empty()},
-          {"fused_norm_before_attention", kernels::FusedNorm().before_attention && impl_->opt.skip_ops.empty()},
-          {"fused_norm_before_mlp", kernels::FusedNorm().before_mlp && impl_->opt.skip_ops.empty()},
+          {"fused_norm", fused.before_attention || fused.before_mlp},
+          {"fused_norm_before_attention", fused.before_attention},
+          {"fused_norm_before_mlp", fused.before_mlp},
           {"skipped_ops", impl_->opt.skip_ops},
-          {"moe_variant", std::getenv("DECODELAB_MOE_VARIANT") ? std::getenv("DECODELAB_MOE_VARIANT") : "0,0"},
-          {"oproj_stage_rows", std::getenv("DECODELAB_OPROJ_STAGE_ROWS") ? std::getenv("DECODELAB_OPROJ_STAGE_ROWS") : "0"},
-          {"moe_down_early", std::getenv("DECODELAB_MOE_DOWN_EARLY") ? std::getenv("DECODELAB_MOE_DOWN_EARLY") : "1"}};
+          {"moe_variant", fmt::format("{},{}", exp.moe_gate_up_variant, exp.moe_down_variant)},
+          {"oproj_stage_rows", std::to_string(exp.oproj_stage_rows)},
+          {"moe_down_early", exp.moe_down_loads_early ? "1" : "0"}};
 }
 
 #else  // no CUDA backend in this build

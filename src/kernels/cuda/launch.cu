@@ -1,4 +1,6 @@
-// The launch-mode switch shared by every decode kernel launcher.
+// The launch-mode and experiment switches shared by the decode kernel launchers and the engine.
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <string_view>
 
@@ -31,5 +33,18 @@ FusedNormMode FusedNorm() {
   return mode;
 }
 bool FusedNormEnabled() { return FusedNorm().before_attention || FusedNorm().before_mlp; }
+
+const DecodeExperiments& Experiments() {
+  static const DecodeExperiments e = [] {
+    DecodeExperiments x;
+    if (const char* v = std::getenv("DECODELAB_MOE_VARIANT")) {
+      std::sscanf(v, "%d,%d", &x.moe_gate_up_variant, &x.moe_down_variant);
+    }
+    x.moe_down_loads_early = SwitchOn("DECODELAB_MOE_DOWN_EARLY");
+    if (const char* v = std::getenv("DECODELAB_OPROJ_STAGE_ROWS")) x.oproj_stage_rows = std::max(0, std::atoi(v));
+    return x;
+  }();
+  return e;
+}
 
 }  // namespace dl::kernels

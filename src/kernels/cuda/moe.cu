@@ -211,23 +211,19 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     if (id >= 0 && part == 0 && rank < k) s_sel[rank] = id;
   }
   __syncthreads();
-  // The experts' base pointers, resolved here once so the expert kernels start with one dependent
-  // load (the pointer) instead of two (id, then pointer).
+  // Thread j < k writes slot j: the expert's base pointers (resolved here once, so the expert kernels
+  // start with one dependent load, the pointer, instead of two) and its weight, after adding the k
+  // scores in slot order (the reference's sum, the same in every thread).
   if (threadIdx.x < a.top_k) {
-    const int e = s_sel[threadIdx.x];
-    ws.rows[threadIdx.x] = a.gate_w[e];
-    ws.rows[a.top_k + threadIdx.x] = a.up_w[e];
-    ws.rows[2 * a.top_k + threadIdx.x] = a.down_w[e];
-  }
-  // Weights: each of the first k threads adds the k scores in slot order (the reference's sum, the
-  // same in every thread) and divides its own.
-  if (threadIdx.x < a.top_k) {
+    const int j = threadIdx.x, e = s_sel[j];
+    ws.rows[j] = a.gate_w[e];
+    ws.rows[a.top_k + j] = a.up_w[e];
+    ws.rows[2 * a.top_k + j] = a.down_w[e];
     float sum = 0.0f;
-    for (int j = 0; j < a.top_k; ++j) sum += s_score[s_sel[j]];
-    const int j = threadIdx.x;
-    const float w = RoundBf16(s_score[s_sel[j]] / sum);
+    for (int i = 0; i < a.top_k; ++i) sum += s_score[s_sel[i]];
+    const float w = RoundBf16(s_score[e] / sum);
     ws.weights[j] = w;
-    if (a.topk_ids) a.topk_ids[t * a.top_k + j] = s_sel[j];
+    if (a.topk_ids) a.topk_ids[t * a.top_k + j] = e;
     if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
   }
   if (threadIdx.x == 0) a.counter[t] = 0u;

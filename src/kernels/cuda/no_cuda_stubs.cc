@@ -21,6 +21,10 @@ size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }
 bool FusedNormEnabled() { return false; }
+const DecodeExperiments& Experiments() {
+  static const DecodeExperiments none;
+  return none;
+}
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
 int MoeGateUpVariants() { return 1; }
 int MoeDownVariants() { return 1; }
