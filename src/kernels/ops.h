@@ -107,6 +107,17 @@ struct GemvParams {
   // into registers, so the whole weight stream can overlap a latency-bound predecessor (attention
   // before o_proj). Same bits as the plain kernel. Batch 1 only, no fused norm.
   int stage_rows = 0;
+  // on: the streaming kernel (GemvStreamSupported): batch 1, one block per SM owns consecutive rows
+  // (one contiguous stretch of W) and a producer warp copies them through a ring of shared-memory
+  // stages with TMA bulk copies, the first prefetch_kb before the PDL wait, so HBM stays busy
+  // across block boundaries and the predecessor's tail. Same bits as the plain kernel.
+  struct Streaming {
+    bool on = false;
+    int ring_kb = 128;     // shared memory for the ring
+    int stage_kb = 32;     // bytes per bulk copy (rounded to whole rows per warp group)
+    int prefetch_kb = 64;  // issued before the PDL wait (at most the ring): more slows the
+                           // latency-bound predecessor, whose loads queue behind these
+  } streaming;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -115,6 +126,8 @@ int GemvKSplitFor(int out, int in);
 // bytes per lane: in = 8,192) and how many rows fit in one block's shared memory.
 bool GemvStagedSupported(int out, int in);
 int GemvMaxStageRows(int in);
+// Whether GemvParams::streaming applies to this shape with this ring (two stages of whole row groups fit).
+bool GemvStreamSupported(int out, int in, int ring_kb = 128, int stage_kb = 32);
 Status Gemv(const GemvParams& p, Stream stream);
 
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
@@ -196,6 +209,10 @@ struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
+  // Batch-1 dense GEMVs through the streaming kernel (GemvParams::stream): DECODELAB_STREAM_GEMV=0
+  // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
+  bool stream_gemv = true;
+  int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 64;
 };
 const DecodeExperiments& Experiments();
 

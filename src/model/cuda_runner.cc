@@ -181,6 +181,13 @@ Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int token
   p.out = out;
   p.in = in;
   p.num_tokens = tokens;
+  // Batch 1 streams the weights through shared memory (GemvParams::streaming): same bits.
+  const kernels::DecodeExperiments& exp = kernels::Experiments();
+  p.streaming.ring_kb = exp.stream_ring_kb;
+  p.streaming.stage_kb = exp.stream_stage_kb;
+  p.streaming.prefetch_kb = exp.stream_prefetch_kb;
+  p.streaming.on = exp.stream_gemv && tokens == 1 && norm.residual == nullptr && stage_rows == 0 &&
+                   kernels::GemvStreamSupported(out, in, exp.stream_ring_kb, exp.stream_stage_kb);
   return kernels::Gemv(p, s);
 }
 
@@ -704,7 +711,11 @@ nlohmann::json CudaRunner::Describe() const {
           {"skipped_ops", impl_->opt.skip_ops},
           {"moe_variant", fmt::format("{},{}", exp.moe_gate_up_variant, exp.moe_down_variant)},
           {"oproj_stage_rows", std::to_string(exp.oproj_stage_rows)},
-          {"moe_down_early", exp.moe_down_loads_early ? "1" : "0"}};
+          {"moe_down_early", exp.moe_down_loads_early ? "1" : "0"},
+          {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
+                                                        exp.stream_ring_kb, exp.stream_stage_kb,
+                                                        exp.stream_prefetch_kb)
+                                          : "0"}};
 }
 
 #else  // no CUDA backend in this build

@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
   const double copy_gbs = rows[0].bytes / (rows[0].us * 1e-6) / 1e9;
 
   // GEMV: fused q/k/v/g (sliding), o_proj at each input split, lm_head; 8 rotating weight copies
-  // (> L2). k_split 0 = the shape's default (GemvKSplitFor).
+  // (> L2). k_split 0 = the shape's default (GemvKSplitFor); -1: that split through the streaming
+  // kernel (GemvParams::streaming, default ring).
   auto x = Random(8192, 1, 1.0f);
   auto y = Alloc(100352 * 2);
   if (want("gemv")) for (auto [name, out, in, copies, ks] : {std::tuple{"gemv qkvg", 10304, 2048, 8, 0},
@@ -141,14 +142,18 @@ int main(int argc, char** argv) {
                                            std::tuple{"gemv o_proj L2-hot", 2048, 8192, 1, 0},
                                            std::tuple{"gemv o_proj ks2", 2048, 8192, 8, 2},
                                            std::tuple{"gemv o_proj ks4", 2048, 8192, 8, 4},
-                                           std::tuple{"gemv lm_head", 100352, 2048, 1, 0}}) {
+                                           std::tuple{"gemv lm_head", 100352, 2048, 1, 0},
+                                           std::tuple{"gemv qkvg stream", 10304, 2048, 8, -1},
+                                           std::tuple{"gemv o_proj stream", 2048, 8192, 8, -1},
+                                           std::tuple{"gemv lm_head stream", 100352, 2048, 1, -1}}) {
     std::vector<cuda::DeviceBuffer> w;
     for (int c = 0; c < copies; ++c) w.push_back(Random(size_t(out) * in, 10 + c, 0.02f));
     const double ms = TimeMs([&](int i) {
-      GemvParams p{w[i % copies].as<bf16>(), x.as<bf16>(), y.as<bf16>(), out, in, 1, 0, 0, ks};
+      GemvParams p{w[i % copies].as<bf16>(), x.as<bf16>(), y.as<bf16>(), out, in, 1, 0, 0, std::max(ks, 0)};
+      p.streaming.on = ks < 0;
       CHECK_OK(Gemv(p, g_stream));
     }, 200);
-    rows.push_back({name, fmt::format("{}x{} ks{}", out, in, ks == 0 ? GemvKSplitFor(out, in) : ks),
+    rows.push_back({name, fmt::format("{}x{} ks{}", out, in, ks <= 0 ? GemvKSplitFor(out, in) : ks),
                     ms * 1e3, 2.0 * out * in});
   }
 

@@ -443,6 +443,41 @@ TEST(GemvGpu, StagedMatchesPlainBitForBit) {
   }
 }
 
+// The streaming GEMV (TMA bulk copies through a shared-memory ring) gives the plain kernel's bits:
+// the decode shapes (q/k/v/g, o_proj, a slice of the LM head), shapes whose last block or stage is
+// partial, an input width that is not a multiple of 32 chunks, and small rings that reuse every slot
+// many times (the mbarrier phases).
+TEST(GemvGpu, StreamMatchesPlainBitForBit) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    int out, in, ring_kb, stage_kb;
+  };
+  for (const Case c : {Case{10304, 2048, 128, 16}, Case{2048, 8192, 128, 16}, Case{20000, 2048, 128, 16},
+                       Case{1001, 2048, 128, 16}, Case{1000, 2056, 128, 16}, Case{300, 8192, 128, 16},
+                       Case{64, 512, 128, 16}, Case{10304, 2048, 32, 4}, Case{2048, 8192, 32, 1},
+                       Case{5000, 1024, 200, 32}}) {
+    SCOPED_TRACE(testing::Message() << c.out << "x" << c.in << " ring " << c.ring_kb << " KB stage " << c.stage_kb);
+    ASSERT_TRUE(GemvStreamSupported(c.out, c.in, c.ring_kb, c.stage_kb));
+    auto d_w = Upload(RandomBf16(static_cast<size_t>(c.out) * c.in, 101, 0.05f)), d_x = Upload(RandomBf16(c.in, 102));
+    auto d_y0 = Alloc(c.out * 2), d_y1 = Alloc(c.out * 2);
+    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y0.as<bf16>(), c.out, c.in, 1};
+    ASSERT_OK(Gemv(p, nullptr));
+    GemvParams st = p;
+    st.y = d_y1.as<bf16>();
+    for (int prefetch_kb : {0, 32, c.ring_kb}) {  // the producer's wait at every point of its loop
+      st.streaming = {true, c.ring_kb, c.stage_kb, prefetch_kb};
+      ASSERT_OK(Gemv(st, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y1, c.out), Download<bf16>(d_y0, c.out)) << "prefetch " << prefetch_kb << " KB";
+    }
+    GemvParams two = st;
+    two.num_tokens = 2;
+    EXPECT_FALSE(Gemv(two, nullptr).ok()) << "streaming is batch 1 only";
+  }
+  EXPECT_FALSE(GemvStreamSupported(64, 65536, 128, 16)) << "two stages of one 128 KB row do not fit";
+  EXPECT_FALSE(GemvStreamSupported(10304, 2048, 16, 4)) << "one 16 KB stage (4 rows of 4 KB) is no ring";
+}
+
 // A norm folded into the GEMV (FusedInputNorm) gives the bits of AddRmsNorm followed by the GEMV: y,
 // the updated residual (written to the other buffer) and u; with 1 and 11 tokens (11 = two tiles),
 // with and without delta, and with the widest row the norm takes.

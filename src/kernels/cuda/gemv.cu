@@ -3,6 +3,9 @@
 // U loads in flight per lane, FP32 FMAs in a fixed sequence, xor-butterfly warp sums, slices added
 // in ascending order. The per-token arithmetic is identical for every tile width and token count, so
 // y for token t does not depend on how many tokens share the launch.
+#include <algorithm>
+#include <cstdint>
+
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -185,12 +188,190 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParam
   }
 }
 
-int StagedGrid(int out, int* rows_per_block) {
+// ---- Streaming GEMV (GemvParams::streaming): batch 1. Grid = ceil(out / rpb) <= SMs, one block per
+// SM owning rows [b * rpb, b * rpb + rows) of W: one contiguous stretch of memory. Warp 8 (one lane)
+// is the producer: it copies the stretch stage by stage (stage_rows whole rows, one TMA bulk copy
+// each) into a ring of `stages` shared-memory slots, signalling a `full` mbarrier per slot with the
+// byte count, and reuses a slot once all 8 consumer warps have arrived on its `empty` mbarrier. It
+// never waits for the earlier kernels (weights only), so the first ring's worth is in flight before
+// the predecessor has finished. Warps 0-7 consume: warp w takes slice w % KS of rows w / KS,
+// w / KS + 8 / KS, ... of each stage, with the plain kernel's per-lane chunk order, FMA sequence,
+// warp sum and slice order: the same bits. Shared memory: [2 * stages] mbarriers | ring [stages,
+// stage_rows, in] BF16 | x [in] BF16 | partial sums [rpb, KS] FP32.
+struct GemvStreamGeometry {
+  int ks = 1, stage_rows = 0, stages = 0, rpb = 0, grid = 0;
+  size_t ring_off = 0, x_off = 0, part_off = 0, smem = 0;
+  size_t prefetch_bytes = 0;  // the stages that fit in it are copied before the PDL wait
+};
+constexpr size_t kStreamMaxSmem = 227 * 1024;
+constexpr int kStreamMaxStages = 32;
+
+inline int SmCount() {
   static const int sms = [] {
     int dev = 0, n = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
     return n;
   }();
+  return sms;
+}
+
+// The geometry for [out x in] with a ring of ring_kb and stages of about stage_kb; stages == 0 when
+// two stages of one row group do not fit.
+inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage_kb, int sms) {
+  GemvStreamGeometry g;
+  if (out < 1 || in < 8 || in % 8 != 0 || sms < 1) return g;
+  g.ks = GemvKSplitFor(out, in);
+  const int group = kGemvWarps / g.ks;  // rows one pass of the 8 warps covers
+  const size_t row_bytes = static_cast<size_t>(in) * 2;
+  g.rpb = (out + sms - 1) / sms;
+  g.grid = (out + g.rpb - 1) / g.rpb;
+  const size_t want = static_cast<size_t>(std::max(stage_kb, 1)) * 1024;
+  g.stage_rows = std::max<int>(group, static_cast<int>(want / row_bytes) / group * group);
+  g.stage_rows = std::min(g.stage_rows, (g.rpb + group - 1) / group * group);
+  const size_t stage_bytes = g.stage_rows * row_bytes;
+  const int needed = (g.rpb + g.stage_rows - 1) / g.stage_rows;
+  int stages = static_cast<int>(static_cast<size_t>(std::max(ring_kb, 1)) * 1024 / stage_bytes);
+  stages = std::min({stages, needed, kStreamMaxStages});
+  if (stages < std::min(2, needed)) return g;
+  g.ring_off = (2 * kStreamMaxStages * 8 + 127) / 128 * 128;  // after the mbarriers
+  g.x_off = g.ring_off + stages * stage_bytes;
+  g.part_off = g.x_off + (row_bytes + 15) / 16 * 16;
+  g.smem = g.part_off + static_cast<size_t>(g.rpb) * g.ks * sizeof(float);
+  if (g.smem > kStreamMaxSmem) return GemvStreamGeometry{};
+  g.stages = stages;
+  return g;
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  }
+#endif
+}
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+#endif
+}
+// One bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into
+// this block's shared memory; completion adds the bytes to `bar`'s transaction count, which this
+// thread first raises by the same amount (arrive + expect_tx). Evict-first in L2, like LoadStreaming.
+__device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes) : "memory");
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
+      : "memory");
+#endif
+}
+// The PDL wait without the timeline stamp (the producer lane is not thread 0).
+__device__ __forceinline__ void WaitForGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Barrier 1 over the 8 consumer warps only (the producer warp may have left).
+__device__ __forceinline__ void ConsumerSync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kGemvWarps * 32) : "memory");
+}
+
+__global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(GemvParams a, GemvStreamGeometry g) {
+  DL_TIMELINE_SCOPE(kGemv);
+  AllowDependents();
+  extern __shared__ __align__(128) unsigned char s_stream[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
+  uint64_t* empty = full + kStreamMaxStages;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n8 = a.in / 8;
+  const size_t stage_chunks = static_cast<size_t>(g.stage_rows) * n8;  // 16-byte chunks per stage
+  const uint4* ring = reinterpret_cast<const uint4*>(s_stream + g.ring_off);
+  uint4* s_x = reinterpret_cast<uint4*>(s_stream + g.x_off);
+  float* s_part = reinterpret_cast<float*>(s_stream + g.part_off);
+  const int r0 = blockIdx.x * g.rpb;
+  const int rows = max(0, min(g.rpb, a.out - r0));
+  const int n_stages = (rows + g.stage_rows - 1) / g.stage_rows;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < g.stages; ++i) {
+      MbarInit(full + i, 1);
+      MbarInit(empty + i, kGemvWarps);
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the bulk copies
+#endif
+  }
+  __syncthreads();
+  if (warp == kGemvWarps) {  // the producer
+    if (lane == 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.w) + static_cast<size_t>(r0) * n8;
+      const size_t stage_bytes = stage_chunks * 16;
+      bool waited = false;
+      for (int s = 0; s < n_stages; ++s) {
+        const int slot = s % g.stages, use = s / g.stages;
+        if (use > 0) MbarWait(empty + slot, (use - 1) & 1);
+        if (!waited && (s + 1) * stage_bytes > g.prefetch_bytes) {  // past the early part: wait first
+          WaitForGrid();
+          waited = true;
+        }
+        const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
+        BulkCopyToShared(const_cast<uint4*>(ring) + slot * stage_chunks, src + s * stage_chunks,
+                         static_cast<uint32_t>(stage_rows) * n8 * 16, full + slot);
+      }
+    }
+    return;
+  }
+  WaitForPrerequisites();
+  for (int c = threadIdx.x; c < n8; c += kGemvWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
+  ConsumerSync();
+  const int ks = g.ks, group = kGemvWarps / ks;
+  const int slice = warp % ks, per = n8 / ks, lo = slice * per, hi = lo + per;
+  for (int s = 0; s < n_stages; ++s) {
+    const int slot = s % g.stages, use = s / g.stages;
+    MbarWait(full + slot, use & 1);
+    const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
+    const uint4* st = ring + slot * stage_chunks;
+    for (int r = warp / ks; r < stage_rows; r += group) {
+      const uint4* w_row = st + static_cast<size_t>(r) * n8;
+      float acc = 0.0f;
+      for (int c = lo + lane; c < hi; c += 32) {
+        float wf[8], xf[8];
+        Bf16x8ToFloat(w_row[c], wf);
+        Bf16x8ToFloat(s_x[c], xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+      }
+      const float v = WarpSum(acc);
+      if (lane == 0) s_part[(s * g.stage_rows + r) * ks + slice] = v;
+    }
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty + slot);
+  }
+  ConsumerSync();
+  for (int i = threadIdx.x; i < rows; i += kGemvWarps * 32) {
+    float sum = s_part[i * ks];
+    for (int k = 1; k < ks; ++k) sum += s_part[i * ks + k];
+    a.y[r0 + i] = FloatToBf16Bits(sum);
+  }
+}
+
+int StagedGrid(int out, int* rows_per_block) {
+  const int sms = SmCount();
   const int rpb = (out + sms - 1) / sms;
   *rows_per_block = rpb;
   return (out + rpb - 1) / rpb;
@@ -240,6 +421,22 @@ Status Gemv(const GemvParams& params, Stream stream) {
     return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide in / 8 = {}", ks, p.in / 8);
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (p.streaming.on) {
+    dev::GemvStreamGeometry g =
+        dev::StreamGeometry(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb, dev::SmCount());
+    g.prefetch_bytes = static_cast<size_t>(std::max(p.streaming.prefetch_kb, 0)) * 1024;
+    if (p.num_tokens != 1 || p.norm.residual || p.stage_rows > 0 || p.k_split != 0 ||
+        !GemvStreamSupported(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb) ||
+        reinterpret_cast<uintptr_t>(p.w) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
+      return InvalidArgument("gemv: streaming needs one token, no fused norm or staging, the default "
+                             "k_split, 16-byte aligned w and x and a shape whose two stages fit "
+                             "(GemvStreamSupported); got [{} x {}] x {} tokens, ring {} KB",
+                             p.out, p.in, p.num_tokens, p.streaming.ring_kb);
+    }
+    dev::LaunchDependentSmem(dev::GemvStreamKernel, dim3(g.grid), dim3((dev::kGemvWarps + 1) * 32), g.smem, s, p, g);
+    DL_KERNEL_LAUNCH_CHECK("gemv_stream");
+    return Status::Ok();
+  }
   if (p.stage_rows > 0) {
     if (p.num_tokens != 1 || p.norm.residual || !GemvStagedSupported(p.out, p.in) || p.x_stride != p.in ||
         p.y_stride != p.out || ks != dev::kGemvWarps) {
@@ -277,6 +474,16 @@ Status Gemv(const GemvParams& params, Stream stream) {
 
 bool GemvStagedSupported(int out, int in) {
   return out >= 1 && in == dev::kStagedIn && GemvKSplitFor(out, in) == dev::kGemvWarps;
+}
+
+bool GemvStreamSupported(int out, int in, int ring_kb, int stage_kb) {
+  // sm_90 or later (TMA bulk copies, mbarrier transaction counts); any query error: not supported.
+  static const bool hopper = [] {
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }();
+  return hopper && dev::StreamGeometry(out, in, ring_kb, stage_kb, dev::SmCount()).stages > 0;
 }
 
 int GemvMaxStageRows(int in) {

@@ -42,6 +42,10 @@ const DecodeExperiments& Experiments() {
     }
     x.moe_down_loads_early = SwitchOn("DECODELAB_MOE_DOWN_EARLY");
     if (const char* v = std::getenv("DECODELAB_OPROJ_STAGE_ROWS")) x.oproj_stage_rows = std::max(0, std::atoi(v));
+    x.stream_gemv = SwitchOn("DECODELAB_STREAM_GEMV");
+    if (const char* v = std::getenv("DECODELAB_STREAM_RING_KB")) x.stream_ring_kb = std::max(1, std::atoi(v));
+    if (const char* v = std::getenv("DECODELAB_STREAM_STAGE_KB")) x.stream_stage_kb = std::max(1, std::atoi(v));
+    if (const char* v = std::getenv("DECODELAB_STREAM_PREFETCH_KB")) x.stream_prefetch_kb = std::max(0, std::atoi(v));
     return x;
   }();
   return e;

@@ -17,6 +17,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
 bool GemvStagedSupported(int, int) { return false; }
 int GemvMaxStageRows(int) { return 0; }
+bool GemvStreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }
