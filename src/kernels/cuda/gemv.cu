@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -206,15 +207,6 @@ struct GemvStreamGeometry {
 constexpr size_t kStreamMaxSmem = 227 * 1024;
 constexpr int kStreamMaxStages = 32;
 
-inline int SmCount() {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
-    return n;
-  }();
-  return sms;
-}
-
 // The geometry for [out x in] with a ring of ring_kb and stages of about stage_kb; stages == 0 when
 // two stages of one row group do not fit.
 inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage_kb, int sms) {
@@ -240,56 +232,6 @@ inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage
   if (g.smem > kStreamMaxSmem) return GemvStreamGeometry{};
   g.stages = stages;
   return g;
-}
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(SmemAddr(bar)), "r"(parity)
-        : "memory");
-  }
-#endif
-}
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
-#endif
-}
-// One bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into
-// this block's shared memory; completion adds the bytes to `bar`'s transaction count, which this
-// thread first raises by the same amount (arrive + expect_tx). Evict-first in L2, like LoadStreaming.
-__device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes) : "memory");
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
-      : "memory");
-#endif
-}
-// The PDL wait without the timeline stamp (the producer lane is not thread 0).
-__device__ __forceinline__ void WaitForGrid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Barrier 1 over the 8 consumer warps only (the producer warp may have left).
-__device__ __forceinline__ void ConsumerSync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kGemvWarps * 32) : "memory");
 }
 
 __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(GemvParams a, GemvStreamGeometry g) {
@@ -338,7 +280,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
   }
   WaitForPrerequisites();
   for (int c = threadIdx.x; c < n8; c += kGemvWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
-  ConsumerSync();
+  ConsumerSync<kGemvWarps>();
   const int ks = g.ks, group = kGemvWarps / ks;
   const int slice = warp % ks, per = n8 / ks, lo = slice * per, hi = lo + per;
   for (int s = 0; s < n_stages; ++s) {
@@ -362,7 +304,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     __syncwarp();
     if (lane == 0) MbarArrive(empty + slot);
   }
-  ConsumerSync();
+  ConsumerSync<kGemvWarps>();
   for (int i = threadIdx.x; i < rows; i += kGemvWarps * 32) {
     float sum = s_part[i * ks];
     for (int k = 1; k < ks; ++k) sum += s_part[i * ks + k];
@@ -477,13 +419,7 @@ bool GemvStagedSupported(int out, int in) {
 }
 
 bool GemvStreamSupported(int out, int in, int ring_kb, int stage_kb) {
-  // sm_90 or later (TMA bulk copies, mbarrier transaction counts); any query error: not supported.
-  static const bool hopper = [] {
-    int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
-  }();
-  return hopper && dev::StreamGeometry(out, in, ring_kb, stage_kb, dev::SmCount()).stages > 0;
+  return dev::DeviceHasBulkCopy() && dev::StreamGeometry(out, in, ring_kb, stage_kb, dev::SmCount()).stages > 0;
 }
 
 int GemvMaxStageRows(int in) {
