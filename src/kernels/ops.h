@@ -171,10 +171,6 @@ struct MoeParams {
   // has completed by then: routed gate/up blocks let the down kernel launch only after their own
   // wait). Off: it waits first and only warms L2 with the shared expert's rows. Same bits either way.
   bool down_loads_early = true;
-  // Batch 1: the down kernel streams its weights through a ring of this many KB of shared memory
-  // (TMA bulk copies, one block per SM owning consecutive output rows, like GemvParams::streaming);
-  // 0, or a shape whose two stages do not fit: the register kernel. Same bits either way.
-  int down_stream_ring_kb = 96;
 };
 int MoeGateUpVariants();
 int MoeDownVariants();
@@ -212,7 +208,6 @@ bool FusedNormEnabled();  // any
 struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
-  int moe_down_stream_ring_kb = 96;                   // DECODELAB_MOE_DOWN_STREAM_KB (MoeParams; 0 = off)
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
   // Batch-1 dense GEMVs through the streaming kernel (GemvParams::stream): DECODELAB_STREAM_GEMV=0
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.

@@ -41,7 +41,6 @@ const DecodeExperiments& Experiments() {
       std::sscanf(v, "%d,%d", &x.moe_gate_up_variant, &x.moe_down_variant);
     }
     x.moe_down_loads_early = SwitchOn("DECODELAB_MOE_DOWN_EARLY");
-    if (const char* v = std::getenv("DECODELAB_MOE_DOWN_STREAM_KB")) x.moe_down_stream_ring_kb = std::max(0, std::atoi(v));
     if (const char* v = std::getenv("DECODELAB_OPROJ_STAGE_ROWS")) x.oproj_stage_rows = std::max(0, std::atoi(v));
     x.stream_gemv = SwitchOn("DECODELAB_STREAM_GEMV");
     if (const char* v = std::getenv("DECODELAB_STREAM_RING_KB")) x.stream_ring_kb = std::max(1, std::atoi(v));

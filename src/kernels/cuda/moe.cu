@@ -9,12 +9,10 @@
 // pointers into the workspace, and kernels 2 and 3 read those. Batch 1 is memory-bound: the point of
 // the layout is enough 16-byte loads in flight per SM (~64 KB) to keep HBM busy, with FMAs in the
 // reference's per-lane order.
-#include <algorithm>
 #include <array>
 #include <iterator>
 #include <utility>
 
-#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -365,109 +363,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
   }
 }
 
-// ---- Streaming down (MoeParams::down_stream_ring_kb): batch 1. Grid ceil(d / rpb) <= SMs; block b
-// owns output rows [b * rpb, b * rpb + rows). Its weights are k + 1 contiguous stretches, one stage
-// each: those rows of the shared expert's down matrix, then of each selected expert's in slot order.
-// Warp 8 (one lane) copies them through a ring of `slots` shared-memory slots with TMA bulk copies;
-// the expert pointers come from the router, complete before this kernel launches (routed gate/up
-// blocks trigger it only after their own wait, see MoeGateUpKernel), so with down_loads_early the
-// first `slots` stages go out before the PDL wait. Warps 0-7: a warp per row and stage, with
-// MoeDownKernel's lane order, warp sum and roundings, and the combine in slot order: the same bits.
-// Shared memory: [2 x kDownStreamMaxStages] mbarriers | ring [slots][rpb][max(F, Fs)] BF16 |
-// products [rpb][k + 1] FP32 (routed bf16(o_j w_j) in slot order, then the shared expert's bf16(o_s)).
-constexpr int kDownStreamMaxStages = kMoeMaxTopK + 1;
-struct MoeDownStreamGeometry {
-  int rpb = 0, grid = 0, slots = 0;
-  size_t slot_bytes = 0, ring_off = 0, part_off = 0, smem = 0;
-};
-inline MoeDownStreamGeometry DownStreamGeometry(int d, int ffn, int shared_ffn, int top_k, int ring_kb, int sms) {
-  MoeDownStreamGeometry g;
-  if (ring_kb <= 0 || d < 1 || sms < 1 || top_k < 1 || top_k > kMoeMaxTopK) return g;
-  g.rpb = (d + sms - 1) / sms;
-  g.grid = (d + g.rpb - 1) / g.rpb;
-  g.slot_bytes = static_cast<size_t>(g.rpb) * std::max(ffn, shared_ffn) * sizeof(uint16_t);
-  const int stages = top_k + 1;
-  const int slots = std::min<int>(stages, static_cast<size_t>(ring_kb) * 1024 / g.slot_bytes);
-  if (slots < 2) return MoeDownStreamGeometry{};
-  g.ring_off = (2 * kDownStreamMaxStages * sizeof(uint64_t) + 127) / 128 * 128;
-  g.part_off = g.ring_off + slots * g.slot_bytes;
-  g.smem = g.part_off + static_cast<size_t>(g.rpb) * stages * sizeof(float);
-  if (g.smem > 227 * 1024) return MoeDownStreamGeometry{};
-  g.slots = slots;
-  return g;
-}
-
-__global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeDownStreamKernel(MoeParams a, MoeDownStreamGeometry g) {
-  DL_TIMELINE_SCOPE(kMoeDown);
-  AllowDependents();
-  extern __shared__ __align__(128) unsigned char s_down[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(s_down);
-  uint64_t* empty = full + kDownStreamMaxStages;
-  unsigned char* ring = s_down + g.ring_off;
-  float* s_part = reinterpret_cast<float*>(s_down + g.part_off);
-  const MoeWs ws = MoeWorkspace(a, 0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int k = a.top_k, stages = k + 1;
-  const int r0 = blockIdx.x * g.rpb;
-  const int rows = max(0, min(g.rpb, a.d - r0));
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < g.slots; ++i) {
-      MbarInit(full + i, 1);
-      MbarInit(empty + i, kMoeWarps);
-    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-  }
-  __syncthreads();
-  if (warp == kMoeWarps) {  // the producer
-    if (lane == 0) {
-      if (!a.down_loads_early) WaitForGrid();
-      for (int s = 0; s < stages; ++s) {
-        const int slot = s % g.slots, use = s / g.slots;
-        if (use > 0) MbarWait(empty + slot, (use - 1) & 1);
-        const int f = s == 0 ? a.shared_ffn : a.ffn;
-        const bf16* base = s == 0 ? a.shared_down_w : LoadPointerFromL2(&ws.rows[2 * k + s - 1]);
-        BulkCopyToShared(ring + slot * g.slot_bytes, base + static_cast<size_t>(r0) * f,
-                         static_cast<uint32_t>(rows) * f * sizeof(uint16_t), full + slot);
-      }
-    }
-    return;
-  }
-  WaitForPrerequisites();
-  const bf16* h = reinterpret_cast<const bf16*>(ws.h);
-  for (int s = 0; s < stages; ++s) {
-    const int slot = s % g.slots, use = s / g.slots;
-    const int j = s == 0 ? k : s - 1;  // slot k of h and of the products: the shared expert
-    const int n8 = (s == 0 ? a.shared_ffn : a.ffn) / 8;
-    const float w = s == 0 ? 0.0f : __ldcg(&ws.weights[j]);
-    const uint4* hx = reinterpret_cast<const uint4*>(h + static_cast<size_t>(j) * ws.h_stride);
-    const uint4* st = reinterpret_cast<const uint4*>(ring + slot * g.slot_bytes);
-    MbarWait(full + slot, use & 1);
-    for (int r = warp; r < rows; r += kMoeWarps) {
-      float acc = 0.0f;
-      for (int c = lane; c < n8; c += 32) {
-        float rf[8], xf[8];
-        Bf16x8ToFloat(st[r * n8 + c], rf);
-        Bf16x8ToFloat(hx[c], xf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(rf[e], xf[e], acc);
-      }
-      const float o = RoundBf16(WarpSum(acc));
-      if (lane == 0) s_part[r * stages + j] = s == 0 ? o : RoundBf16(o * w);
-    }
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty + slot);
-  }
-  ConsumerSync<kMoeWarps>();
-  for (int i = threadIdx.x; i < rows; i += kMoeWarps * 32) {
-    float routed = 0.0f;
-    for (int j = 0; j < k; ++j) routed += s_part[i * stages + j];
-    const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + s_part[i * stages + k]);
-    a.y[r0 + i] = FloatToBf16Bits(y);
-  }
-}
-
 // The instantiation of variant v (index into the shape tables above).
 using MoeKernelFn = void (*)(MoeParams);
 template <size_t... I>
@@ -532,15 +427,6 @@ Status Moe(const MoeParams& p, Stream stream) {
                        dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads),
                        s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
-  if (T == 1 && p.down_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()) {
-    const dev::MoeDownStreamGeometry g =
-        dev::DownStreamGeometry(p.d, p.ffn, p.shared_ffn, p.top_k, p.down_stream_ring_kb, dev::SmCount());
-    if (g.slots > 0) {
-      dev::LaunchDependentSmem(dev::MoeDownStreamKernel, dim3(g.grid), dim3((dev::kMoeWarps + 1) * 32), g.smem, s, p, g);
-      DL_KERNEL_LAUNCH_CHECK("moe_down_stream");
-      return Status::Ok();
-    }
-  }
   const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
   dev::LaunchDependent(dev::kDownKernels[p.down_variant], dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_down_combine");
