@@ -206,6 +206,9 @@ int RunBench(const BenchFlags& f) {
     std::printf("  floor        %.4f ms at %.0f GB/s copy bandwidth -> %.1f%% of floor\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot);
   }
+  if (gpu.is_null()) {
+    std::printf("  backend      cpu reference (no kernels, graph or launch modes)\n");
+  } else {
   std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
               cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
               f.no_graph ? "launched one by one" : "one CUDA graph",
@@ -214,6 +217,12 @@ int RunBench(const BenchFlags& f) {
               !describe.value("fused_norm", false) ? "separate norm kernels"
               : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
                                                                       : "norm folded into the router only");
+  if (describe.contains("stream_gemv")) {
+    const std::string mode = describe.value("stream_gemv", std::string("0"));
+    std::printf("  GEMV         %s\n", mode == "0" ? "plain kernel at batch 1 (DECODELAB_STREAM_GEMV=0)"
+                                                   : ("streaming at batch 1: " + mode).c_str());
+  }
+  }
   if (kernels::TimelineBuilt() && !gpu.is_null()) {
     // The runner restarts the recording before every decode step: what is left is the last one.
     auto records = kernels::TimelineRead();

@@ -258,6 +258,9 @@ TEST(LabLedger, RecordListAndCompare) {
 
 TEST(LabRunner, RunIdFormat) {
   EXPECT_EQ(MakeRunId("ctl", "abc123", 0), "ctl-abc123-19700101T000000Z");
+  EXPECT_EQ(MakeRunId("a/b", "abc123+x (uncommitted)", 0), "a_b-abc123_x__uncommitted_-19700101T000000Z")
+      << "a directory name a shell can take unquoted";
+  EXPECT_EQ(MakeRunId("ctl", "", 0), "ctl-unknown-19700101T000000Z");
 }
 
 }  // namespace

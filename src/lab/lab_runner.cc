@@ -495,8 +495,17 @@ std::string BinarySha(const LabOptions& o) {
 }  // namespace
 
 std::string MakeRunId(const std::string& label, const std::string& commit, std::time_t t) {
-  std::string c = commit.empty() ? "unknown" : commit;
-  return fmt::format("{}-{}-{}", label, c, UtcStamp(t, "%Y%m%dT%H%M%SZ"));
+  // The id names a directory and is typed into shells: keep [A-Za-z0-9._-], anything else (a slash,
+  // a space, a hand-written build stamp such as "abc (uncommitted)") becomes '_'.
+  auto safe = [](std::string s) {
+    for (char& ch : s) {
+      const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                      ch == '.' || ch == '_' || ch == '-';
+      if (!ok) ch = '_';
+    }
+    return s;
+  };
+  return fmt::format("{}-{}-{}", safe(label), safe(commit.empty() ? "unknown" : commit), UtcStamp(t, "%Y%m%dT%H%M%SZ"));
 }
 
 Result<std::vector<RunOutcome>> RunScreenOrSuite(const LabOptions& o) {
