@@ -209,19 +209,19 @@ int RunBench(const BenchFlags& f) {
   if (gpu.is_null()) {
     std::printf("  backend      cpu reference (no kernels, graph or launch modes)\n");
   } else {
-  std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
-              cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
-              f.no_graph ? "launched one by one" : "one CUDA graph",
-              describe.value("dependent_launch", false) ? "programmatic dependent launch"
-                                                        : "plain launches (DECODELAB_PDL=0)",
-              !describe.value("fused_norm", false) ? "separate norm kernels"
-              : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
-                                                                      : "norm folded into the router only");
-  if (describe.contains("stream_gemv")) {
-    const std::string mode = describe.value("stream_gemv", std::string("0"));
-    std::printf("  GEMV         %s\n", mode == "0" ? "plain kernel at batch 1 (DECODELAB_STREAM_GEMV=0)"
-                                                   : ("streaming at batch 1: " + mode).c_str());
-  }
+    std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
+                cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
+                f.no_graph ? "launched one by one" : "one CUDA graph",
+                describe.value("dependent_launch", false) ? "programmatic dependent launch"
+                                                          : "plain launches (DECODELAB_PDL=0)",
+                !describe.value("fused_norm", false) ? "separate norm kernels"
+                : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
+                                                                        : "norm folded into the router only");
+    if (describe.contains("stream_gemv")) {
+      const std::string gemv = describe.value("stream_gemv", std::string("0"));
+      std::printf("  GEMV         %s\n", gemv == "0" ? "plain kernel at batch 1 (DECODELAB_STREAM_GEMV=0)"
+                                                     : ("streaming at batch 1: " + gemv).c_str());
+    }
   }
   if (kernels::TimelineBuilt() && !gpu.is_null()) {
     // The runner restarts the recording before every decode step: what is left is the last one.

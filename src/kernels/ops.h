@@ -209,7 +209,7 @@ struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
-  // Batch-1 dense GEMVs through the streaming kernel (GemvParams::stream): DECODELAB_STREAM_GEMV=0
+  // Batch-1 dense GEMVs through the streaming kernel (GemvParams::streaming): DECODELAB_STREAM_GEMV=0
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
   bool stream_gemv = true;
   int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 64;

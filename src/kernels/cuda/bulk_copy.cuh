@@ -1,34 +1,40 @@
 // Producer/consumer pieces for kernels that stream weights through shared memory with TMA bulk
-// copies (sm_90): mbarriers with transaction counts, the bulk copy itself, a PDL wait for a thread
-// that is not thread 0 (no timeline stamp), and a barrier over the consumer warps only.
+// copies (sm_90): the device facts that decide whether they apply, mbarriers with transaction
+// counts, the bulk copy itself, and a barrier over the consumer warps only.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/device.h"
 #include "kernels/cuda/device_utils.cuh"
 
 namespace dl::kernels::dev {
 
-// SMs of the current device (1 where the query fails: the caller then runs one block).
-inline int SmCount() {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 1;
-    return n;
+// The current device's facts (cuda::GetDeviceInfo), read once; a failed query reads as 1 SM and no
+// sm_90 features, so callers take their plain paths.
+inline const cuda::DeviceInfo& CurrentDeviceInfo() {
+  static const cuda::DeviceInfo info = [] {
+    int dev = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess) {
+      if (auto i = cuda::GetDeviceInfo(dev); i.ok()) return *i;
+    }
+    cuda::DeviceInfo none;
+    none.sm_count = 1;
+    return none;
   }();
-  return sms;
+  return info;
 }
-// Whether the current device has TMA bulk copies and mbarrier transaction counts (sm_90 or later);
-// any query error: no.
-inline bool DeviceHasBulkCopy() {
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
-  }();
-  return ok;
+inline int SmCount() { return CurrentDeviceInfo().sm_count; }
+// Whether the current device has TMA bulk copies and mbarrier transaction counts (sm_90 or later).
+inline bool DeviceHasBulkCopy() { return CurrentDeviceInfo().major >= 9; }
+// The fence after a thread has initialised a block's mbarriers, so the bulk copies (the async proxy)
+// see them; the block synchronises after it.
+__device__ __forceinline__ void FenceBarrierInit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -62,18 +68,11 @@ __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
 __device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes) : "memory");
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const uint64_t policy = EvictFirstPolicy();
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
       : "memory");
-#endif
-}
-// The PDL wait without the timeline stamp (the producer lane is not thread 0).
-__device__ __forceinline__ void WaitForGrid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 // Named barrier 1 over the first kWarps warps only (a producer warp after them may have left).

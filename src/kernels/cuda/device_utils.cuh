@@ -87,23 +87,33 @@ __device__ __forceinline__ void AllowDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void WaitForPrerequisites() {
+// The wait itself, without the timeline stamp: for a thread other than thread 0 (a producer warp's lane).
+__device__ __forceinline__ void WaitForGrid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void WaitForPrerequisites() {
+  WaitForGrid();
   DL_TIMELINE_WAITED();
 }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// L2 policy for data read once per step (weights): first to leave L2.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+#endif
 // A 16-byte load of data read once per step (weights): read-only path, and marked first to leave L2
 // (evict_first policy), so streaming gigabytes of weights does not push out what is read again soon
 // (lines prefetched for a later phase, activations, KV).
 __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(DL_LOAD_STREAMING_PLAIN)  // A/B build flag
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   uint4 v;
   asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy));
+               : "l"(p), "l"(EvictFirstPolicy()));
   return v;
 #else
   return __ldg(p);

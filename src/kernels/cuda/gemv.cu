@@ -53,12 +53,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   // x rows: given, or (fused norm) computed here while those loads are in flight.
   extern __shared__ uint4 s_x[];
   if constexpr (fused) {
-    const bool writer = blockIdx.x == 0;
     for (int t = 0; t < nt; ++t) {
-      const size_t r = static_cast<size_t>(t0 + t) * a.in;
-      BlockAddRmsNorm<true>(nm.residual + r, nm.delta ? nm.delta + r : nullptr, norm_weight, a.in, nm.eps,
-                      writer && nm.residual_out ? nm.residual_out + r : nullptr,
-                      writer && nm.u_out ? nm.u_out + r : nullptr, reinterpret_cast<uint16_t*>(s_x + t * n8));
+      FusedNormRow(nm, static_cast<size_t>(t0 + t) * a.in, norm_weight, a.in, blockIdx.x == 0,
+                   reinterpret_cast<uint16_t*>(s_x + t * n8));
     }
   }
   const uint4* x_base = fused ? s_x : reinterpret_cast<const uint4*>(a.x + t0 * a.x_stride);
@@ -207,6 +204,13 @@ struct GemvStreamGeometry {
 constexpr size_t kStreamMaxSmem = 227 * 1024;
 constexpr int kStreamMaxStages = 32;
 
+// One block per SM owning consecutive rows: rows per block (set) and the grid.
+inline int OneBlockPerSmGrid(int out, int sms, int* rows_per_block) {
+  const int rpb = (out + sms - 1) / sms;
+  *rows_per_block = rpb;
+  return (out + rpb - 1) / rpb;
+}
+
 // The geometry for [out x in] with a ring of ring_kb and stages of about stage_kb; stages == 0 when
 // two stages of one row group do not fit.
 inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage_kb, int sms) {
@@ -215,8 +219,7 @@ inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage
   g.ks = GemvKSplitFor(out, in);
   const int group = kGemvWarps / g.ks;  // rows one pass of the 8 warps covers
   const size_t row_bytes = static_cast<size_t>(in) * 2;
-  g.rpb = (out + sms - 1) / sms;
-  g.grid = (out + g.rpb - 1) / g.rpb;
+  g.grid = OneBlockPerSmGrid(out, sms, &g.rpb);
   const size_t want = static_cast<size_t>(std::max(stage_kb, 1)) * 1024;
   g.stage_rows = std::max<int>(group, static_cast<int>(want / row_bytes) / group * group);
   g.stage_rows = std::min(g.stage_rows, (g.rpb + group - 1) / group * group);
@@ -243,7 +246,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n8 = a.in / 8;
   const size_t stage_chunks = static_cast<size_t>(g.stage_rows) * n8;  // 16-byte chunks per stage
-  const uint4* ring = reinterpret_cast<const uint4*>(s_stream + g.ring_off);
+  uint4* ring = reinterpret_cast<uint4*>(s_stream + g.ring_off);
   uint4* s_x = reinterpret_cast<uint4*>(s_stream + g.x_off);
   float* s_part = reinterpret_cast<float*>(s_stream + g.part_off);
   const int r0 = blockIdx.x * g.rpb;
@@ -254,9 +257,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
       MbarInit(full + i, 1);
       MbarInit(empty + i, kGemvWarps);
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the bulk copies
-#endif
+    FenceBarrierInit();
   }
   __syncthreads();
   if (warp == kGemvWarps) {  // the producer
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
           waited = true;
         }
         const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
-        BulkCopyToShared(const_cast<uint4*>(ring) + slot * stage_chunks, src + s * stage_chunks,
+        BulkCopyToShared(ring + slot * stage_chunks, src + s * stage_chunks,
                          static_cast<uint32_t>(stage_rows) * n8 * 16, full + slot);
       }
     }
@@ -310,13 +311,6 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     for (int k = 1; k < ks; ++k) sum += s_part[i * ks + k];
     a.y[r0 + i] = FloatToBf16Bits(sum);
   }
-}
-
-int StagedGrid(int out, int* rows_per_block) {
-  const int sms = SmCount();
-  const int rpb = (out + sms - 1) / sms;
-  *rows_per_block = rpb;
-  return (out + rpb - 1) / rpb;
 }
 
 template <int TT>
@@ -367,8 +361,8 @@ Status Gemv(const GemvParams& params, Stream stream) {
     dev::GemvStreamGeometry g =
         dev::StreamGeometry(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb, dev::SmCount());
     g.prefetch_bytes = static_cast<size_t>(std::max(p.streaming.prefetch_kb, 0)) * 1024;
-    if (p.num_tokens != 1 || p.norm.residual || p.stage_rows > 0 || p.k_split != 0 ||
-        !GemvStreamSupported(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb) ||
+    if (p.num_tokens != 1 || p.norm.residual || p.stage_rows > 0 || p.k_split != 0 || g.stages == 0 ||
+        !dev::DeviceHasBulkCopy() ||
         reinterpret_cast<uintptr_t>(p.w) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
       return InvalidArgument("gemv: streaming needs one token, no fused norm or staging, the default "
                              "k_split, 16-byte aligned w and x and a shape whose two stages fit "
@@ -391,7 +385,7 @@ Status Gemv(const GemvParams& params, Stream stream) {
                              GemvMaxStageRows(p.in), p.in);
     }
     int rpb = 0;
-    const int grid = dev::StagedGrid(p.out, &rpb);
+    const int grid = dev::OneBlockPerSmGrid(p.out, dev::SmCount(), &rpb);
     if (rpb > dev::kStagedMaxRows) {
       return InvalidArgument("gemv: stage_rows: {} rows need {} per block (at most {})", p.out, rpb,
                              dev::kStagedMaxRows);

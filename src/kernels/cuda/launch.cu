@@ -14,6 +14,10 @@ bool SwitchOn(const char* name) {
   const char* v = std::getenv(name);
   return !(v != nullptr && std::string_view(v) == "0");
 }
+// Sets *out to max(lo, the variable's integer value) when the variable is set.
+void ReadInt(const char* name, int lo, int* out) {
+  if (const char* v = std::getenv(name)) *out = std::max(lo, std::atoi(v));
+}
 }  // namespace
 
 bool DependentLaunchEnabled() {
@@ -41,11 +45,11 @@ const DecodeExperiments& Experiments() {
       std::sscanf(v, "%d,%d", &x.moe_gate_up_variant, &x.moe_down_variant);
     }
     x.moe_down_loads_early = SwitchOn("DECODELAB_MOE_DOWN_EARLY");
-    if (const char* v = std::getenv("DECODELAB_OPROJ_STAGE_ROWS")) x.oproj_stage_rows = std::max(0, std::atoi(v));
+    ReadInt("DECODELAB_OPROJ_STAGE_ROWS", 0, &x.oproj_stage_rows);
     x.stream_gemv = SwitchOn("DECODELAB_STREAM_GEMV");
-    if (const char* v = std::getenv("DECODELAB_STREAM_RING_KB")) x.stream_ring_kb = std::max(1, std::atoi(v));
-    if (const char* v = std::getenv("DECODELAB_STREAM_STAGE_KB")) x.stream_stage_kb = std::max(1, std::atoi(v));
-    if (const char* v = std::getenv("DECODELAB_STREAM_PREFETCH_KB")) x.stream_prefetch_kb = std::max(0, std::atoi(v));
+    ReadInt("DECODELAB_STREAM_RING_KB", 1, &x.stream_ring_kb);
+    ReadInt("DECODELAB_STREAM_STAGE_KB", 1, &x.stream_stage_kb);
+    ReadInt("DECODELAB_STREAM_PREFETCH_KB", 0, &x.stream_prefetch_kb);
     return x;
   }();
   return e;

@@ -133,12 +133,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     NormWeights weight;
     if (fused) weight = LoadNormWeights(nm.weight, a.d);
     WaitForPrerequisites();
-    if (fused) {
-      const bool writer = blockIdx.x == 0;
-      BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, a.d, nm.eps,
-                      writer && nm.residual_out ? nm.residual_out + row : nullptr, writer ? nm.u_out + row : nullptr,
-                      reinterpret_cast<uint16_t*>(s_u));
-    }
+    if (fused) FusedNormRow(nm, row, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
   };
   {  // every warp runs this (a warp past E with a null row) so the block-wide norm is reached by all
     const bf16* rows[1] = {e < a.num_experts ? a.router_w + static_cast<size_t>(e) * a.d : nullptr};

@@ -100,6 +100,15 @@ __device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* de
   __syncthreads();  // u_smem complete for every thread
 }
 
+// A consumer's FusedInputNorm for the row at element offset `row`: u into u_smem (every block), and
+// from the writer block the updated residual and u where the norm names them.
+__device__ __forceinline__ void FusedNormRow(const FusedInputNorm& nm, size_t row, const NormWeights& weight, int n,
+                                             bool writer, uint16_t* u_smem) {
+  BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, n, nm.eps,
+                        writer && nm.residual_out ? nm.residual_out + row : nullptr,
+                        writer && nm.u_out ? nm.u_out + row : nullptr, u_smem);
+}
+
 // The launchers' check of a FusedInputNorm (set) for rows of width n; `op` names the consumer.
 inline Status CheckFusedInputNorm(const FusedInputNorm& norm, int n, const char* op) {
   if (!norm.weight) return InvalidArgument("{}: a fused input norm needs its weight", op);
