@@ -712,6 +712,42 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
   }
 }
 
+// Batch 1's streaming gate/up (TMA bulk copies through a ring) gives the register kernel's bits: a
+// small layer, XS.2's widths (d 2,048, F = Fs = 512) and one with Fs != F and k 4; the default ring, a
+// ring of two slots (every mbarrier phase reused) and one that holds everything; the down kernel's
+// weight loads before or after its wait.
+TEST(MoeGpu, StreamingGateUpMatchesRegisterKernel) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int E, k, d, F, Fs;
+  };
+  for (const Shape sh : {Shape{64, 8, 512, 128, 64}, Shape{16, 8, 2048, 512, 512}, Shape{32, 4, 1000, 256, 128}}) {
+    const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 5000, 502, 503);
+    auto d_x = Upload(RandomBf16(sh.d, 501));
+    auto d_y0 = Alloc(sh.d * 2), d_y1 = Alloc(sh.d * 2);
+    auto d_ws = Alloc(MoeWorkspaceBytes(sh.E, sh.k, sh.F, sh.Fs, 1)), d_counter = Alloc(4, 0);
+    MoeParams p = layer.Params(d_x.as<bf16>(), d_y0.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), 1);
+    p.gate_up_stream_ring_kb = 0;
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    const auto y0 = Download<bf16>(d_y0, sh.d);
+    const int two_slots_kb = 2 * 4 * sh.d * 2 * 2 / 1024 + 1;  // a slot: [2, 4, d] BF16
+    for (const int ring_kb : {128, two_slots_kb, 1024}) {
+      for (bool early : {true, false}) {
+        SCOPED_TRACE(testing::Message() << "d " << sh.d << " F " << sh.F << " Fs " << sh.Fs << " k " << sh.k
+                                        << " ring " << ring_kb << " KB, early " << early);
+        MoeParams q = p;
+        q.y = d_y1.as<bf16>();
+        q.gate_up_stream_ring_kb = ring_kb;
+        q.down_loads_early = early;
+        ASSERT_OK(Moe(q, nullptr));
+        Sync();
+        EXPECT_EQ(Download<bf16>(d_y1, sh.d), y0);
+      }
+    }
+  }
+}
+
 // Every kernel-shape variant of the expert kernels (occupancy, loads in flight), with the down kernel's weight loads before or after its wait: same bits.
 TEST(MoeGpu, KernelVariantsAreBitIdentical) {
   SKIP_WITHOUT_GPU();

@@ -9,10 +9,12 @@
 // pointers into the workspace, and kernels 2 and 3 read those. Batch 1 is memory-bound: the point of
 // the layout is enough 16-byte loads in flight per SM (~64 KB) to keep HBM busy, with FMAs in the
 // reference's per-lane order.
+#include <algorithm>
 #include <array>
 #include <iterator>
 #include <utility>
 
+#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -358,6 +360,136 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
   }
 }
 
+// ---- Streaming gate/up (MoeParams::gate_up_stream_ring_kb): batch 1. Work in units of kGuRows rows
+// f0 .. f0 + 3 of one slot: those rows of its gate and of its up matrix, two bulk copies into one
+// ring slot. The shared expert's units go round-robin over the blocks (each block's first, copied
+// before the PDL wait: they need no router), the routed units in contiguous runs (slot-major, so
+// mostly one expert's consecutive rows). The producer warp waits for the router before its first
+// routed unit and then loads all 2k expert pointers at once. Consumers: warp w computes row w / 2 of
+// matrix w % 2 (gate, up) with MoeGateUpKernel's lane order, warp sum and roundings; after a
+// barrier of the 8 warps, kGuRows threads write h = bf16(bf16(silu(g)) * u): the same bits.
+// Shared memory: [2 x kGuMaxSlots] mbarriers | ring [slots][2][kGuRows][d] BF16 | x [d] BF16 |
+// g, u [2][kGuRows][2] FP32.
+constexpr int kGuRows = kMoeWarps / 2;
+constexpr int kGuMaxSlots = 16;
+struct MoeGateUpStreamGeometry {
+  int grid = 0, shared_units = 0, routed_units = 0, routed_per_block = 0, slots = 0;
+  size_t slot_bytes = 0, ring_off = 0, x_off = 0, gu_off = 0, smem = 0;
+};
+inline MoeGateUpStreamGeometry GateUpStreamGeometry(int d, int ffn, int shared_ffn, int top_k, int ring_kb, int sms) {
+  MoeGateUpStreamGeometry g;
+  if (ring_kb <= 0 || sms < 1 || top_k < 1 || top_k > kMoeMaxTopK || ffn % kGuRows || shared_ffn % kGuRows) return g;
+  g.shared_units = shared_ffn / kGuRows;
+  g.routed_units = top_k * (ffn / kGuRows);
+  g.routed_per_block = (g.routed_units + sms - 1) / sms;
+  g.grid = (g.routed_units + g.routed_per_block - 1) / g.routed_per_block;
+  const int units_per_block = g.routed_per_block + (g.shared_units + g.grid - 1) / g.grid;
+  g.slot_bytes = 2 * kGuRows * static_cast<size_t>(d) * sizeof(uint16_t);
+  const int slots = std::min<int>({units_per_block, kGuMaxSlots, static_cast<int>(static_cast<size_t>(ring_kb) * 1024 / g.slot_bytes)});
+  if (slots < std::min(2, units_per_block)) return MoeGateUpStreamGeometry{};
+  g.ring_off = (2 * kGuMaxSlots * sizeof(uint64_t) + 127) / 128 * 128;
+  g.x_off = g.ring_off + slots * g.slot_bytes;
+  g.gu_off = g.x_off + (static_cast<size_t>(d) * sizeof(uint16_t) + 15) / 16 * 16;
+  g.smem = g.gu_off + 2 * kGuRows * 2 * sizeof(float);
+  if (g.smem > 227 * 1024) return MoeGateUpStreamGeometry{};
+  g.slots = slots;
+  return g;
+}
+
+__global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel(MoeParams a, MoeGateUpStreamGeometry g) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  // With down_loads_early the trigger follows each consumer's own wait (the down kernel reads the
+  // router's pointers before its wait; see MoeGateUpKernel); otherwise it comes first.
+  if (!a.down_loads_early) AllowDependents();
+  extern __shared__ __align__(128) unsigned char s_gu_stream[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_gu_stream);
+  uint64_t* empty = full + kGuMaxSlots;
+  unsigned char* ring = s_gu_stream + g.ring_off;
+  uint4* s_x = reinterpret_cast<uint4*>(s_gu_stream + g.x_off);
+  float* s_gu = reinterpret_cast<float*>(s_gu_stream + g.gu_off);  // [2][kGuRows][2]
+  __shared__ const bf16* s_expert[2 * kMoeMaxTopK];                 // gate pointers, then up
+  const MoeWs ws = MoeWorkspace(a, 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int k = a.top_k, n8 = a.d / 8;
+  const int b = blockIdx.x;
+  const int n_shared = b < g.shared_units ? (g.shared_units - b + g.grid - 1) / g.grid : 0;
+  const int r_begin = b * g.routed_per_block, r_end = min(g.routed_units, r_begin + g.routed_per_block);
+  const int n_units = n_shared + max(0, r_end - r_begin);
+  const int units_per_slot = a.ffn / kGuRows;
+  // Unit i of this block: its slot j (k = the shared expert) and first row.
+  auto unit = [&](int i, int* j, int* f0) {
+    if (i < n_shared) {
+      *j = k, *f0 = (b + i * g.grid) * kGuRows;
+    } else {
+      const int u = r_begin + i - n_shared;
+      *j = u / units_per_slot, *f0 = (u % units_per_slot) * kGuRows;
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < g.slots; ++i) {
+      MbarInit(full + i, 2);  // two copies (gate rows, up rows), each arriving with its bytes
+      MbarInit(empty + i, kMoeWarps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+  if (warp == kMoeWarps) {  // the producer warp; lane 0 issues
+    bool have_pointers = false;
+    const uint32_t bytes = kGuRows * static_cast<uint32_t>(a.d) * sizeof(uint16_t);
+    for (int i = 0; i < n_units; ++i) {
+      int j, f0;
+      unit(i, &j, &f0);
+      if (j < k && !have_pointers) {  // the first routed unit: the router must have completed
+        WaitForGrid();
+        for (int q = lane; q < 2 * k; q += 32) s_expert[q] = LoadPointerFromL2(&ws.rows[q]);
+        __syncwarp();
+        have_pointers = true;
+      }
+      if (lane == 0) {
+        const int slot = i % g.slots, use = i / g.slots;
+        if (use > 0) MbarWait(empty + slot, (use - 1) & 1);
+        const bf16* gate = j == k ? a.shared_gate_w : s_expert[j];
+        const bf16* up = j == k ? a.shared_up_w : s_expert[k + j];
+        unsigned char* dst = ring + slot * g.slot_bytes;
+        BulkCopyToShared(dst, gate + static_cast<size_t>(f0) * a.d, bytes, full + slot);
+        BulkCopyToShared(dst + bytes, up + static_cast<size_t>(f0) * a.d, bytes, full + slot);
+      }
+    }
+    return;
+  }
+  WaitForPrerequisites();
+  if (a.down_loads_early) AllowDependents();
+  for (int c = threadIdx.x; c < n8; c += kMoeWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
+  ConsumerSync<kMoeWarps>();
+  const int row = warp >> 1, mat = warp & 1;
+  for (int i = 0; i < n_units; ++i) {
+    int j, f0;
+    unit(i, &j, &f0);
+    const int slot = i % g.slots, use = i / g.slots;
+    MbarWait(full + slot, use & 1);
+    const uint4* w_row = reinterpret_cast<const uint4*>(ring + slot * g.slot_bytes) + (mat * kGuRows + row) * n8;
+    float acc = 0.0f;
+    for (int c = lane; c < n8; c += 32) {
+      float rf[8], xf[8];
+      Bf16x8ToFloat(w_row[c], rf);
+      Bf16x8ToFloat(s_x[c], xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(rf[e], xf[e], acc);
+    }
+    const float v = RoundBf16(WarpSum(acc));
+    float* gu = s_gu + (i & 1) * kGuRows * 2;  // two buffers: the next unit's writes need no second barrier
+    if (lane == 0) gu[row * 2 + mat] = v;
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty + slot);
+    ConsumerSync<kMoeWarps>();
+    if (threadIdx.x < kGuRows) {
+      const float gv = gu[threadIdx.x * 2], uv = gu[threadIdx.x * 2 + 1];
+      const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+      ws.h[static_cast<size_t>(j) * ws.h_stride + f0 + threadIdx.x] = FloatToBf16Bits(act * uv);
+    }
+  }
+}
+
 // The instantiation of variant v (index into the shape tables above).
 using MoeKernelFn = void (*)(MoeParams);
 template <size_t... I>
@@ -418,9 +550,17 @@ Status Moe(const MoeParams& p, Stream stream) {
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
+  const dev::MoeGateUpStreamGeometry gu =
+      T == 1 && p.gate_up_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()
+          ? dev::GateUpStreamGeometry(p.d, p.ffn, p.shared_ffn, p.top_k, p.gate_up_stream_ring_kb, dev::SmCount())
+          : dev::MoeGateUpStreamGeometry{};
+  if (gu.slots > 0) {
+    dev::LaunchDependentSmem(dev::MoeGateUpStreamKernel, dim3(gu.grid), dim3((dev::kMoeWarps + 1) * 32), gu.smem, s, p, gu);
+  } else {
   dev::LaunchDependent(dev::kGateUpKernels[p.gate_up_variant],
                        dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads),
                        s, p);
+  }
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
   const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
   dev::LaunchDependent(dev::kDownKernels[p.down_variant], dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
