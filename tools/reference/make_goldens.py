@@ -173,6 +173,20 @@ CONFIGS = {
     },
 }
 
+# tiny's config with routing that has no near-ties by construction: every sparse layer's correction
+# biases put a seeded choice of top_k experts ROUTING_SEPARATION above the rest, more than the sigmoid
+# scores (0..1) plus the bias noise can bridge, so the k-th and (k+1)-th biased scores differ by > 2.
+# The selection is then the same for every token (the routing weights still vary), and an exact
+# teacher-forced comparison in BF16 (issue 3, item 5: every step with a top-2 margin >= 3e-2) checks
+# everything else; the other configs keep the near-ties of random routing.
+ROUTING_SEPARATION = 2.0
+CONFIGS["tiny_fixed_routing"] = {
+    "save_dtype": "bfloat16",
+    "weight_seed": 4004,
+    "separate_top_k": True,
+    "config": copy.deepcopy(CONFIGS["tiny"]["config"]),
+}
+
 # Features each config must exercise (checked statically, so an edit cannot silently drop them).
 EXPECTED_FEATURES = {
     "tiny_softcap": lambda c: (c["moe_router_logit_softcapping"] > 0
@@ -498,8 +512,9 @@ def classify(name, shape, d):
     raise GoldenError(f"state-dict tensor {name} {shape} has no randomisation rule (new parameter kind?)")
 
 
-def overwrite_weights(torch, model, c, seed):
-    """Overwrites EVERY state-dict tensor with seeded values rounded to BF16 (kept in the model dtype)."""
+def overwrite_weights(torch, model, c, seed, separate_top_k=False):
+    """Overwrites EVERY state-dict tensor with seeded values rounded to BF16 (kept in the model dtype).
+    separate_top_k: correction biases of +-ROUTING_SEPARATION around a seeded top_k (see CONFIGS)."""
     d = c["hidden_size"]
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
@@ -511,6 +526,16 @@ def overwrite_weights(torch, model, c, seed):
             shape = tuple(t.shape)
             kind, mean, std = classify(name, shape, d)
             vals = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+            if separate_top_k and kind == "correction_bias":
+                top = torch.randperm(shape[0], generator=gen)[: c["num_experts_per_tok"]]
+                sep = torch.full(shape, -ROUTING_SEPARATION / 2)
+                sep[top] = ROUTING_SEPARATION / 2
+                vals = vals + sep
+                ranked = torch.sort(vals.to(torch.bfloat16).float(), descending=True).values
+                k = c["num_experts_per_tok"]
+                require(float(ranked[k - 1] - ranked[k]) > 1.0 + 1e-3,
+                        f"{name}: top-{k} bias gap {float(ranked[k - 1] - ranked[k]):.3g} does not exceed "
+                        "the sigmoid range")
             t.data.copy_(vals.to(torch.bfloat16).to(t.dtype))
             counts[kind] = counts.get(kind, 0) + 1
     # What random init would have left degenerate must now be non-degenerate.
@@ -892,7 +917,7 @@ def run_config(name, spec, out_root, args, mods, versions):
     verify_structure(model, c, f"{name} in-memory")
     for p in model.parameters():
         require(p.dtype == torch.float32, f"in-memory parameter dtype {p.dtype}")
-    counts = overwrite_weights(torch, model, c, spec["weight_seed"])
+    counts = overwrite_weights(torch, model, c, spec["weight_seed"], spec.get("separate_top_k", False))
     log(f"  overwrote state dict: {counts}")
     buffers = [n for n, _ in model.named_buffers()]
     log(f"  buffers (not in the state dict unless persistent): {buffers}")
