@@ -171,6 +171,10 @@ struct MoeParams {
   // has completed by then: routed gate/up blocks let the down kernel launch only after their own
   // wait). Off: it waits first and only warms L2 with the shared expert's rows. Same bits either way.
   bool down_loads_early = true;
+  // The router's blocks copy the [E] gate/up/down pointer tables into shared memory before their PDL
+  // wait, so the block that selects the experts writes their pointers without one more dependent L2
+  // round trip. Same result either way.
+  bool router_stages_pointers = true;
   // Batch 1: gate/up streams its weights through a ring of this many KB of shared memory (TMA bulk
   // copies, like GemvParams::streaming), in units of 4 rows of one slot's gate and up
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
@@ -214,6 +218,7 @@ struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int moe_gate_up_stream_ring_kb = 128;               // DECODELAB_MOE_GATE_UP_STREAM_KB (MoeParams; 0 = off)
+  bool moe_router_stages_pointers = true;             // DECODELAB_MOE_ROUTER_POINTERS=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
   // Batch-1 dense GEMVs through the streaming kernel (GemvParams::streaming): DECODELAB_STREAM_GEMV=0
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.

@@ -530,6 +530,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.gate_up_variant = exp.moe_gate_up_variant, mp.down_variant = exp.moe_down_variant;
       mp.down_loads_early = exp.moe_down_loads_early;
       mp.gate_up_stream_ring_kb = exp.moe_gate_up_stream_ring_kb;
+      mp.router_stages_pointers = exp.moe_router_stages_pointers;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -714,6 +715,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"oproj_stage_rows", std::to_string(exp.oproj_stage_rows)},
           {"moe_down_early", exp.moe_down_loads_early ? "1" : "0"},
           {"moe_gate_up_stream_kb", std::to_string(exp.moe_gate_up_stream_ring_kb)},
+          {"moe_router_pointers", exp.moe_router_stages_pointers ? "1" : "0"},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,
                                                         exp.stream_prefetch_kb)

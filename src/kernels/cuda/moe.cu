@@ -119,7 +119,11 @@ struct WaitForEarlierKernels {
 
 // Grid (ceil(E / 8), T). With a fused input norm, dynamic shared memory holds token t's u2 ([d] BF16),
 // computed by every block of the token after its router-row loads are issued; block (0, t) writes it
-// to x for the expert kernels, and the updated residual.
+// to x for the expert kernels, and the updated residual. With router_stages_pointers it then holds the
+// [3][E] expert pointer tables (gate, up, down), copied before the wait (they never change).
+__host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a) {
+  return a.norm.residual ? (static_cast<size_t>(a.d) * sizeof(uint16_t) + 15) / 16 * 16 : 0;
+}
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
   AllowDependents();
@@ -128,6 +132,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int e = blockIdx.x * kMoeWarps + warp;
   extern __shared__ uint4 s_u[];
+  const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a));
+  if (a.router_stages_pointers) {
+    for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
+      s_ptr[i] = a.gate_w[i], s_ptr[a.num_experts + i] = a.up_w[i], s_ptr[2 * a.num_experts + i] = a.down_w[i];
+    }
+  }
   const FusedInputNorm& nm = a.norm;
   const bool fused = nm.residual != nullptr;
   const size_t row = static_cast<size_t>(t) * a.d;
@@ -213,9 +223,10 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   // scores in slot order (the reference's sum, the same in every thread).
   if (threadIdx.x < a.top_k) {
     const int j = threadIdx.x, e = s_sel[j];
-    ws.rows[j] = a.gate_w[e];
-    ws.rows[a.top_k + j] = a.up_w[e];
-    ws.rows[2 * a.top_k + j] = a.down_w[e];
+    const bool staged = a.router_stages_pointers;  // s_ptr complete: __syncthreads since the copy
+    ws.rows[j] = staged ? s_ptr[e] : a.gate_w[e];
+    ws.rows[a.top_k + j] = staged ? s_ptr[E + e] : a.up_w[e];
+    ws.rows[2 * a.top_k + j] = staged ? s_ptr[2 * E + e] : a.down_w[e];
     float sum = 0.0f;
     for (int i = 0; i < a.top_k; ++i) sum += s_score[s_sel[i]];
     const float w = RoundBf16(s_score[e] / sum);
@@ -545,7 +556,8 @@ Status Moe(const MoeParams& p, Stream stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
   const int T = p.num_tokens;
-  const size_t router_smem = p.norm.residual ? static_cast<size_t>(p.d) * sizeof(uint16_t) : 0;
+  const size_t router_smem =
+      dev::RouterPointerTableOffset(p) + (p.router_stages_pointers ? 3 * sizeof(void*) * p.num_experts : 0);
   dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
