@@ -176,6 +176,9 @@ struct MoeParams {
   // memory round trip (measured −0.05 ms per token on XS.2: likely a DRAM miss, the tables being read
   // once per step). Same result either way.
   bool router_stages_pointers = true;
+  // The same for the [E] correction biases, which the selecting block otherwise reads from global
+  // memory next to the logits (NOT measured yet: wip/router-bias).
+  bool router_stages_bias = true;
   // Batch 1: gate/up streams its weights through a ring of this many KB of shared memory (TMA bulk
   // copies, like GemvParams::streaming), in units of 4 rows of one slot's gate and up
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
@@ -220,6 +223,7 @@ struct DecodeExperiments {
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int moe_gate_up_stream_ring_kb = 128;               // DECODELAB_MOE_GATE_UP_STREAM_KB (MoeParams; 0 = off)
   bool moe_router_stages_pointers = true;             // DECODELAB_MOE_ROUTER_POINTERS=0 turns it off
+  bool moe_router_stages_bias = true;                 // DECODELAB_MOE_ROUTER_BIAS=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
   // Batch-1 dense GEMVs through the streaming kernel (GemvParams::streaming): DECODELAB_STREAM_GEMV=0
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.

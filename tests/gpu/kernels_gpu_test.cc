@@ -715,7 +715,8 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
 // Batch 1's streaming gate/up (TMA bulk copies through a ring) gives the register kernel's bits: a
 // small layer, XS.2's widths (d 2,048, F = Fs = 512) and one with Fs != F and k 4; the default ring, a
 // ring of two slots (every mbarrier phase reused) and one that holds everything; the down kernel's
-// weight loads before or after its wait; the reference run without the router's staged pointer table.
+// weight loads before or after its wait; the reference run without the router's staged pointer table
+// and biases.
 TEST(MoeGpu, StreamingGateUpMatchesRegisterKernel) {
   SKIP_WITHOUT_GPU();
   struct Shape {
@@ -728,7 +729,8 @@ TEST(MoeGpu, StreamingGateUpMatchesRegisterKernel) {
     auto d_ws = Alloc(MoeWorkspaceBytes(sh.E, sh.k, sh.F, sh.Fs, 1)), d_counter = Alloc(4, 0);
     MoeParams p = layer.Params(d_x.as<bf16>(), d_y0.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), 1);
     p.gate_up_stream_ring_kb = 0;
-    p.router_stages_pointers = false;  // the reference also reads the expert pointers from global memory
+    p.router_stages_pointers = false;  // the reference also reads the expert pointers and biases from
+    p.router_stages_bias = false;      // global memory
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     const auto y0 = Download<bf16>(d_y0, sh.d);

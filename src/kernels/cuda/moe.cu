@@ -120,9 +120,16 @@ struct WaitForEarlierKernels {
 // Grid (ceil(E / 8), T). With a fused input norm, dynamic shared memory holds token t's u2 ([d] BF16),
 // computed by every block of the token after its router-row loads are issued; block (0, t) writes it
 // to x for the expert kernels, and the updated residual. With router_stages_pointers it then holds the
-// [3][E] expert pointer tables (gate, up, down), copied before the wait (they never change).
+// [3][E] expert pointer tables (gate, up, down), and with router_stages_bias the [E] correction biases
+// as FP32, all copied before the wait (they never change).
 __host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a) {
   return a.norm.residual ? (static_cast<size_t>(a.d) * sizeof(uint16_t) + 15) / 16 * 16 : 0;
+}
+__host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a) {
+  return RouterPointerTableOffset(a) + (a.router_stages_pointers ? 3 * sizeof(void*) * a.num_experts : 0);
+}
+__host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a) {
+  return RouterBiasOffset(a) + (a.router_stages_bias ? sizeof(float) * a.num_experts : 0);
 }
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
@@ -133,10 +140,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   const int e = blockIdx.x * kMoeWarps + warp;
   extern __shared__ uint4 s_u[];
   const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a));
-  if (a.router_stages_pointers) {
-    for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
+  float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a));
+  for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
+    if (a.router_stages_pointers) {
       s_ptr[i] = a.gate_w[i], s_ptr[a.num_experts + i] = a.up_w[i], s_ptr[2 * a.num_experts + i] = a.down_w[i];
     }
+    if (a.router_stages_bias) s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
   }
   const FusedInputNorm& nm = a.norm;
   const bool fused = nm.residual != nullptr;
@@ -187,7 +196,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
       float z = __ldcg(&ws.logits[i]);
       if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
       const float sc = 1.0f / (1.0f + expf(-z));
-      b = sc + Bf16BitsToFloat(a.router_bias[i]);
+      // s_bias was filled before the wait; the ticket's barriers order it before this read.
+      b = sc + (a.router_stages_bias ? s_bias[i] : Bf16BitsToFloat(a.router_bias[i]));
       if (isnan(b)) b = -INFINITY;
       s_score[i] = sc;
     }
@@ -556,8 +566,7 @@ Status Moe(const MoeParams& p, Stream stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
   const int T = p.num_tokens;
-  const size_t router_smem =
-      dev::RouterPointerTableOffset(p) + (p.router_stages_pointers ? 3 * sizeof(void*) * p.num_experts : 0);
+  const size_t router_smem = dev::RouterSharedBytes(p);
   dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
