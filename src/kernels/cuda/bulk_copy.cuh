@@ -1,6 +1,7 @@
 // Producer/consumer pieces for kernels that stream weights through shared memory with TMA bulk
 // copies (sm_90): the device facts that decide whether they apply, mbarriers with transaction
-// counts, the bulk copy itself, and a barrier over the consumer warps only.
+// counts, the bulk copy itself, a ring's layout and set-up, the consumers' dot over a row in shared
+// memory, and a barrier over the consumer warps only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,6 +75,42 @@ __device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uin
       ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(bar)), "l"(policy)
       : "memory");
 #endif
+}
+// sm_90's limit on one block's shared memory, dynamic included.
+constexpr size_t kMaxBlockSmem = 227 * 1024;
+// Where a ring of bulk-copy slots starts after its header of 2 x max_slots mbarriers (full ones, then
+// empty ones): 128-byte aligned, like the copies' destinations.
+constexpr size_t RingOffset(int max_slots) {
+  return (2 * static_cast<size_t>(max_slots) * sizeof(uint64_t) + 127) / 128 * 128;
+}
+// Every thread of the block calls this: thread 0 initialises `slots` pairs of mbarriers, full[i]
+// expecting `copies` arrivals (one per bulk copy into slot i, each with its bytes) and empty[i]
+// `consumer_warps` (one per consumer warp done with the slot), and fences them for the async proxy;
+// then the block synchronises.
+__device__ __forceinline__ void InitRing(uint64_t* full, uint64_t* empty, int slots, uint32_t copies,
+                                         uint32_t consumer_warps) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < slots; ++i) {
+      MbarInit(full + i, copies);
+      MbarInit(empty + i, consumer_warps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+}
+// A consumer lane's part of the dot of a BF16 row and x, both in shared memory: 16-byte chunks
+// c = begin + lane, begin + lane + 32, ... below end, FP32 FMAs in chunk and element order (the
+// register kernels' per-lane order, so a warp sum of it gives their bits).
+__device__ __forceinline__ float LaneDotShared(const uint4* w_row, const uint4* x, int begin, int end, int lane) {
+  float acc = 0.0f;
+  for (int c = begin + lane; c < end; c += 32) {
+    float wf[8], xf[8];
+    Bf16x8ToFloat(w_row[c], wf);
+    Bf16x8ToFloat(x[c], xf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+  }
+  return acc;
 }
 // Named barrier 1 over the first kWarps warps only (a producer warp after them may have left).
 template <int kWarps>

@@ -201,7 +201,6 @@ struct GemvStreamGeometry {
   size_t ring_off = 0, x_off = 0, part_off = 0, smem = 0;
   size_t prefetch_bytes = 0;  // the stages that fit in it are copied before the PDL wait
 };
-constexpr size_t kStreamMaxSmem = 227 * 1024;
 constexpr int kStreamMaxStages = 32;
 
 // One block per SM owning consecutive rows: rows per block (set) and the grid.
@@ -228,11 +227,11 @@ inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage
   int stages = static_cast<int>(static_cast<size_t>(std::max(ring_kb, 1)) * 1024 / stage_bytes);
   stages = std::min({stages, needed, kStreamMaxStages});
   if (stages < std::min(2, needed)) return g;
-  g.ring_off = (2 * kStreamMaxStages * 8 + 127) / 128 * 128;  // after the mbarriers
+  g.ring_off = RingOffset(kStreamMaxStages);
   g.x_off = g.ring_off + stages * stage_bytes;
   g.part_off = g.x_off + (row_bytes + 15) / 16 * 16;
   g.smem = g.part_off + static_cast<size_t>(g.rpb) * g.ks * sizeof(float);
-  if (g.smem > kStreamMaxSmem) return GemvStreamGeometry{};
+  if (g.smem > kMaxBlockSmem) return GemvStreamGeometry{};
   g.stages = stages;
   return g;
 }
@@ -252,14 +251,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
   const int r0 = blockIdx.x * g.rpb;
   const int rows = max(0, min(g.rpb, a.out - r0));
   const int n_stages = (rows + g.stage_rows - 1) / g.stage_rows;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < g.stages; ++i) {
-      MbarInit(full + i, 1);
-      MbarInit(empty + i, kGemvWarps);
-    }
-    FenceBarrierInit();
-  }
-  __syncthreads();
+  InitRing(full, empty, g.stages, 1, kGemvWarps);
   if (warp == kGemvWarps) {  // the producer
     if (lane == 0) {
       const uint4* src = reinterpret_cast<const uint4*>(a.w) + static_cast<size_t>(r0) * n8;
@@ -290,16 +282,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
     const uint4* st = ring + slot * stage_chunks;
     for (int r = warp / ks; r < stage_rows; r += group) {
-      const uint4* w_row = st + static_cast<size_t>(r) * n8;
-      float acc = 0.0f;
-      for (int c = lo + lane; c < hi; c += 32) {
-        float wf[8], xf[8];
-        Bf16x8ToFloat(w_row[c], wf);
-        Bf16x8ToFloat(s_x[c], xf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
-      }
-      const float v = WarpSum(acc);
+      const float v = WarpSum(LaneDotShared(st + static_cast<size_t>(r) * n8, s_x, lo, hi, lane));
       if (lane == 0) s_part[(s * g.stage_rows + r) * ks + slice] = v;
     }
     __syncwarp();
@@ -417,9 +400,9 @@ bool GemvStreamSupported(int out, int in, int ring_kb, int stage_kb) {
 }
 
 int GemvMaxStageRows(int in) {
-  // 227 KB of shared memory per block on sm_90, less the kernel's own 2 KB and room for a block of
-  // the attention kernel beside it on the same SM (its 24 KB with an FP8 cache).
-  constexpr int kBudget = (227 - 2 - 25) * 1024;
+  // A block's shared memory on sm_90, less the kernel's own 2 KB and room for a block of the attention
+  // kernel beside it on the same SM (its 24 KB with an FP8 cache).
+  constexpr int kBudget = static_cast<int>(dev::kMaxBlockSmem) - (2 + 25) * 1024;
   return in > 0 ? std::min(dev::kStagedMaxRows, kBudget / (in * 2)) : 0;
 }
 

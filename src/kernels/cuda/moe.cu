@@ -408,11 +408,11 @@ inline MoeGateUpStreamGeometry GateUpStreamGeometry(int d, int ffn, int shared_f
   g.slot_bytes = 2 * kGuRows * static_cast<size_t>(d) * sizeof(uint16_t);
   const int slots = std::min<int>({units_per_block, kGuMaxSlots, static_cast<int>(static_cast<size_t>(ring_kb) * 1024 / g.slot_bytes)});
   if (slots < std::min(2, units_per_block)) return MoeGateUpStreamGeometry{};
-  g.ring_off = (2 * kGuMaxSlots * sizeof(uint64_t) + 127) / 128 * 128;
+  g.ring_off = RingOffset(kGuMaxSlots);
   g.x_off = g.ring_off + slots * g.slot_bytes;
   g.gu_off = g.x_off + (static_cast<size_t>(d) * sizeof(uint16_t) + 15) / 16 * 16;
   g.smem = g.gu_off + 2 * kGuRows * 2 * sizeof(float);
-  if (g.smem > 227 * 1024) return MoeGateUpStreamGeometry{};
+  if (g.smem > kMaxBlockSmem) return MoeGateUpStreamGeometry{};
   g.slots = slots;
   return g;
 }
@@ -446,14 +446,7 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
       *j = u / units_per_slot, *f0 = (u % units_per_slot) * kGuRows;
     }
   };
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < g.slots; ++i) {
-      MbarInit(full + i, 2);  // two copies (gate rows, up rows), each arriving with its bytes
-      MbarInit(empty + i, kMoeWarps);
-    }
-    FenceBarrierInit();
-  }
-  __syncthreads();
+  InitRing(full, empty, g.slots, 2, kMoeWarps);  // two copies per slot: gate rows, up rows
   if (warp == kMoeWarps) {  // the producer warp; lane 0 issues
     bool have_pointers = false;
     const uint32_t bytes = kGuRows * static_cast<uint32_t>(a.d) * sizeof(uint16_t);
@@ -489,15 +482,7 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
     const int slot = i % g.slots, use = i / g.slots;
     MbarWait(full + slot, use & 1);
     const uint4* w_row = reinterpret_cast<const uint4*>(ring + slot * g.slot_bytes) + (mat * kGuRows + row) * n8;
-    float acc = 0.0f;
-    for (int c = lane; c < n8; c += 32) {
-      float rf[8], xf[8];
-      Bf16x8ToFloat(w_row[c], rf);
-      Bf16x8ToFloat(s_x[c], xf);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(rf[e], xf[e], acc);
-    }
-    const float v = RoundBf16(WarpSum(acc));
+    const float v = RoundBf16(WarpSum(LaneDotShared(w_row, s_x, 0, n8, lane)));
     float* gu = s_gu + (i & 1) * kGuRows * 2;  // two buffers: the next unit's writes need no second barrier
     if (lane == 0) gu[row * 2 + mat] = v;
     __syncwarp();
