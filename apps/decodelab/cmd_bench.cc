@@ -183,7 +183,7 @@ int RunBench(const BenchFlags& f) {
         {"prefill_chunk", opts->prefill_chunk},
         {"graph", !f.no_graph},
         {"dependent_launch", describe.value("dependent_launch", false)},
-        {"fused_norm", describe.value("fused_norm", false)},
+        {"fused_norm", describe.value("fused_norm", std::string("0"))},
         {"ignore_eos", true}}}};
   std::printf("decodelab bench  commit %s  %s\n", BuildCommit().c_str(),
               gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
@@ -214,7 +214,7 @@ int RunBench(const BenchFlags& f) {
                 f.no_graph ? "launched one by one" : "one CUDA graph",
                 describe.value("dependent_launch", false) ? "programmatic dependent launch"
                                                           : "plain launches (DECODELAB_PDL=0)",
-                !describe.value("fused_norm", false) ? "separate norm kernels"
+                describe.value("fused_norm", std::string("0")) == "0" ? "separate norm kernels"
                 : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
                                                                         : "norm folded into the router only");
     if (describe.contains("stream_gemv")) {

@@ -110,7 +110,8 @@ struct GemvParams {
   // on: the streaming kernel (GemvStreamSupported): batch 1, one block per SM owns consecutive rows
   // (one contiguous stretch of W) and a producer warp copies them through a ring of shared-memory
   // stages with TMA bulk copies, the first prefetch_kb before the PDL wait, so HBM stays busy
-  // across block boundaries and the predecessor's tail. Same bits as the plain kernel.
+  // across block boundaries and the predecessor's tail. Same bits as the plain kernel. Takes a
+  // fused input norm (its consumers compute x from the residual row, once per block).
   struct Streaming {
     bool on = false;
     int ring_kb = 128;     // shared memory for the ring
@@ -207,12 +208,16 @@ Status Argmax(const ArgmaxParams& p, Stream stream);
 // environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
 bool DependentLaunchEnabled();
 // Which add + RMSNorm kernels the engine folds into their consumers (FusedInputNorm), from
-// DECODELAB_FUSED_NORM: "router" (default) only the one before the MoE router / dense MLP (32 router
-// blocks recompute it), "1" both of each layer, "0" none (A/B). Measured on XS.2 (docs/performance.md,
-// session 4): router 3.04 ms, both 3.15, none 3.11: before q/k/v/g every one of ~2,600 GEMV blocks
-// reads 12 KB from L2 for the norm, which costs more than the kernel boundary it removes. Reported by bench.
+// DECODELAB_FUSED_NORM: "stream" (default) the one before the MoE router / dense MLP (32 router
+// blocks recompute it) and the one before q/k/v/g where that GEMV streams (batch 1: one block per SM
+// recomputes it); "router" only the first; "1" both everywhere; "0" none (A/B). Measured on XS.2
+// (docs/performance.md, session 4, before the streaming GEMV): router 3.04 ms, both 3.15, none 3.11:
+// every one of the plain GEMV's ~2,600 blocks read 12 KB from L2 for the norm, which cost more than
+// the kernel boundary it removed. Reported by bench.
 struct FusedNormMode {
   bool before_attention = false, before_mlp = false;
+  bool before_streaming_attention = false;  // before q/k/v/g only where that GEMV streams
+  const char* name = "0";
 };
 FusedNormMode FusedNorm();
 bool FusedNormEnabled();  // any

@@ -64,6 +64,8 @@ struct CudaRunner::Impl {
   cuda::PinnedBuffer host_ids, host_positions, host_tables, host_logits, host_argmax;
   cuda::GraphExec decode_graph;
   int kernel_nodes = 0;
+  // Layers of the last batch-1 forward whose input norm was folded into the q/k/v/g GEMV (Describe).
+  int decode_norms_in_qkvg = -1;
   std::vector<std::string> layer_presets;
   bool fallback = false;
   std::vector<std::string> fallback_ops;
@@ -169,6 +171,12 @@ Result<cuda::DeviceBuffer> Zeroed(size_t count) {
   return b;
 }
 
+// Whether RunGemv takes the streaming kernel for this shape (GemvParams::streaming).
+bool GemvStreams(int out, int in, int tokens) {
+  const kernels::DecodeExperiments& exp = kernels::Experiments();
+  return exp.stream_gemv && tokens == 1 && kernels::GemvStreamSupported(out, in, exp.stream_ring_kb, exp.stream_stage_kb);
+}
+
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
 Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
               const kernels::FusedInputNorm& norm = {}, int stage_rows = 0) {
@@ -186,8 +194,7 @@ Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int token
   p.streaming.ring_kb = exp.stream_ring_kb;
   p.streaming.stage_kb = exp.stream_stage_kb;
   p.streaming.prefetch_kb = exp.stream_prefetch_kb;
-  p.streaming.on = exp.stream_gemv && tokens == 1 && norm.residual == nullptr && stage_rows == 0 &&
-                   kernels::GemvStreamSupported(out, in, exp.stream_ring_kb, exp.stream_stage_kb);
+  p.streaming.on = stage_rows == 0 && GemvStreams(out, in, tokens);
   return kernels::Gemv(p, s);
 }
 
@@ -408,6 +415,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.eps = eps;
     return kernels::AddRmsNorm(n, s);
   };
+  int norms_in_qkvg = 0;
   DL_RETURN_IF_ERROR(kernels::EmbedLookup({embed.as<bf16>(), ids.as<int32_t>(), res_buf[cur], T, d,
                                            static_cast<int>(c.vocab_size)}, s));
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -416,8 +424,10 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     const int group = L.sliding ? 1 : 0;
     const bf16* delta1 = l == 0 ? nullptr : delta.as<bf16>();
     kernels::FusedInputNorm norm1;
-    if (fuse.before_attention) {
+    if (fuse.before_attention ||
+        (fuse.before_streaming_attention && GemvStreams(static_cast<int>(L.qkvg_width), d, T))) {
       norm1 = fused_norm(delta1, L.input_norm, nullptr);  // u1 feeds only q/k/v/g
+      ++norms_in_qkvg;
     } else {
       DL_RETURN_IF_ERROR(separate_norm(delta1, L.input_norm));
     }
@@ -541,6 +551,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       DL_RETURN_IF_ERROR(RunGemv(L.down.as<bf16>(), hidden.as<bf16>(), delta.as<bf16>(), d, F, T, s));
     }
   }
+  if (T == 1) decode_norms_in_qkvg = norms_in_qkvg;
   kernels::AddRmsNormParams fin;
   fin.residual = res_buf[cur];
   fin.delta = delta.as<bf16>();
@@ -708,8 +719,9 @@ nlohmann::json CudaRunner::Describe() const {
           {"page_size", impl_->kv.page_size},
           {"graph", impl_->opt.use_graph},
           {"dependent_launch", kernels::DependentLaunchEnabled()},
-          {"fused_norm", fused.before_attention || fused.before_mlp},
-          {"fused_norm_before_attention", fused.before_attention},
+          {"fused_norm", fused.name},
+          // Measured on the last batch-1 forward (decode): "stream" folds it only where q/k/v/g streams.
+          {"fused_norm_before_attention", impl_->decode_norms_in_qkvg > 0},
           {"fused_norm_before_mlp", fused.before_mlp},
           {"skipped_ops", impl_->opt.skip_ops},
           {"moe_variant", fmt::format("{},{}", exp.moe_gate_up_variant, exp.moe_down_variant)},

@@ -480,11 +480,14 @@ TEST(GemvGpu, StreamMatchesPlainBitForBit) {
 
 // A norm folded into the GEMV (FusedInputNorm) gives the bits of AddRmsNorm followed by the GEMV: y,
 // the updated residual (written to the other buffer) and u; with 1 and 11 tokens (11 = two tiles),
-// with and without delta, and with the widest row the norm takes.
+// with and without delta, and with the widest row the norm takes; at one token also through the
+// streaming kernel (its consumer warps run the norm on their named barrier), with the decode step's
+// q/k/v/g shape, a small ring that reuses every slot, and the producer's wait at both ends.
 TEST(GemvGpu, FusedInputNormMatchesSeparateKernels) {
   SKIP_WITHOUT_GPU();
-  for (auto [out, in, T, with_delta] : {std::tuple{1000, 2048, 1, true}, std::tuple{1000, 2048, 11, true},
-                                        std::tuple{300, 2048, 3, false}, std::tuple{64, 8192, 2, true}}) {
+  for (auto [out, in, T, with_delta] :
+       {std::tuple{1000, 2048, 1, true}, std::tuple{1000, 2048, 11, true}, std::tuple{300, 2048, 3, false},
+        std::tuple{64, 8192, 2, true}, std::tuple{10304, 2048, 1, true}, std::tuple{700, 8192, 1, false}}) {
     SCOPED_TRACE(testing::Message() << out << "x" << in << " T " << T << " delta " << with_delta);
     auto w = RandomBf16(static_cast<size_t>(out) * in, 96, 0.05f);
     auto h = RandomBf16(static_cast<size_t>(T) * in, 97, 4.0f), dl = RandomBf16(static_cast<size_t>(T) * in, 98);
@@ -514,6 +517,25 @@ TEST(GemvGpu, FusedInputNormMatchesSeparateKernels) {
     EXPECT_EQ(Download<bf16>(d_h, static_cast<size_t>(T) * in), h) << "the input residual is never written";
     if (with_delta) {
       EXPECT_EQ(Download<bf16>(d_h_out, static_cast<size_t>(T) * in), Download<bf16>(d_h_sep, static_cast<size_t>(T) * in));
+    }
+    if (T != 1) continue;
+    for (auto [ring_kb, stage_kb, prefetch_kb] : {std::tuple{128, 32, 64}, std::tuple{32, 4, 0}, std::tuple{32, 4, 32}}) {
+      SCOPED_TRACE(testing::Message() << "streaming, ring " << ring_kb << " KB, stage " << stage_kb << " KB, prefetch "
+                                      << prefetch_kb << " KB");
+      ASSERT_TRUE(GemvStreamSupported(out, in, ring_kb, stage_kb));
+      auto d_y_st = Alloc(static_cast<size_t>(out) * 2), d_h_st = Alloc(static_cast<size_t>(in) * 2);
+      auto d_u_st = Alloc(static_cast<size_t>(in) * 2);
+      GemvParams st = fused;
+      st.y = d_y_st.as<bf16>();
+      st.norm.residual_out = with_delta ? d_h_st.as<bf16>() : nullptr;
+      st.norm.u_out = d_u_st.as<bf16>();
+      st.streaming = {true, ring_kb, stage_kb, prefetch_kb};
+      ASSERT_OK(Gemv(st, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y_st, out), Download<bf16>(d_y_sep, out));
+      EXPECT_EQ(Download<bf16>(d_u_st, in), Download<bf16>(d_u, in));
+      EXPECT_EQ(Download<bf16>(d_h, in), h) << "the input residual is never written";
+      if (with_delta) EXPECT_EQ(Download<bf16>(d_h_st, in), Download<bf16>(d_h_sep, in));
     }
   }
   // In place is refused: other blocks still read the residual.

@@ -196,6 +196,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParam
 // w / KS + 8 / KS, ... of each stage, with the plain kernel's per-lane chunk order, FMA sequence,
 // warp sum and slice order: the same bits. Shared memory: [2 * stages] mbarriers | ring [stages,
 // stage_rows, in] BF16 | x [in] BF16 | partial sums [rpb, KS] FP32.
+// kFusedNorm: the consumers compute x = the add + RMSNorm of the residual row (FusedInputNorm, the
+// norm kernel's code and bits) instead of copying it: with one block per SM that costs ~130 blocks
+// an 8 KB L2 read and a block reduction, less than the norm kernel's launch and release it replaces
+// (the plain GEMV's ~2,600 blocks lost that trade, session 4).
 struct GemvStreamGeometry {
   int ks = 1, stage_rows = 0, stages = 0, rpb = 0, grid = 0;
   size_t ring_off = 0, x_off = 0, part_off = 0, smem = 0;
@@ -236,6 +240,9 @@ inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage
   return g;
 }
 
+static_assert(kGemvWarps * 32 == kNormThreads, "the streaming GEMV's consumers run the fused norm");
+
+template <bool kFusedNorm>
 __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(GemvParams a, GemvStreamGeometry g) {
   DL_TIMELINE_SCOPE(kGemv);
   AllowDependents();
@@ -271,9 +278,15 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     }
     return;
   }
+  NormWeights norm_weight;
+  if constexpr (kFusedNorm) norm_weight = LoadNormWeights(a.norm.weight, a.in);  // constant: before the wait
   WaitForPrerequisites();
-  for (int c = threadIdx.x; c < n8; c += kGemvWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
-  ConsumerSync<kGemvWarps>();
+  if constexpr (kFusedNorm) {
+    FusedNormRow<true>(a.norm, 0, norm_weight, a.in, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_x));
+  } else {
+    for (int c = threadIdx.x; c < n8; c += kGemvWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
+    ConsumerSync<kGemvWarps>();
+  }
   const int ks = g.ks, group = kGemvWarps / ks;
   const int slice = warp % ks, per = n8 / ks, lo = slice * per, hi = lo + per;
   for (int s = 0; s < n_stages; ++s) {
@@ -344,15 +357,19 @@ Status Gemv(const GemvParams& params, Stream stream) {
     dev::GemvStreamGeometry g =
         dev::StreamGeometry(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb, dev::SmCount());
     g.prefetch_bytes = static_cast<size_t>(std::max(p.streaming.prefetch_kb, 0)) * 1024;
-    if (p.num_tokens != 1 || p.norm.residual || p.stage_rows > 0 || p.k_split != 0 || g.stages == 0 ||
-        !dev::DeviceHasBulkCopy() ||
+    if (p.num_tokens != 1 || p.stage_rows > 0 || p.k_split != 0 || g.stages == 0 || !dev::DeviceHasBulkCopy() ||
         reinterpret_cast<uintptr_t>(p.w) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
-      return InvalidArgument("gemv: streaming needs one token, no fused norm or staging, the default "
-                             "k_split, 16-byte aligned w and x and a shape whose two stages fit "
-                             "(GemvStreamSupported); got [{} x {}] x {} tokens, ring {} KB",
+      return InvalidArgument("gemv: streaming needs one token, no staging, the default k_split, 16-byte "
+                             "aligned w and x and a shape whose two stages fit (GemvStreamSupported); got "
+                             "[{} x {}] x {} tokens, ring {} KB",
                              p.out, p.in, p.num_tokens, p.streaming.ring_kb);
     }
-    dev::LaunchDependentSmem(dev::GemvStreamKernel, dim3(g.grid), dim3((dev::kGemvWarps + 1) * 32), g.smem, s, p, g);
+    const dim3 block((dev::kGemvWarps + 1) * 32);
+    if (p.norm.residual) {
+      dev::LaunchDependentSmem(dev::GemvStreamKernel<true>, dim3(g.grid), block, g.smem, s, p, g);
+    } else {
+      dev::LaunchDependentSmem(dev::GemvStreamKernel<false>, dim3(g.grid), block, g.smem, s, p, g);
+    }
     DL_KERNEL_LAUNCH_CHECK("gemv_stream");
     return Status::Ok();
   }

@@ -28,15 +28,27 @@ bool DependentLaunchEnabled() {
 FusedNormMode FusedNorm() {
   static const FusedNormMode mode = [] {
     const char* v = std::getenv("DECODELAB_FUSED_NORM");
-    const std::string_view s = v ? v : "router";
+    const std::string_view s = v ? v : "stream";
     FusedNormMode m;
-    m.before_mlp = s != "0";
-    m.before_attention = s != "0" && s != "router";
+    if (s == "0") return m;
+    m.before_mlp = true;
+    if (s == "router") {
+      m.name = "router";
+    } else if (s == "stream") {
+      m.before_streaming_attention = true;
+      m.name = "stream";
+    } else {
+      m.before_attention = true;
+      m.name = "1";
+    }
     return m;
   }();
   return mode;
 }
-bool FusedNormEnabled() { return FusedNorm().before_attention || FusedNorm().before_mlp; }
+bool FusedNormEnabled() {
+  const FusedNormMode m = FusedNorm();
+  return m.before_attention || m.before_streaming_attention || m.before_mlp;
+}
 
 const DecodeExperiments& Experiments() {
   static const DecodeExperiments e = [] {

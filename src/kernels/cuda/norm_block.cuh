@@ -3,6 +3,7 @@
 // thread-to-chunk map and the same reduction order everywhere, so every caller gets the same bits.
 #pragma once
 
+#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/device_utils.cuh"
 
 namespace dl::kernels::dev {
@@ -32,7 +33,9 @@ __device__ __forceinline__ NormWeights LoadNormWeights(const bf16* weight, int n
 // (shared). Every thread of the block must call it (it synchronises the block).
 // kStageInSmem (needs u_smem): h waits in u_smem between the two passes instead of in registers (h is
 // BF16 already, so the bits are the same), for callers with weight loads in flight in registers.
-template <bool kStageInSmem = false>
+// kConsumerBarrier: the 256 threads are a block's consumer warps with a producer warp after them (the
+// streaming kernels), so the block synchronises on their named barrier instead of __syncthreads.
+template <bool kStageInSmem = false, bool kConsumerBarrier = false>
 __device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* delta, const NormWeights& weight, int n,
                                                 float eps, bf16* h_out, bf16* u_out, uint16_t* u_smem) {
   constexpr int kHeld = kStageInSmem ? 1 : kNormMaxChunks;  // chunks of h kept in registers
@@ -69,10 +72,17 @@ __device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* de
     for (int e = 0; e < 8; ++e) ss = fmaf(xc[e], xc[e], ss);
   }
   __shared__ float s_warp[kNormThreads / 32];
+  auto sync = [] {
+    if constexpr (kConsumerBarrier) {
+      ConsumerSync<kNormThreads / 32>();
+    } else {
+      __syncthreads();
+    }
+  };
   ss = WarpSum(ss);
-  __syncthreads();  // s_warp may still be read by a previous call
+  sync();  // s_warp may still be read by a previous call
   if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = ss;
-  __syncthreads();
+  sync();
   float total = 0.0f;
 #pragma unroll
   for (int w = 0; w < kNormThreads / 32; ++w) total += s_warp[w];
@@ -97,14 +107,15 @@ __device__ __forceinline__ void BlockAddRmsNorm(const bf16* h_in, const bf16* de
     if (u_out) reinterpret_cast<uint4*>(u_out)[i] = v;
     if (u_smem) reinterpret_cast<uint4*>(u_smem)[i] = v;
   }
-  __syncthreads();  // u_smem complete for every thread
+  sync();  // u_smem complete for every thread
 }
 
 // A consumer's FusedInputNorm for the row at element offset `row`: u into u_smem (every block), and
 // from the writer block the updated residual and u where the norm names them.
+template <bool kConsumerBarrier = false>
 __device__ __forceinline__ void FusedNormRow(const FusedInputNorm& nm, size_t row, const NormWeights& weight, int n,
                                              bool writer, uint16_t* u_smem) {
-  BlockAddRmsNorm<true>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, n, nm.eps,
+  BlockAddRmsNorm<true, kConsumerBarrier>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, n, nm.eps,
                         writer && nm.residual_out ? nm.residual_out + row : nullptr,
                         writer && nm.u_out ? nm.u_out + row : nullptr, u_smem);
 }
