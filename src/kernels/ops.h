@@ -29,6 +29,7 @@ struct AddRmsNormParams {
   int rows = 1;
   int n = 0;
   float eps = 1e-6f;
+  bool prefetch_residual = true;  // as FusedInputNorm::prefetch_residual
 };
 Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 
@@ -44,6 +45,9 @@ struct FusedInputNorm {
   bf16* residual_out = nullptr;    // [T, n] bf16(residual + delta), or nullptr (not written)
   bf16* u_out = nullptr;           // [T, n] normalised rows, or nullptr (not written)
   float eps = 1e-6f;
+  // Warm L2 with the residual rows before the PDL wait (PrefetchBytesL2): written one or two
+  // phases earlier, they have usually left L2 by the time the norm reads them.
+  bool prefetch_residual = true;
 };
 
 // ---- 2. QK-norm + partial/YaRN RoPE + KV quantise/append ------------------------------------------
@@ -82,6 +86,12 @@ struct QkNormRopeAppendParams {
   float k_scale = 1.0f, v_scale = 1.0f;  // FP8 only
   const int32_t* block_table = nullptr;  // [max_pages] page ids of this sequence
   int page_size = 16;                    // P
+  // > 0: warm L2 before the PDL wait with what the kernel reads after it that no earlier kernel of
+  // the step writes: positions, norm weights, inv_freq and the first block_table_entries entries
+  // (PrefetchBytesL2; these are DRAM misses otherwise). Loads into registers there were slower
+  // (session 4: queued behind the q/k/v/g weight stream); a prefetch does not hold the thread.
+  int block_table_entries = 0;
+  bool prefetch_constants = true;
 };
 Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 
@@ -234,6 +244,9 @@ struct DecodeExperiments {
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
   bool stream_gemv = true;
   int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 64;
+  // Small data read right after a PDL wait warmed in L2 before it (FusedInputNorm::prefetch_residual,
+  // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
+  bool l2_prefetch = true;
 };
 const DecodeExperiments& Experiments();
 

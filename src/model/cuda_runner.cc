@@ -400,6 +400,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.residual_out = delta_in ? res_buf[cur ^ 1] : nullptr;  // no delta: the stream is unchanged
     n.u_out = u_out;
     n.eps = eps;
+    n.prefetch_residual = exp.l2_prefetch;
     if (delta_in) cur ^= 1;
     return n;
   };
@@ -413,6 +414,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.rows = T;
     n.n = d;
     n.eps = eps;
+    n.prefetch_residual = exp.l2_prefetch;
     return kernels::AddRmsNorm(n, s);
   };
   int norms_in_qkvg = 0;
@@ -461,6 +463,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     rp.v_scale = scales.v[l];
     rp.block_table = block_tables[group].as<int32_t>();
     rp.page_size = kv.page_size;
+    rp.prefetch_constants = exp.l2_prefetch;
+    rp.block_table_entries = max_pages;
     if (!Skips("rope")) DL_RETURN_IF_ERROR(kernels::QkNormRopeAppend(rp, s));
 
     kernels::AttentionParams ap;
@@ -560,6 +564,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
   fin.rows = T;
   fin.n = d;
   fin.eps = eps;
+  fin.prefetch_residual = exp.l2_prefetch;
   DL_RETURN_IF_ERROR(kernels::AddRmsNorm(fin, s));
   const int V = static_cast<int>(c.vocab_size);
   DL_RETURN_IF_ERROR(RunGemv(lm_head.as<bf16>(),
@@ -729,6 +734,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"moe_down_early", exp.moe_down_loads_early ? "1" : "0"},
           {"moe_gate_up_stream_kb", std::to_string(exp.moe_gate_up_stream_ring_kb)},
           {"moe_router_pointers", exp.moe_router_stages_pointers ? "1" : "0"},
+          {"l2_prefetch", exp.l2_prefetch ? "1" : "0"},
           {"moe_router_bias", exp.moe_router_stages_bias ? "1" : "0"},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,

@@ -48,7 +48,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   const FusedInputNorm& nm = a.norm;
   constexpr bool fused = kFusedNorm;
   NormWeights norm_weight;
-  if constexpr (fused) norm_weight = LoadNormWeights(nm.weight, a.in);
+  if constexpr (fused) {
+    norm_weight = LoadNormWeights(nm.weight, a.in);
+    PrefetchNormResidual(nm, static_cast<size_t>(t0) * a.in, a.in, nt, kGemvWarps * 32);
+  }
   WaitForPrerequisites();
   // x rows: given, or (fused norm) computed here while those loads are in flight.
   extern __shared__ uint4 s_x[];
@@ -279,7 +282,10 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     return;
   }
   NormWeights norm_weight;
-  if constexpr (kFusedNorm) norm_weight = LoadNormWeights(a.norm.weight, a.in);  // constant: before the wait
+  if constexpr (kFusedNorm) {  // before the wait: the weight is constant, the residual only warmed
+    norm_weight = LoadNormWeights(a.norm.weight, a.in);
+    PrefetchNormResidual(a.norm, 0, a.in, 1, kGemvWarps * 32);
+  }
   WaitForPrerequisites();
   if constexpr (kFusedNorm) {
     FusedNormRow<true>(a.norm, 0, norm_weight, a.in, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_x));

@@ -152,7 +152,10 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   const size_t row = static_cast<size_t>(t) * a.d;
   auto wait_then_norm = [&] {
     NormWeights weight;
-    if (fused) weight = LoadNormWeights(nm.weight, a.d);
+    if (fused) {
+      weight = LoadNormWeights(nm.weight, a.d);
+      PrefetchNormResidual(nm, row, a.d, 1, kMoeWarps * 32);
+    }
     WaitForPrerequisites();
     if (fused) FusedNormRow(nm, row, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
   };

@@ -11,8 +11,9 @@ __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParam
   DL_TIMELINE_SCOPE(kAddRmsNorm);
   AllowDependents();
   const NormWeights weight = LoadNormWeights(a.weight, a.n);
-  WaitForPrerequisites();
   const size_t row = static_cast<size_t>(blockIdx.x) * a.n;
+  if (a.prefetch_residual) PrefetchBytesL2(a.residual + row, static_cast<size_t>(a.n) * 2, threadIdx.x, kNormThreads);
+  WaitForPrerequisites();
   const bf16* delta = a.delta ? a.delta + row : nullptr;
   BlockAddRmsNorm(a.residual + row, delta, weight, a.n, a.eps, delta ? a.residual + row : nullptr, a.out + row,
                   nullptr);

@@ -120,6 +120,13 @@ __device__ __forceinline__ void FusedNormRow(const FusedInputNorm& nm, size_t ro
                         writer && nm.u_out ? nm.u_out + row : nullptr, u_smem);
 }
 
+// Before the PDL wait, in a consumer of a FusedInputNorm: warm L2 with the rows [row, row + n * rows)
+// of the residual (FusedInputNorm::prefetch_residual), this block's threads in turn.
+__device__ __forceinline__ void PrefetchNormResidual(const FusedInputNorm& nm, size_t row, int n, int rows,
+                                                     int threads) {
+  if (nm.prefetch_residual) PrefetchBytesL2(nm.residual + row, static_cast<size_t>(n) * rows * 2, threadIdx.x, threads);
+}
+
 // The launchers' check of a FusedInputNorm (set) for rows of width n; `op` names the consumer.
 inline Status CheckFusedInputNorm(const FusedInputNorm& norm, int n, const char* op) {
   if (!norm.weight) return InvalidArgument("{}: a fused input norm needs its weight", op);

@@ -16,7 +16,16 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
   AllowDependents();
   // Everything after the wait, including the constant loads and cos/sin: loading them before it was
   // measured slower (rope 4.8 -> 9.2 us exposed per layer), because then they queue behind the
-  // q/k/v/g GEMV's weight stream (docs/performance.md, session 4).
+  // q/k/v/g GEMV's weight stream (docs/performance.md, session 4). Only warming L2 with them happens
+  // before it (QkNormRopeAppendParams::prefetch_constants): a prefetch does not hold the thread.
+  if (a.prefetch_constants && blockIdx.y == 0) {
+    const int lanes = kRopeWarps * 32;
+    if (a.positions) PrefetchBytesL2(a.positions, sizeof(int32_t) * a.num_tokens, threadIdx.x, lanes);
+    PrefetchBytesL2(a.q_norm_weight, sizeof(bf16) * a.head_dim, threadIdx.x, lanes);
+    PrefetchBytesL2(a.k_norm_weight, sizeof(bf16) * a.head_dim, threadIdx.x, lanes);
+    if (a.inv_freq) PrefetchBytesL2(a.inv_freq, sizeof(float) * (a.rotary_dim / 2), threadIdx.x, lanes);
+    PrefetchBytesL2(a.block_table, sizeof(int32_t) * a.block_table_entries, threadIdx.x, lanes);
+  }
   WaitForPrerequisites();
   __shared__ float s_x[kRopeWarps][kRopeMaxDim];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
