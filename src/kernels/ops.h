@@ -195,6 +195,10 @@ struct MoeParams {
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
   // kernel. Same bits either way.
   int gate_up_stream_ring_kb = 128;
+  // With the streaming gate/up: the router's selecting block warms L2 with the first this-many routed
+  // units of every gate/up block (TMA bulk prefetches) as soon as it knows the experts, so their DRAM
+  // reads start before the router has finished and gate/up has loaded the expert pointers. 0 = off.
+  int gate_up_prefetch_units = 2;
 };
 int MoeGateUpVariants();
 int MoeDownVariants();
@@ -218,12 +222,12 @@ Status Argmax(const ArgmaxParams& p, Stream stream);
 // environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
 bool DependentLaunchEnabled();
 // Which add + RMSNorm kernels the engine folds into their consumers (FusedInputNorm), from
-// DECODELAB_FUSED_NORM: "stream" (default) the one before the MoE router / dense MLP (32 router
-// blocks recompute it) and the one before q/k/v/g where that GEMV streams (batch 1: one block per SM
-// recomputes it); "router" only the first; "1" both everywhere; "0" none (A/B). Measured on XS.2
-// (docs/performance.md, session 4, before the streaming GEMV): router 3.04 ms, both 3.15, none 3.11:
-// every one of the plain GEMV's ~2,600 blocks read 12 KB from L2 for the norm, which cost more than
-// the kernel boundary it removed. Reported by bench.
+// DECODELAB_FUSED_NORM: "router" (default) only the one before the MoE router / dense MLP (32 router
+// blocks recompute it); "stream" also the one before q/k/v/g where that GEMV streams (batch 1: its
+// ~130 blocks, one per SM, recompute it); "1" both everywhere; "0" none (A/B). Measured on XS.2
+// (docs/performance.md): session 4, before the streaming GEMV: router 3.04 ms, both 3.15, none 3.11
+// (each of the plain GEMV's ~2,600 blocks read 12 KB from L2 for the norm); session 7: "stream"
+// 2.680 / 2.695 against router 2.630 / 2.648 ms, slower though it removes 40 launches. Reported by bench.
 struct FusedNormMode {
   bool before_attention = false, before_mlp = false;
   bool before_streaming_attention = false;  // before q/k/v/g only where that GEMV streams
@@ -237,6 +241,7 @@ struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int moe_gate_up_stream_ring_kb = 128;               // DECODELAB_MOE_GATE_UP_STREAM_KB (MoeParams; 0 = off)
+  int moe_gate_up_prefetch_units = 2;                 // DECODELAB_MOE_GATE_UP_PREFETCH (MoeParams; 0 = off)
   bool moe_router_stages_pointers = true;             // DECODELAB_MOE_ROUTER_POINTERS=0 turns it off
   bool moe_router_stages_bias = true;                 // DECODELAB_MOE_ROUTER_BIAS=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
