@@ -195,10 +195,6 @@ struct MoeParams {
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
   // kernel. Same bits either way.
   int gate_up_stream_ring_kb = 128;
-  // With the streaming gate/up: the router's selecting block warms L2 with the first this-many routed
-  // units of every gate/up block (TMA bulk prefetches) as soon as it knows the experts, so their DRAM
-  // reads start before the router has finished and gate/up has loaded the expert pointers. 0 = off.
-  int gate_up_prefetch_units = 2;
 };
 int MoeGateUpVariants();
 int MoeDownVariants();
@@ -241,7 +237,6 @@ struct DecodeExperiments {
   int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
   bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
   int moe_gate_up_stream_ring_kb = 128;               // DECODELAB_MOE_GATE_UP_STREAM_KB (MoeParams; 0 = off)
-  int moe_gate_up_prefetch_units = 2;                 // DECODELAB_MOE_GATE_UP_PREFETCH (MoeParams; 0 = off)
   bool moe_router_stages_pointers = true;             // DECODELAB_MOE_ROUTER_POINTERS=0 turns it off
   bool moe_router_stages_bias = true;                 // DECODELAB_MOE_ROUTER_BIAS=0 turns it off
   int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)

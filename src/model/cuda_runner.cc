@@ -544,7 +544,6 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.gate_up_variant = exp.moe_gate_up_variant, mp.down_variant = exp.moe_down_variant;
       mp.down_loads_early = exp.moe_down_loads_early;
       mp.gate_up_stream_ring_kb = exp.moe_gate_up_stream_ring_kb;
-      mp.gate_up_prefetch_units = exp.moe_gate_up_prefetch_units;
       mp.router_stages_pointers = exp.moe_router_stages_pointers;
       mp.router_stages_bias = exp.moe_router_stages_bias;
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
@@ -736,7 +735,6 @@ nlohmann::json CudaRunner::Describe() const {
           {"moe_gate_up_stream_kb", std::to_string(exp.moe_gate_up_stream_ring_kb)},
           {"moe_router_pointers", exp.moe_router_stages_pointers ? "1" : "0"},
           {"l2_prefetch", exp.l2_prefetch ? "1" : "0"},
-          {"moe_gate_up_prefetch_units", std::to_string(exp.moe_gate_up_prefetch_units)},
           {"moe_router_bias", exp.moe_router_stages_bias ? "1" : "0"},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,

@@ -76,13 +76,6 @@ __device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uin
       : "memory");
 #endif
 }
-// Warms L2 with [src, src + bytes) by one TMA bulk prefetch (src and bytes multiples of 16):
-// fire-and-forget, nothing waits for it.
-__device__ __forceinline__ void BulkPrefetchL2(const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
 // sm_90's limit on one block's shared memory, dynamic included.
 constexpr size_t kMaxBlockSmem = 227 * 1024;
 // Where a ring of bulk-copy slots starts after its header of 2 x max_slots mbarriers (full ones, then

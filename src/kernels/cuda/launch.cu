@@ -58,7 +58,6 @@ const DecodeExperiments& Experiments() {
     }
     x.moe_down_loads_early = SwitchOn("DECODELAB_MOE_DOWN_EARLY");
     ReadInt("DECODELAB_MOE_GATE_UP_STREAM_KB", 0, &x.moe_gate_up_stream_ring_kb);
-    ReadInt("DECODELAB_MOE_GATE_UP_PREFETCH", 0, &x.moe_gate_up_prefetch_units);
     x.moe_router_stages_pointers = SwitchOn("DECODELAB_MOE_ROUTER_POINTERS");
     x.moe_router_stages_bias = SwitchOn("DECODELAB_MOE_ROUTER_BIAS");
     ReadInt("DECODELAB_OPROJ_STAGE_ROWS", 0, &x.oproj_stage_rows);

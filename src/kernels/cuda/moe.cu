@@ -131,15 +131,7 @@ __host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a) {
 __host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a) {
   return RouterBiasOffset(a) + (a.router_stages_bias ? sizeof(float) * a.num_experts : 0);
 }
-// The streaming gate/up's routed schedule as the router needs it to warm L2 for its first units
-// (MoeParams::gate_up_prefetch_units): block b's routed units are [b * per_block, (b + 1) *
-// per_block) of `units` (slot-major, units_per_slot per slot), each kGuRows rows of gate and of up.
-constexpr int kGuRows = kMoeWarps / 2;
-struct GateUpPrefetchPlan {
-  int blocks = 0, per_block = 0, units = 0, units_per_slot = 0, first = 0;  // first: units per block to warm
-};
-
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a, GateUpPrefetchPlan plan) {
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
   AllowDependents();
   const int t = blockIdx.y;
@@ -256,16 +248,6 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a, G
     if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
   }
   if (threadIdx.x == 0) a.counter[t] = 0u;
-  // Warm L2 with the routed units gate/up's blocks copy first: (block, unit, matrix) per thread.
-  const uint32_t unit_bytes = kGuRows * static_cast<uint32_t>(a.d) * sizeof(uint16_t);
-  for (int q = threadIdx.x; q < plan.blocks * plan.first * 2; q += kMoeWarps * 32) {
-    const int blk = q / (plan.first * 2), i = (q >> 1) % plan.first, mat = q & 1;
-    const int u = blk * plan.per_block + i;
-    if (u >= min(plan.units, (blk + 1) * plan.per_block)) continue;
-    const int j = u / plan.units_per_slot, f0 = (u % plan.units_per_slot) * kGuRows, ex = s_sel[j];
-    const bf16* base = a.router_stages_pointers ? s_ptr[mat * E + ex] : (mat ? a.up_w : a.gate_w)[ex];
-    BulkPrefetchL2(base + static_cast<size_t>(f0) * a.d, unit_bytes);
-  }
 }
 
 // Kernel-shape variants of the two expert kernels (MoeParams::gate_up_variant / down_variant), for
@@ -412,6 +394,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
 // barrier of the 8 warps, kGuRows threads write h = bf16(bf16(silu(g)) * u): the same bits.
 // Shared memory: [2 x kGuMaxSlots] mbarriers | ring [slots][2][kGuRows][d] BF16 | x [d] BF16 |
 // g, u [2][kGuRows][2] FP32.
+constexpr int kGuRows = kMoeWarps / 2;
 constexpr int kGuMaxSlots = 16;
 struct MoeGateUpStreamGeometry {
   int grid = 0, shared_units = 0, routed_units = 0, routed_per_block = 0, slots = 0;
@@ -571,20 +554,15 @@ Status Moe(const MoeParams& p, Stream stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
   const int T = p.num_tokens;
+  const size_t router_smem = dev::RouterSharedBytes(p);
+  dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
+                           dim3(threads), router_smem, s, p);
+  DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
+  const int fmax = std::max(p.ffn, p.shared_ffn);
   const dev::MoeGateUpStreamGeometry gu =
       T == 1 && p.gate_up_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()
           ? dev::GateUpStreamGeometry(p.d, p.ffn, p.shared_ffn, p.top_k, p.gate_up_stream_ring_kb, dev::SmCount())
           : dev::MoeGateUpStreamGeometry{};
-  dev::GateUpPrefetchPlan plan;
-  if (gu.slots > 0 && p.gate_up_prefetch_units > 0) {
-    plan = {gu.grid, gu.routed_per_block, gu.routed_units, p.ffn / dev::kGuRows,
-            std::min(p.gate_up_prefetch_units, gu.routed_per_block)};
-  }
-  const size_t router_smem = dev::RouterSharedBytes(p);
-  dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
-                           dim3(threads), router_smem, s, p, plan);
-  DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
-  const int fmax = std::max(p.ffn, p.shared_ffn);
   if (gu.slots > 0) {
     dev::LaunchDependentSmem(dev::MoeGateUpStreamKernel, dim3(gu.grid), dim3((dev::kMoeWarps + 1) * 32), gu.smem, s, p, gu);
   } else {
