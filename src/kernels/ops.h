@@ -247,6 +247,7 @@ struct DecodeExperiments {
   // Small data read right after a PDL wait warmed in L2 before it (FusedInputNorm::prefetch_residual,
   // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
   bool l2_prefetch = true;
+  bool attention_cluster_merge = true;  // DECODELAB_ATTN_CLUSTER=0 turns it off (AttentionParams::cluster_merge)
 };
 const DecodeExperiments& Experiments();
 

@@ -246,7 +246,7 @@ struct AttnRun {
 // Runs `kernel` for T queries at positions first..first+T-1 over `c`; returns output and reference.
 AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
                 int first, int T, int max_position, bool per_element_gate, uint64_t key,
-                bool want_ref = true) {
+                bool want_ref = true, bool cluster_merge = true) {
   const int D = c.D;
   auto q = RandomBf16(static_cast<size_t>(max_position + 1) * H * D, key, 1.5f);
   const int gate_w = per_element_gate ? H * D : H;
@@ -269,6 +269,7 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
   p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
   p.out = d_o.as<bf16>();
+  p.cluster_merge = cluster_merge;
   auto d_ws = Alloc(AttentionWorkspaceBytes(p));
   auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
@@ -350,6 +351,35 @@ TEST(AttentionGpu, BitIdenticalAcrossPageSizesAndPrefillChunking) {
         outs.push_back(whole.out);
       }
       for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[i], outs[0]) << "page sizes differ";
+    }
+  }
+}
+
+// The cluster merge (chunk partials through distributed shared memory) gives the ticket merge's bits:
+// every built preset, prefill of 3 tokens and decode, at contexts of 1 to 8 chunks (the cluster
+// sizes it takes), with the decode grid sized for a larger bound too.
+TEST(AttentionGpu, ClusterMergeMatchesTicketMerge) {
+  SKIP_WITHOUT_GPU();
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    SCOPED_TRACE(info.name);
+    const AttnPresetKey& k = info.key;
+    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group;
+    const int window = k.head_dim == 128 ? 512 : 8;
+    for (int tokens : {40, 300, 900}) {
+      SCOPED_TRACE(testing::Message() << tokens << " tokens");
+      Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, tokens, 37, 0.5f, 0.25f);
+      auto kernel = ResolveAttention(k);
+      ASSERT_TRUE(kernel.ok()) << kernel.status().message();
+      for (auto [first, T, bound] : {std::tuple{tokens - 3, 3, tokens - 1}, std::tuple{tokens - 1, 1, tokens - 1},
+                                     std::tuple{tokens - 1, 1, 1000}}) {
+        AttentionParams probe;
+        probe.max_position = bound, probe.window_kind = k.window, probe.window = window;
+        ASSERT_LE(AttentionMaxChunks(probe), kAttnMaxClusterChunks);
+        AttnRun ticket = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, false);
+        AttnRun cluster = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, true);
+        EXPECT_EQ(cluster.out, ticket.out) << "first " << first << " T " << T << " bound " << bound;
+      }
     }
   }
 }

@@ -52,7 +52,14 @@ struct AttentionParams {
   // [T * K] arrival tickets of the split kernel (the last chunk block of a (token, KV head) merges
   // the chunks); zero before first use, the kernel leaves them zero. Not used by the fallback.
   uint32_t* counters = nullptr;
+  // Where a query's chunks fit one thread-block cluster (AttentionMaxChunks <= kAttnMaxClusterChunks,
+  // sm_90): the chunk blocks of a (token, KV head) form a cluster, keep their partials in shared
+  // memory and merge them through distributed shared memory after a cluster barrier, every block
+  // taking a share of the outputs, instead of partials through L2, a fence, an arrival ticket and
+  // one merging block. The same arithmetic in the same chunk order: the same bits.
+  bool cluster_merge = true;
 };
+inline constexpr int kAttnMaxClusterChunks = 8;  // the portable cluster size
 
 // Chunks a query's keys can span: grid width of the split-KV kernel.
 int AttentionMaxChunks(const AttentionParams& p);

@@ -15,9 +15,12 @@
 // The page size only changes address arithmetic: results are bit-identical across page sizes.
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include <cmath>
 
 #include "kernels/attention/attention.h"
+#include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/device_utils.cuh"
 
 namespace dl::kernels {
@@ -174,7 +177,60 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
   }
 }
 
-template <int D, int G, int P, KvDtype KV, bool SLIDING>
+// Stage 4 with kCluster (AttentionParams::cluster_merge): the num_chunks blocks of (token t, KV head
+// kvh) are one cluster and block ci holds chunk ci's partial in shared memory (s_o [G][D] unnormalised,
+// s_m / s_l [G]). After a cluster barrier, block ci computes outputs ci * kThreads + thread, stepping
+// by the cluster's threads, reading every used chunk's m, l and o through distributed shared memory
+// in one round: MergeChunks' formula and chunk order (m = max_c m_c, w_c = exp(m_c - m), l and o by
+// fmaf in ascending c), so the same bits. A second barrier keeps every block's shared memory alive
+// until the others have read it.
+template <int D, int G, int kThreads>
+__device__ __forceinline__ void ClusterMergeChunks(const AttentionParams& a, int t, int kvh, int ci, int num_chunks,
+                                                   int used, float (&s_o)[G][D], float (&s_m)[G], float (&s_l)[G]) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int H = a.num_q_heads;
+  constexpr int kPer = (G * D + kThreads - 1) / kThreads;  // at most, with one block
+  uint16_t gate[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = (ci + i * num_chunks) * kThreads + threadIdx.x;
+    gate[i] = idx < G * D ? LoadGate(a, t, kvh * G + idx / D, idx % D) : 0;
+  }
+  cluster.sync();  // every chunk's partial written (release / acquire across the cluster)
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = (ci + i * num_chunks) * kThreads + threadIdx.x;
+    if (idx >= G * D) break;
+    const int g = idx / D, d = idx % D;
+    float m[kAttnMaxClusterChunks], l[kAttnMaxClusterChunks], o[kAttnMaxClusterChunks];
+#pragma unroll
+    for (int c = 0; c < kAttnMaxClusterChunks; ++c) {
+      if (c >= used) break;
+      m[c] = cluster.map_shared_rank(&s_m[0], c)[g];
+      l[c] = cluster.map_shared_rank(&s_l[0], c)[g];
+      o[c] = cluster.map_shared_rank(&s_o[0][0], c)[g * D + d];
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kAttnMaxClusterChunks; ++c) {
+      if (c >= used) break;
+      mx = fmaxf(mx, m[c]);
+    }
+    float l_acc = 0.0f, o_acc = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kAttnMaxClusterChunks; ++c) {
+      if (c >= used) break;
+      const float w = expf(m[c] - mx);
+      l_acc = fmaf(l[c], w, l_acc);
+      o_acc = fmaf(o[c], w, o_acc);
+    }
+    a.out[(static_cast<size_t>(t) * H + kvh * G + g) * D + d] = ApplyGateAndRound(a, gate[i], o_acc / l_acc);
+  }
+  cluster.sync();  // no block leaves while another may still read its shared memory
+}
+
+template <int D, int G, int P, KvDtype KV, bool SLIDING, bool kCluster>
 __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
   DL_TIMELINE_SCOPE(kAttention);
   AllowDependents();
@@ -218,9 +274,16 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   float* ws_l = ws_m + n_part;
   auto part = [&](int g) { return (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks + ci; };
 
+  // kCluster: this chunk's partial stays here (stage 4 reads it through distributed shared memory).
+  __shared__ __align__(16) float s_co[kCluster ? G : 1][kCluster ? D : 1];
+  __shared__ float s_cm[kCluster ? G : 1], s_cl[kCluster ? G : 1];
   __shared__ bool s_last;
   // Stage 4's entry: count this block in; the last one of the (token, KV head) merges.
   auto arrive_and_merge = [&]() {
+    if constexpr (kCluster) {
+      ClusterMergeChunks<D, G, kThreads>(a, t, kvh, ci, num_chunks, pos / C - start / C + 1, s_co, s_cm, s_cl);
+      return;
+    }
     __syncthreads();  // every partial of this block is written; s_raw is free
     if (threadIdx.x == 0) {
       __threadfence();
@@ -237,7 +300,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
 
   if (chunk_lo > pos) {  // past the query: an empty chunk (the grid is sized for the largest query)
     WaitForPrerequisites();
-    if (threadIdx.x < G) {
+    if (!kCluster && threadIdx.x < G) {  // (a cluster merges only the used chunks: nothing to write)
       ws_m[part(threadIdx.x)] = -INFINITY;
       ws_l[part(threadIdx.x)] = 0.0f;
     }
@@ -353,8 +416,12 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
     }
     sum = WarpSum(sum);
     if (lane == 0) {
-      ws_m[part(g)] = mx;
-      ws_l[part(g)] = sum;
+      if constexpr (kCluster) {
+        s_cm[g] = mx, s_cl[g] = sum;
+      } else {
+        ws_m[part(g)] = mx;
+        ws_l[part(g)] = sum;
+      }
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -385,7 +452,13 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
         for (int e = 0; e < kDimsPerLane; ++e) acc[e] = fmaf(pk[u], vf[u][e], acc[e]);
     }
 #pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) ws_o[part(g) * D + d0 + e] = acc[e] * v_scale;
+    for (int e = 0; e < kDimsPerLane; ++e) {
+      if constexpr (kCluster) {
+        s_co[g][d0 + e] = acc[e] * v_scale;
+      } else {
+        ws_o[part(g) * D + d0 + e] = acc[e] * v_scale;
+      }
+    }
   }
   DL_ATTN_MARK(4);
   arrive_and_merge();
@@ -406,17 +479,46 @@ Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   // become resident beside it and copy their first weights while it runs; an SM can change its
   // carveout only when idle. Added for the staged kernel (session 4) and kept since: every TPOT
   // figure from then on was measured with it.
-  static const bool carveout = [] {  // a hint: a failure leaves the default, never a wrong result
-    if (cudaFuncSetAttribute(dev::SplitAttentionKernel<D, G, P, KV, SLIDING>,
-                             cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
-      (void)cudaGetLastError();  // not for the launch check below
-      return false;
+  const bool cluster = p.cluster_merge && num_chunks <= kAttnMaxClusterChunks && dev::DeviceHasClusters();
+  auto launch = [&](auto kernel) -> cudaError_t {
+    static const bool carveout = [&] {  // a hint: a failure leaves the default, never a wrong result
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+          cudaSuccess) {
+        (void)cudaGetLastError();  // not for the launch check below
+        return false;
+      }
+      return true;
+    }();
+    (void)carveout;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(256);
+    cfg.stream = reinterpret_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (cluster) {
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = static_cast<unsigned>(num_chunks);
+      attr[n].val.clusterDim.y = 1;
+      attr[n].val.clusterDim.z = 1;
+      ++n;
     }
-    return true;
-  }();
-  (void)carveout;
-  dev::LaunchDependent(dev::SplitAttentionKernel<D, G, P, KV, SLIDING>, grid, dim3(256),
-                       reinterpret_cast<cudaStream_t>(stream), p, num_chunks);
+    if (DependentLaunchEnabled()) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    return cudaLaunchKernelEx(&cfg, kernel, p, num_chunks);
+  };
+  const cudaError_t e = cluster ? launch(dev::SplitAttentionKernel<D, G, P, KV, SLIDING, true>)
+                                : launch(dev::SplitAttentionKernel<D, G, P, KV, SLIDING, false>);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Internal("launching {}{} failed: {}", CanonicalName(PresetKeyOf(p)), cluster ? " (cluster merge)" : "",
+                    cudaGetErrorString(e));
+  }
   DL_KERNEL_LAUNCH_CHECK(CanonicalName(PresetKeyOf(p)));
   return Status::Ok();
 }

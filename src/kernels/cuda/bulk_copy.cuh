@@ -30,6 +30,7 @@ inline const cuda::DeviceInfo& CurrentDeviceInfo() {
 inline int SmCount() { return CurrentDeviceInfo().sm_count; }
 // Whether the current device has TMA bulk copies and mbarrier transaction counts (sm_90 or later).
 inline bool DeviceHasBulkCopy() { return CurrentDeviceInfo().major >= 9; }
+inline bool DeviceHasClusters() { return CurrentDeviceInfo().major >= 9; }  // thread-block clusters, DSMEM
 // The fence after a thread has initialised a block's mbarriers, so the bulk copies (the async proxy)
 // see them; the block synchronises after it.
 __device__ __forceinline__ void FenceBarrierInit() {
