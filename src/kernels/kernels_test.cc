@@ -8,6 +8,7 @@
 #include "base/dtype.h"
 #include "base/rng.h"
 #include "kernels/attention/attention.h"
+#include "kernels/ops.h"
 #include "kernels/reference/reference.h"
 
 namespace dl::kernels {
@@ -94,6 +95,11 @@ TEST(Registry, ChunkCountFollowsAbsolutePositions) {
   p.max_position = 10;
   EXPECT_EQ(AttentionMaxChunks(p), 1);
   EXPECT_EQ(AttentionWorkspaceBytes(p), size_t{8} * 1 * 130 * 4);
+  // XS.2's sliding layers (5 chunks) take the cluster merge by default, also through the engine's
+  // experiment switch, whose default must agree.
+  EXPECT_GE(AttentionParams{}.cluster_max_chunks, 5);
+  EXPECT_LE(AttentionParams{}.cluster_max_chunks, kAttnMaxClusterChunks);
+  EXPECT_EQ(DecodeExperiments{}.attention_cluster_max_chunks, AttentionParams{}.cluster_max_chunks);
 }
 
 TEST(Reference, RmsNormAddsResidualAndNormalisesToUnitRms) {

@@ -247,7 +247,8 @@ struct DecodeExperiments {
   // Small data read right after a PDL wait warmed in L2 before it (FusedInputNorm::prefetch_residual,
   // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
   bool l2_prefetch = true;
-  bool attention_cluster_merge = true;  // DECODELAB_ATTN_CLUSTER=0 turns it off (AttentionParams::cluster_merge)
+  // DECODELAB_ATTN_CLUSTER=N: attention merges through a cluster up to N chunks (0 = off; at most 8)
+  int attention_cluster_max_chunks = 5;  // AttentionParams::cluster_max_chunks' default
 };
 const DecodeExperiments& Experiments();
 

@@ -492,7 +492,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace = attn_ws.data();
     ap.workspace_bytes = attn_ws_bytes;
     ap.counters = attn_counters.as<uint32_t>();
-    ap.cluster_merge = exp.attention_cluster_merge;
+    ap.cluster_max_chunks = exp.attention_cluster_max_chunks;
     if (!Skips("attention")) {
       DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
     }
@@ -736,7 +736,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"moe_gate_up_stream_kb", std::to_string(exp.moe_gate_up_stream_ring_kb)},
           {"moe_router_pointers", exp.moe_router_stages_pointers ? "1" : "0"},
           {"l2_prefetch", exp.l2_prefetch ? "1" : "0"},
-          {"attention_cluster_merge", exp.attention_cluster_merge ? "1" : "0"},
+          {"attention_cluster_max_chunks", std::to_string(exp.attention_cluster_max_chunks)},
           {"moe_router_bias", exp.moe_router_stages_bias ? "1" : "0"},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,

@@ -246,7 +246,7 @@ struct AttnRun {
 // Runs `kernel` for T queries at positions first..first+T-1 over `c`; returns output and reference.
 AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
                 int first, int T, int max_position, bool per_element_gate, uint64_t key,
-                bool want_ref = true, bool cluster_merge = true) {
+                bool want_ref = true, int cluster_max_chunks = AttentionParams{}.cluster_max_chunks) {
   const int D = c.D;
   auto q = RandomBf16(static_cast<size_t>(max_position + 1) * H * D, key, 1.5f);
   const int gate_w = per_element_gate ? H * D : H;
@@ -269,7 +269,7 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
   p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
   p.out = d_o.as<bf16>();
-  p.cluster_merge = cluster_merge;
+  p.cluster_max_chunks = cluster_max_chunks;
   auto d_ws = Alloc(AttentionWorkspaceBytes(p));
   auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
@@ -376,8 +376,9 @@ TEST(AttentionGpu, ClusterMergeMatchesTicketMerge) {
         AttentionParams probe;
         probe.max_position = bound, probe.window_kind = k.window, probe.window = window;
         ASSERT_LE(AttentionMaxChunks(probe), kAttnMaxClusterChunks);
-        AttnRun ticket = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, false);
-        AttnRun cluster = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, true);
+        AttnRun ticket = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, 0);
+        AttnRun cluster = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false,
+                                  kAttnMaxClusterChunks);
         EXPECT_EQ(cluster.out, ticket.out) << "first " << first << " T " << T << " bound " << bound;
       }
     }

@@ -17,6 +17,7 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/attention/attention.h"
@@ -177,7 +178,7 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
   }
 }
 
-// Stage 4 with kCluster (AttentionParams::cluster_merge): the num_chunks blocks of (token t, KV head
+// Stage 4 with kCluster (AttentionParams::cluster_max_chunks): the num_chunks blocks of (token t, KV head
 // kvh) are one cluster and block ci holds chunk ci's partial in shared memory (s_o [G][D] unnormalised,
 // s_m / s_l [G]). After a cluster barrier, block ci computes outputs ci * kThreads + thread, stepping
 // by the cluster's threads, reading every used chunk's m, l and o through distributed shared memory
@@ -479,7 +480,7 @@ Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   // become resident beside it and copy their first weights while it runs; an SM can change its
   // carveout only when idle. Added for the staged kernel (session 4) and kept since: every TPOT
   // figure from then on was measured with it.
-  const bool cluster = p.cluster_merge && num_chunks <= kAttnMaxClusterChunks && dev::DeviceHasClusters();
+  const bool cluster = num_chunks <= std::min(p.cluster_max_chunks, kAttnMaxClusterChunks) && dev::DeviceHasClusters();
   auto launch = [&](auto kernel) -> cudaError_t {
     static const bool carveout = [&] {  // a hint: a failure leaves the default, never a wrong result
       if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=

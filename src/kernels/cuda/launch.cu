@@ -66,7 +66,7 @@ const DecodeExperiments& Experiments() {
     ReadInt("DECODELAB_STREAM_STAGE_KB", 1, &x.stream_stage_kb);
     ReadInt("DECODELAB_STREAM_PREFETCH_KB", 0, &x.stream_prefetch_kb);
     x.l2_prefetch = SwitchOn("DECODELAB_L2_PREFETCH");
-    x.attention_cluster_merge = SwitchOn("DECODELAB_ATTN_CLUSTER");
+    ReadInt("DECODELAB_ATTN_CLUSTER", 0, &x.attention_cluster_max_chunks);
     return x;
   }();
   return e;
