@@ -297,15 +297,23 @@ std::vector<bf16> Rows(const std::vector<bf16>& v, size_t row_elems, int first, 
   return std::vector<bf16>(v.begin() + first * row_elems, v.begin() + (first + n) * row_elems);
 }
 
+// The test shape of a preset: XS.2's (8 KV heads, window 512) for head dim 128, the tiny config's
+// (2 KV heads, window 8) otherwise.
+struct PresetTestShape {
+  int K, H, window;
+};
+PresetTestShape TestShapeOf(const AttnPresetKey& k) {
+  const int K = k.head_dim == 128 ? 8 : 2;
+  return {K, K * k.group, k.head_dim == 128 ? 512 : 8};
+}
+
 TEST(AttentionGpu, EveryBuiltPresetMatchesReference) {
   SKIP_WITHOUT_GPU();
   for (const PresetInfo& info : AllPresets()) {
     if (!info.built) continue;
     SCOPED_TRACE(info.name);
     const AttnPresetKey& k = info.key;
-    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group;
-    const bool sliding = k.window == WindowKind::kSliding;
-    const int window = k.head_dim == 128 ? 512 : 8;
+    const auto [K, H, window] = TestShapeOf(k);
     // Long enough for the window to bite and for several chunks; T = 3 prefill then checks.
     const int tokens = k.head_dim == 128 ? 1300 : 300;
     Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, tokens, 31, 0.5f, 0.25f);
@@ -326,7 +334,6 @@ TEST(AttentionGpu, EveryBuiltPresetMatchesReference) {
                           k.group == 4, 41, false);
     EXPECT_EQ(dcd.out, Rows(a.out, static_cast<size_t>(H) * k.head_dim, T - 1, 1))
         << "decode vs prefill";
-    (void)sliding;
   }
 }
 
@@ -364,8 +371,7 @@ TEST(AttentionGpu, ClusterMergeMatchesTicketMerge) {
     if (!info.built) continue;
     SCOPED_TRACE(info.name);
     const AttnPresetKey& k = info.key;
-    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group;
-    const int window = k.head_dim == 128 ? 512 : 8;
+    const auto [K, H, window] = TestShapeOf(k);
     for (int tokens : {40, 300, 900}) {
       SCOPED_TRACE(testing::Message() << tokens << " tokens");
       Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, tokens, 37, 0.5f, 0.25f);
