@@ -11,7 +11,10 @@
 //   3. values: warp g owns query head g, each lane a few dimensions; o += p_k * v_k over the chunk's
 //      keys in ascending order, from shared memory. Writes the unnormalised partial O, m and l.
 //   4. the last block of a (token, KV head) to finish (arrival ticket; the ticket decides only WHO
-//      merges, never the order) merges the chunks in ascending order and applies the softplus gate.
+//      merges, never the order) merges the chunks in ascending order and applies the softplus gate;
+//      or, where the chunks fit a thread-block cluster (AttentionParams::cluster_max_chunks), every
+//      block merges a share of the outputs from the partials in the cluster's shared memory (same
+//      formula and order: the same bits).
 // The page size only changes address arithmetic: results are bit-identical across page sizes.
 #pragma once
 
