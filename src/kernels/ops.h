@@ -231,7 +231,6 @@ struct FusedNormMode {
   const char* name = "0";
 };
 FusedNormMode FusedNorm();
-bool FusedNormEnabled();  // any
 // Kernel-shape experiments the engine applies to every layer, read once from the environment
 // (docs/kernels.md; measured in docs/performance.md, session 4). Reported by bench.
 struct DecodeExperiments {

@@ -45,10 +45,6 @@ FusedNormMode FusedNorm() {
   }();
   return mode;
 }
-bool FusedNormEnabled() {
-  const FusedNormMode m = FusedNorm();
-  return m.before_attention || m.before_streaming_attention || m.before_mlp;
-}
 
 const DecodeExperiments& Experiments() {
   static const DecodeExperiments e = [] {

@@ -21,7 +21,6 @@ bool GemvStreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
 bool DependentLaunchEnabled() { return false; }
 FusedNormMode FusedNorm() { return {}; }
-bool FusedNormEnabled() { return false; }
 const DecodeExperiments& Experiments() {
   static const DecodeExperiments none;
   return none;
