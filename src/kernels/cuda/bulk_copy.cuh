@@ -79,11 +79,12 @@ __device__ __forceinline__ void BulkCopyToShared(void* dst, const void* src, uin
 }
 // sm_90's limit on one block's shared memory, dynamic included.
 constexpr size_t kMaxBlockSmem = 227 * 1024;
+// bytes rounded up to a multiple of `to`: offsets of the regions a kernel carves out of its dynamic
+// shared memory (16 for 16-byte vector access, 128 for bulk-copy destinations).
+constexpr size_t AlignUp(size_t bytes, size_t to) { return (bytes + to - 1) / to * to; }
 // Where a ring of bulk-copy slots starts after its header of 2 x max_slots mbarriers (full ones, then
 // empty ones): 128-byte aligned, like the copies' destinations.
-constexpr size_t RingOffset(int max_slots) {
-  return (2 * static_cast<size_t>(max_slots) * sizeof(uint64_t) + 127) / 128 * 128;
-}
+constexpr size_t RingOffset(int max_slots) { return AlignUp(2 * static_cast<size_t>(max_slots) * sizeof(uint64_t), 128); }
 // Every thread of the block calls this: thread 0 initialises `slots` pairs of mbarriers, full[i]
 // expecting `copies` arrivals (one per bulk copy into slot i, each with its bytes) and empty[i]
 // `consumer_warps` (one per consumer warp done with the slot), and fences them for the async proxy;

@@ -236,7 +236,7 @@ inline GemvStreamGeometry StreamGeometry(int out, int in, int ring_kb, int stage
   if (stages < std::min(2, needed)) return g;
   g.ring_off = RingOffset(kStreamMaxStages);
   g.x_off = g.ring_off + stages * stage_bytes;
-  g.part_off = g.x_off + (row_bytes + 15) / 16 * 16;
+  g.part_off = g.x_off + AlignUp(row_bytes, 16);
   g.smem = g.part_off + static_cast<size_t>(g.rpb) * g.ks * sizeof(float);
   if (g.smem > kMaxBlockSmem) return GemvStreamGeometry{};
   g.stages = stages;

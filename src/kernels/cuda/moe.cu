@@ -123,7 +123,7 @@ struct WaitForEarlierKernels {
 // [3][E] expert pointer tables (gate, up, down), and with router_stages_bias the [E] correction biases
 // as FP32, all copied before the wait (they never change).
 __host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a) {
-  return a.norm.residual ? (static_cast<size_t>(a.d) * sizeof(uint16_t) + 15) / 16 * 16 : 0;
+  return a.norm.residual ? AlignUp(static_cast<size_t>(a.d) * sizeof(uint16_t), 16) : 0;
 }
 __host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a) {
   return RouterPointerTableOffset(a) + (a.router_stages_pointers ? 3 * sizeof(void*) * a.num_experts : 0);
@@ -413,7 +413,7 @@ inline MoeGateUpStreamGeometry GateUpStreamGeometry(int d, int ffn, int shared_f
   if (slots < std::min(2, units_per_block)) return MoeGateUpStreamGeometry{};
   g.ring_off = RingOffset(kGuMaxSlots);
   g.x_off = g.ring_off + slots * g.slot_bytes;
-  g.gu_off = g.x_off + (static_cast<size_t>(d) * sizeof(uint16_t) + 15) / 16 * 16;
+  g.gu_off = g.x_off + AlignUp(static_cast<size_t>(d) * sizeof(uint16_t), 16);
   g.smem = g.gu_off + 2 * kGuRows * 2 * sizeof(float);
   if (g.smem > kMaxBlockSmem) return MoeGateUpStreamGeometry{};
   g.slots = slots;
@@ -566,9 +566,8 @@ Status Moe(const MoeParams& p, Stream stream) {
   if (gu.slots > 0) {
     dev::LaunchDependentSmem(dev::MoeGateUpStreamKernel, dim3(gu.grid), dim3((dev::kMoeWarps + 1) * 32), gu.smem, s, p, gu);
   } else {
-  dev::LaunchDependent(dev::kGateUpKernels[p.gate_up_variant],
-                       dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads),
-                       s, p);
+    dev::LaunchDependent(dev::kGateUpKernels[p.gate_up_variant],
+                         dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads), s, p);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
   const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
