@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "base/status.h"
+#include "kernels/attention/attention.h"
 #include "kernels/common.h"
 
 namespace dl::kernels {
@@ -248,7 +249,7 @@ struct DecodeExperiments {
   // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
   bool l2_prefetch = true;
   // DECODELAB_ATTN_CLUSTER=N: attention merges through a cluster up to N chunks (0 = off; at most 8)
-  int attention_cluster_max_chunks = 5;  // AttentionParams::cluster_max_chunks' default
+  int attention_cluster_max_chunks = AttentionParams{}.cluster_max_chunks;
 };
 const DecodeExperiments& Experiments();
 
