@@ -494,27 +494,8 @@ Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
       return true;
     }();
     (void)carveout;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(256);
-    cfg.stream = reinterpret_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (cluster) {
-      attr[n].id = cudaLaunchAttributeClusterDimension;
-      attr[n].val.clusterDim.x = static_cast<unsigned>(num_chunks);
-      attr[n].val.clusterDim.y = 1;
-      attr[n].val.clusterDim.z = 1;
-      ++n;
-    }
-    if (DependentLaunchEnabled()) {
-      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[n].val.programmaticStreamSerializationAllowed = 1;
-      ++n;
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
-    return cudaLaunchKernelEx(&cfg, kernel, p, num_chunks);
+    return dev::LaunchDependentCluster(kernel, grid, dim3(256), 0, cluster ? static_cast<unsigned>(num_chunks) : 0u,
+                                       reinterpret_cast<cudaStream_t>(stream), p, num_chunks);
   };
   const cudaError_t e = cluster ? launch(dev::SplitAttentionKernel<D, G, P, KV, SLIDING, true>)
                                 : launch(dev::SplitAttentionKernel<D, G, P, KV, SLIDING, false>);

@@ -144,10 +144,11 @@ __device__ __forceinline__ float Softplus(float z) {
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...) with the programmatic-stream-serialisation
 // attribute (see AllowDependents above). Captured into a CUDA graph it becomes a programmatic edge.
-// More than 48 KB of dynamic shared memory needs the kernel's opt-in, which this sets.
+// More than 48 KB of dynamic shared memory needs the kernel's opt-in, which this sets. cluster_x > 0:
+// thread-block clusters of (cluster_x, 1, 1) blocks (sm_90; grid.x a multiple of it).
 template <typename... Params, typename... Args>
-cudaError_t LaunchDependentSmem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                                cudaStream_t stream, Args&&... args) {
+cudaError_t LaunchDependentCluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                   unsigned cluster_x, cudaStream_t stream, Args&&... args) {
   if (smem_bytes > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem_bytes));
@@ -158,12 +159,28 @@ cudaError_t LaunchDependentSmem(void (*kernel)(Params...), dim3 grid, dim3 block
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster_x > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (DependentLaunchEnabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = DependentLaunchEnabled() ? 1 : 0;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependentSmem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                cudaStream_t stream, Args&&... args) {
+  return LaunchDependentCluster(kernel, grid, block, smem_bytes, 0, stream, std::forward<Args>(args)...);
 }
 template <typename... Params, typename... Args>
 cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
