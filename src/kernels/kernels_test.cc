@@ -102,6 +102,26 @@ TEST(Registry, ChunkCountFollowsAbsolutePositions) {
   EXPECT_EQ(DecodeExperiments{}.attention_cluster_max_chunks, AttentionParams{}.cluster_max_chunks);
 }
 
+TEST(Experiments, LateReleaseListRoundTrips) {
+  EXPECT_EQ(ParseLateRelease(""), 0u);
+  EXPECT_EQ(LateReleaseList(0), "");
+  const unsigned bits = ParseLateRelease("rope,attention,bogus,,down");
+  DecodeExperiments e;
+  e.late_release = bits;
+  EXPECT_TRUE(Late(e, LateRelease::kRope));
+  EXPECT_TRUE(Late(e, LateRelease::kAttention));
+  EXPECT_TRUE(Late(e, LateRelease::kDown));
+  EXPECT_FALSE(Late(e, LateRelease::kNorm));
+  EXPECT_FALSE(Late(e, LateRelease::kRouter));
+  EXPECT_EQ(LateReleaseList(bits), "rope,attention,down");  // LateRelease order, unknown names dropped
+  std::string all;
+  for (const char* name : kLateReleaseNames) all += std::string(all.empty() ? "" : ",") + name;
+  EXPECT_EQ(ParseLateRelease(all), (1u << static_cast<unsigned>(LateRelease::kCount)) - 1);
+  // The measured default: attention and o_proj release after their wait, the others at their start.
+  EXPECT_EQ(LateReleaseList(DecodeExperiments{}.late_release), "attention,o_proj");
+  EXPECT_EQ(ParseLateRelease("none"), 0u);
+}
+
 TEST(Reference, RmsNormAddsResidualAndNormalisesToUnitRms) {
   const int n = 256;
   auto h = RandomBf16(n, 1, 3.0f), delta = RandomBf16(n, 2);

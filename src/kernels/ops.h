@@ -9,6 +9,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <string>
+#include <string_view>
 
 #include "base/status.h"
 #include "kernels/attention/attention.h"
@@ -31,6 +34,7 @@ struct AddRmsNormParams {
   int n = 0;
   float eps = 1e-6f;
   bool prefetch_residual = true;  // as FusedInputNorm::prefetch_residual
+  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
 };
 Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 
@@ -93,6 +97,7 @@ struct QkNormRopeAppendParams {
   // (session 4: queued behind the q/k/v/g weight stream); a prefetch does not hold the thread.
   int block_table_entries = 0;
   bool prefetch_constants = true;
+  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
 };
 Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 
@@ -131,6 +136,7 @@ struct GemvParams {
                            // latency-bound predecessor, whose loads queue behind these (96 against
                            // 64 KB: 2.564 / 2.553 against 2.572 / 2.567 ms, session 7; 128: slower)
   } streaming;
+  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -197,6 +203,8 @@ struct MoeParams {
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
   // kernel. Same bits either way.
   int gate_up_stream_ring_kb = 128;
+  // PDL release points (DecodeExperiments::late_release) of the router and the down kernel.
+  bool router_release_after_wait = false, down_release_after_wait = false;
 };
 int MoeGateUpVariants();
 int MoeDownVariants();
@@ -232,6 +240,10 @@ struct FusedNormMode {
   const char* name = "0";
 };
 FusedNormMode FusedNorm();
+// The decode kernels whose PDL release point DecodeExperiments::late_release can move.
+enum class LateRelease : unsigned { kNorm, kQkvg, kRope, kAttention, kOProj, kRouter, kDown, kCount };
+inline constexpr unsigned kDefaultLateRelease =
+    (1u << static_cast<unsigned>(LateRelease::kAttention)) | (1u << static_cast<unsigned>(LateRelease::kOProj));
 // Kernel-shape experiments the engine applies to every layer, read once from the environment
 // (docs/kernels.md; measured in docs/performance.md, session 4). Reported by bench.
 struct DecodeExperiments {
@@ -250,7 +262,25 @@ struct DecodeExperiments {
   bool l2_prefetch = true;
   // DECODELAB_ATTN_CLUSTER=N: attention merges through a cluster up to N chunks (0 = off; at most 8)
   int attention_cluster_max_chunks = AttentionParams{}.cluster_max_chunks;
+  // Kernels that let their successor launch (griddepcontrol.launch_dependents) just after their own
+  // PDL wait instead of at their start: the successor's pre-wait loads then no longer run beside the
+  // latency-bound kernel before this one. Default attention + o_proj: o_proj's 96 KB per SM of weight
+  // prefetch waits until RoPE has completed, and the router's staged weights and tables until
+  // attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each alone 0.00-0.01).
+  // DECODELAB_LATE_RELEASE=norm,qkvg,rope,attention,o_proj,router,down sets the list ("none": none).
+  // Same bits either way.
+  unsigned late_release = kDefaultLateRelease;  // bits: 1 << LateRelease::k...
 };
+inline bool Late(const DecodeExperiments& e, LateRelease k) {
+  return (e.late_release >> static_cast<unsigned>(k)) & 1u;
+}
+// The kernels' names in DECODELAB_LATE_RELEASE, indexed by LateRelease.
+inline constexpr const char* kLateReleaseNames[] = {"norm", "qkvg", "rope", "attention", "o_proj", "router", "down"};
+static_assert(std::size(kLateReleaseNames) == static_cast<size_t>(LateRelease::kCount));
+// "attention,rope"-style list -> late_release bits; unknown names are ignored (an experiment switch).
+unsigned ParseLateRelease(std::string_view list);
+// The bits as the list, in LateRelease order ("" for none).
+std::string LateReleaseList(unsigned bits);
 const DecodeExperiments& Experiments();
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------

@@ -179,8 +179,9 @@ bool GemvStreams(int out, int in, int tokens) {
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
 Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
-              const kernels::FusedInputNorm& norm = {}, int stage_rows = 0) {
+              const kernels::FusedInputNorm& norm = {}, int stage_rows = 0, bool release_after_wait = false) {
   kernels::GemvParams p;
+  p.release_after_wait = release_after_wait;
   p.norm = norm;
   p.stage_rows = stage_rows;
   p.w = w;
@@ -415,6 +416,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     n.n = d;
     n.eps = eps;
     n.prefetch_residual = exp.l2_prefetch;
+    n.release_after_wait = Late(exp, kernels::LateRelease::kNorm);
     return kernels::AddRmsNorm(n, s);
   };
   int norms_in_qkvg = 0;
@@ -436,7 +438,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
 
     if (!Skips("qkvg")) {
       DL_RETURN_IF_ERROR(RunGemv(L.qkvg.as<bf16>(), u.as<bf16>(), qkvg.as<bf16>(),
-                                 static_cast<int>(L.qkvg_width), d, T, s, norm1));
+                                 static_cast<int>(L.qkvg_width), d, T, s, norm1, 0,
+                                 Late(exp, kernels::LateRelease::kQkvg)));
     }
 
     kernels::QkNormRopeAppendParams rp;
@@ -465,6 +468,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     rp.page_size = kv.page_size;
     rp.prefetch_constants = exp.l2_prefetch;
     rp.block_table_entries = max_pages;
+    rp.release_after_wait = Late(exp, kernels::LateRelease::kRope);
     if (!Skips("rope")) DL_RETURN_IF_ERROR(kernels::QkNormRopeAppend(rp, s));
 
     kernels::AttentionParams ap;
@@ -493,6 +497,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
     ap.workspace_bytes = attn_ws_bytes;
     ap.counters = attn_counters.as<uint32_t>();
     ap.cluster_max_chunks = exp.attention_cluster_max_chunks;
+    ap.release_after_wait = Late(exp, kernels::LateRelease::kAttention);
     if (!Skips("attention")) {
       DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, ap, s).WithContext(fmt::format("layer {}", l)));
     }
@@ -503,7 +508,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       const int stage = T == 1 && kernels::GemvStagedSupported(d, H * D)
                             ? std::min(exp.oproj_stage_rows, kernels::GemvMaxStageRows(H * D))
                             : 0;
-      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, {}, stage));
+      DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, {}, stage,
+                                 Late(exp, kernels::LateRelease::kOProj)));
     }
 
     kernels::FusedInputNorm norm2;
@@ -547,6 +553,8 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
       mp.gate_up_stream_ring_kb = exp.moe_gate_up_stream_ring_kb;
       mp.router_stages_pointers = exp.moe_router_stages_pointers;
       mp.router_stages_bias = exp.moe_router_stages_bias;
+      mp.router_release_after_wait = Late(exp, kernels::LateRelease::kRouter);
+      mp.down_release_after_wait = Late(exp, kernels::LateRelease::kDown);
       DL_RETURN_IF_ERROR(kernels::Moe(mp, s));
     } else {
       const int F = static_cast<int>(c.intermediate_size);
@@ -738,6 +746,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"l2_prefetch", exp.l2_prefetch ? "1" : "0"},
           {"attention_cluster_max_chunks", std::to_string(exp.attention_cluster_max_chunks)},
           {"moe_router_bias", exp.moe_router_stages_bias ? "1" : "0"},
+          {"late_release", kernels::LateReleaseList(exp.late_release)},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,
                                                         exp.stream_prefetch_kb)

@@ -237,7 +237,7 @@ __device__ __forceinline__ void ClusterMergeChunks(const AttentionParams& a, int
 template <int D, int G, int P, KvDtype KV, bool SLIDING, bool kCluster>
 __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParams a, int num_chunks) {
   DL_TIMELINE_SCOPE(kAttention);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   constexpr int C = kAttnChunk;  // keys per block: two threads per key in stage 1
   constexpr int kThreads = 256;
   constexpr int kWarps = kThreads / 32;
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   };
 
   if (chunk_lo > pos) {  // past the query: an empty chunk (the grid is sized for the largest query)
-    WaitForPrerequisites();
+    WaitReleasing(a.release_after_wait);
     if (!kCluster && threadIdx.x < G) {  // (a cluster merges only the used chunks: nothing to write)
       ws_m[part(threadIdx.x)] = -INFINITY;
       ws_l[part(threadIdx.x)] = 0.0f;
@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
     for (int c = 0; c < kLoads; ++c) kv[c] = krow[c];
   };
   if (valid && active && early) fetch();
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   DL_ATTN_MARK(0);
   if (valid && active && !early) fetch();
   if (!valid && active) {  // outside the visible range: p will be 0; V must be finite

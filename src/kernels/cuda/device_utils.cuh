@@ -77,7 +77,9 @@ __device__ __forceinline__ float WarpMax(float v) {
 // Every kernel of the decode step is launched with LaunchDependent and follows two rules:
 //   1. AllowDependents() first: the next kernel's blocks may be scheduled as soon as all of this
 //      kernel's blocks run, so their prologue (weight loads, which depend on nothing) overlaps
-//      this kernel's tail instead of following it;
+//      this kernel's tail instead of following it (or, for a kernel whose successor's prologue
+//      should not run beside its own wait, just after that wait: AllowDependentsAtStart(late) +
+//      WaitReleasing(late), DecodeExperiments::late_release);
 //   2. WaitForPrerequisites() in every block before the first read of anything an earlier kernel
 //      wrote (and before any write another kernel reads). It returns once the previous kernel has
 //      completed and its writes are visible; that kernel waited on its own predecessor before it
@@ -96,6 +98,16 @@ __device__ __forceinline__ void WaitForGrid() {
 __device__ __forceinline__ void WaitForPrerequisites() {
   WaitForGrid();
   DL_TIMELINE_WAITED();
+}
+// Rule 1 with a movable release point (DecodeExperiments::late_release): AllowDependentsAtStart(late)
+// first, WaitReleasing(late) as the wait, so a late kernel lets its successor launch only once its
+// own predecessor has completed.
+__device__ __forceinline__ void AllowDependentsAtStart(bool late) {
+  if (!late) AllowDependents();
+}
+__device__ __forceinline__ void WaitReleasing(bool late) {
+  WaitForPrerequisites();
+  if (late) AllowDependents();
 }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // L2 policy for data read once per step (weights): first to leave L2.

@@ -21,7 +21,7 @@ constexpr int kGemvTile = 8;  // tokens per pass over W
 template <int TT, int KS, bool kFusedNorm>
 __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int t0, int nt) {
   DL_TIMELINE_SCOPE(kGemv);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   constexpr int U = TT == 1 ? 8 : 4;  // 8 x 16 B per lane in flight; a token tile needs registers for x
   constexpr int kRows = kGemvWarps / KS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
     norm_weight = LoadNormWeights(nm.weight, a.in);
     PrefetchNormResidual(nm, static_cast<size_t>(t0) * a.in, a.in, nt, kGemvWarps * 32);
   }
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   // x rows: given, or (fused norm) computed here while those loads are in flight.
   extern __shared__ uint4 s_x[];
   if constexpr (fused) {
@@ -121,7 +121,7 @@ constexpr int kStagedIn = kGemvWarps * 32 * kStagedCpl * 8;  // 8,192
 
 __global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParams a, int rpb, int stage) {
   DL_TIMELINE_SCOPE(kGemv);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   extern __shared__ uint4 s_w[];  // [stage][n8]
   __shared__ float s_part[kGemvWarps][kStagedMaxRows];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParam
         if (i0 + r < rows) rv[r][j] = __ldg(w + static_cast<size_t>(i0 + r) * n8 + lo + 32 * j);
   };
   load_round(staged);
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   float xf[kStagedCpl][8];
 #pragma unroll
   for (int j = 0; j < kStagedCpl; ++j) Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x)[lo + 32 * j], xf[j]);
@@ -248,7 +248,7 @@ static_assert(kGemvWarps * 32 == kNormThreads, "the streaming GEMV's consumers r
 template <bool kFusedNorm>
 __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(GemvParams a, GemvStreamGeometry g) {
   DL_TIMELINE_SCOPE(kGemv);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   extern __shared__ __align__(128) unsigned char s_stream[];
   uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
   uint64_t* empty = full + kStreamMaxStages;
@@ -272,6 +272,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
         if (use > 0) MbarWait(empty + slot, (use - 1) & 1);
         if (!waited && (s + 1) * stage_bytes > g.prefetch_bytes) {  // past the early part: wait first
           WaitForGrid();
+          if (a.release_after_wait) AllowDependents();  // every thread of a late block releases
           waited = true;
         }
         const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     norm_weight = LoadNormWeights(a.norm.weight, a.in);
     PrefetchNormResidual(a.norm, 0, a.in, 1, kGemvWarps * 32);
   }
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   if constexpr (kFusedNorm) {
     FusedNormRow<true>(a.norm, 0, norm_weight, a.in, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_x));
   } else {

@@ -63,6 +63,7 @@ const DecodeExperiments& Experiments() {
     ReadInt("DECODELAB_STREAM_PREFETCH_KB", 0, &x.stream_prefetch_kb);
     x.l2_prefetch = SwitchOn("DECODELAB_L2_PREFETCH");
     ReadInt("DECODELAB_ATTN_CLUSTER", 0, &x.attention_cluster_max_chunks);
+    if (const char* v = std::getenv("DECODELAB_LATE_RELEASE")) x.late_release = ParseLateRelease(v);
     return x;
   }();
   return e;

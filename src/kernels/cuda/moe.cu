@@ -133,7 +133,7 @@ __host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a) {
 }
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
-  AllowDependents();
+  AllowDependentsAtStart(a.router_release_after_wait);
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
       weight = LoadNormWeights(nm.weight, a.d);
       PrefetchNormResidual(nm, row, a.d, 1, kMoeWarps * 32);
     }
-    WaitForPrerequisites();
+    WaitReleasing(a.router_release_after_wait);
     if (fused) FusedNormRow(nm, row, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
   };
   {  // every warp runs this (a warp past E with a null row) so the block-wide norm is reached by all
@@ -320,7 +320,8 @@ __host__ __device__ inline int MoeDownWarpsPerRow(int top_k) { return (top_k + k
 template <int kMinBlocks, int kU>
 __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeDown);
-  AllowDependents();
+  const bool late = a.down_release_after_wait;
+  AllowDependentsAtStart(late);
   const int t = blockIdx.y;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -335,15 +336,15 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
     if (live && group == 0) {
       for (int c = lane; c < a.shared_ffn / 8; c += 32) PrefetchL2(shared_row + 8 * c);
     }
-    WaitForPrerequisites();
+    WaitReleasing(late);
   } else if (!live) {
-    WaitForPrerequisites();
+    WaitReleasing(late);
   }
   // early: the rows' first loads go out, then the wait (before h, written by gate/up, is read). The
   // expert pointers come from the router, complete by now (see MoeGateUpKernel); __ldcg because the
   // workspace is rewritten every layer and L1 is not coherent.
-  auto wait_if_early = [early] {
-    if (early) WaitForPrerequisites();
+  auto wait_if_early = [early, late] {
+    if (early) WaitReleasing(late);
   };
   __shared__ float s_routed[kMoeWarps][kDownGroup];
   __shared__ float s_shared[kMoeWarps];

@@ -9,11 +9,11 @@ namespace dev {
 
 __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParams a) {
   DL_TIMELINE_SCOPE(kAddRmsNorm);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   const NormWeights weight = LoadNormWeights(a.weight, a.n);
   const size_t row = static_cast<size_t>(blockIdx.x) * a.n;
   if (a.prefetch_residual) PrefetchBytesL2(a.residual + row, static_cast<size_t>(a.n) * 2, threadIdx.x, kNormThreads);
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   const bf16* delta = a.delta ? a.delta + row : nullptr;
   BlockAddRmsNorm(a.residual + row, delta, weight, a.n, a.eps, delta ? a.residual + row : nullptr, a.out + row,
                   nullptr);

@@ -13,7 +13,7 @@ constexpr int kRopeMaxDim = 256;
 
 __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNormRopeAppendParams a) {
   DL_TIMELINE_SCOPE(kRopeAppend);
-  AllowDependents();
+  AllowDependentsAtStart(a.release_after_wait);
   // Everything after the wait, including the constant loads and cos/sin: loading them before it was
   // measured slower (rope 4.8 -> 9.2 us exposed per layer), because then they queue behind the
   // q/k/v/g GEMV's weight stream (docs/performance.md, session 4). Only warming L2 with them happens
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
     if (a.inv_freq) PrefetchBytesL2(a.inv_freq, sizeof(float) * (a.rotary_dim / 2), threadIdx.x, lanes);
     PrefetchBytesL2(a.block_table, sizeof(int32_t) * a.block_table_entries, threadIdx.x, lanes);
   }
-  WaitForPrerequisites();
+  WaitReleasing(a.release_after_wait);
   __shared__ float s_x[kRopeWarps][kRopeMaxDim];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int head = blockIdx.x * kRopeWarps + warp;
