@@ -117,8 +117,8 @@ TEST(Experiments, LateReleaseListRoundTrips) {
   std::string all;
   for (const char* name : kLateReleaseNames) all += std::string(all.empty() ? "" : ",") + name;
   EXPECT_EQ(ParseLateRelease(all), (1u << static_cast<unsigned>(LateRelease::kCount)) - 1);
-  // The measured default: attention and o_proj release after their wait, the others at their start.
-  EXPECT_EQ(LateReleaseList(DecodeExperiments{}.late_release), "attention,o_proj");
+  // The measured default: attention, o_proj and down release after their wait, the others at their start.
+  EXPECT_EQ(LateReleaseList(DecodeExperiments{}.late_release), "attention,o_proj,down");
   EXPECT_EQ(ParseLateRelease("none"), 0u);
 }
 

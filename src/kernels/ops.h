@@ -242,8 +242,9 @@ struct FusedNormMode {
 FusedNormMode FusedNorm();
 // The decode kernels whose PDL release point DecodeExperiments::late_release can move.
 enum class LateRelease : unsigned { kNorm, kQkvg, kRope, kAttention, kOProj, kRouter, kDown, kCount };
-inline constexpr unsigned kDefaultLateRelease =
-    (1u << static_cast<unsigned>(LateRelease::kAttention)) | (1u << static_cast<unsigned>(LateRelease::kOProj));
+inline constexpr unsigned kDefaultLateRelease = (1u << static_cast<unsigned>(LateRelease::kAttention)) |
+                                                (1u << static_cast<unsigned>(LateRelease::kOProj)) |
+                                                (1u << static_cast<unsigned>(LateRelease::kDown));
 // Kernel-shape experiments the engine applies to every layer, read once from the environment
 // (docs/kernels.md; measured in docs/performance.md, session 4). Reported by bench.
 struct DecodeExperiments {
@@ -264,9 +265,10 @@ struct DecodeExperiments {
   int attention_cluster_max_chunks = AttentionParams{}.cluster_max_chunks;
   // Kernels that let their successor launch (griddepcontrol.launch_dependents) just after their own
   // PDL wait instead of at their start: the successor's pre-wait loads then no longer run beside the
-  // latency-bound kernel before this one. Default attention + o_proj: o_proj's 96 KB per SM of weight
-  // prefetch waits until RoPE has completed, and the router's staged weights and tables until
-  // attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each alone 0.00-0.01).
+  // latency-bound kernel before this one. Default attention + o_proj + down: o_proj's 96 KB per SM of
+  // weight prefetch waits until RoPE has completed, the router's staged weights and tables until
+  // attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each alone 0.00-0.01);
+  // down: the next norm, and so q/k/v/g's prefetch, after gate/up: -0.005 to -0.01 ms in 3 calls.
   // DECODELAB_LATE_RELEASE=norm,qkvg,rope,attention,o_proj,router,down sets the list ("none": none).
   // Same bits either way.
   unsigned late_release = kDefaultLateRelease;  // bits: 1 << LateRelease::k...
