@@ -258,6 +258,10 @@ struct DecodeExperiments {
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
   bool stream_gemv = true;
   int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 96;
+  // o_proj's own (DECODELAB_OPROJ_PREFETCH_KB; -1: stream_prefetch_kb): its whole 128 KB ring before
+  // the wait, since with attention's late release it streams beside attention, not RoPE: 2.490 against
+  // 2.513 ms (3 alternating rounds, session 8; 48 KB 2.571); q/k/v/g at 128 too was slower (2.517).
+  int oproj_prefetch_kb = 128;
   // Small data read right after a PDL wait warmed in L2 before it (FusedInputNorm::prefetch_residual,
   // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
   bool l2_prefetch = true;

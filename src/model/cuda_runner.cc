@@ -179,7 +179,8 @@ bool GemvStreams(int out, int in, int tokens) {
 
 // y[T, out] = x[T, in] W[out, in]^T, dense rows.
 Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int tokens, cudaStream_t s,
-              const kernels::FusedInputNorm& norm = {}, int stage_rows = 0, bool release_after_wait = false) {
+              const kernels::FusedInputNorm& norm = {}, int stage_rows = 0, bool release_after_wait = false,
+              int prefetch_kb = -1) {
   kernels::GemvParams p;
   p.release_after_wait = release_after_wait;
   p.norm = norm;
@@ -194,7 +195,7 @@ Status RunGemv(const bf16* w, const bf16* x, bf16* y, int out, int in, int token
   const kernels::DecodeExperiments& exp = kernels::Experiments();
   p.streaming.ring_kb = exp.stream_ring_kb;
   p.streaming.stage_kb = exp.stream_stage_kb;
-  p.streaming.prefetch_kb = exp.stream_prefetch_kb;
+  p.streaming.prefetch_kb = prefetch_kb >= 0 ? prefetch_kb : exp.stream_prefetch_kb;
   p.streaming.on = stage_rows == 0 && GemvStreams(out, in, tokens);
   return kernels::Gemv(p, s);
 }
@@ -509,7 +510,7 @@ Status CudaRunner::Impl::Enqueue(int32_t T, bool all_logits) {
                             ? std::min(exp.oproj_stage_rows, kernels::GemvMaxStageRows(H * D))
                             : 0;
       DL_RETURN_IF_ERROR(RunGemv(L.o.as<bf16>(), attn_out.as<bf16>(), delta.as<bf16>(), d, H * D, T, s, {}, stage,
-                                 Late(exp, kernels::LateRelease::kOProj)));
+                                 Late(exp, kernels::LateRelease::kOProj), exp.oproj_prefetch_kb));
     }
 
     kernels::FusedInputNorm norm2;
@@ -747,9 +748,11 @@ nlohmann::json CudaRunner::Describe() const {
           {"attention_cluster_max_chunks", std::to_string(exp.attention_cluster_max_chunks)},
           {"moe_router_bias", exp.moe_router_stages_bias ? "1" : "0"},
           {"late_release", kernels::LateReleaseList(exp.late_release)},
-          {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB",
+          {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB (o_proj {} KB)",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,
-                                                        exp.stream_prefetch_kb)
+                                                        exp.stream_prefetch_kb,
+                                                        exp.oproj_prefetch_kb >= 0 ? exp.oproj_prefetch_kb
+                                                                                   : exp.stream_prefetch_kb)
                                           : "0"}};
 }
 
