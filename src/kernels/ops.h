@@ -258,7 +258,7 @@ struct DecodeExperiments {
   // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
   bool stream_gemv = true;
   int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 96;
-  // o_proj's own (DECODELAB_OPROJ_PREFETCH_KB; -1: stream_prefetch_kb): its whole 128 KB ring before
+  // o_proj's own (DECODELAB_OPROJ_PREFETCH_KB; -1: stream_prefetch_kb's value): its whole 128 KB ring before
   // the wait, since with attention's late release it streams beside attention, not RoPE: 2.490 against
   // 2.513 ms (3 alternating rounds, session 8; 48 KB 2.571); q/k/v/g at 128 too was slower (2.517).
   int oproj_prefetch_kb = 128;
@@ -269,9 +269,10 @@ struct DecodeExperiments {
   int attention_cluster_max_chunks = AttentionParams{}.cluster_max_chunks;
   // Kernels that let their successor launch (griddepcontrol.launch_dependents) just after their own
   // PDL wait instead of at their start: the successor's pre-wait loads then no longer run beside the
-  // latency-bound kernel before this one. Default attention + o_proj + down: o_proj's 96 KB per SM of
-  // weight prefetch waits until RoPE has completed, the router's staged weights and tables until
-  // attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each alone 0.00-0.01);
+  // latency-bound kernel before this one. Default attention + o_proj + down: o_proj's pre-wait weight
+  // copies (96 KB per SM when measured) wait until RoPE has completed, the router's staged weights
+  // and tables until attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each
+  // alone 0.00-0.01);
   // down: the next norm, and so q/k/v/g's prefetch, after gate/up: -0.005 to -0.01 ms in 3 calls.
   // DECODELAB_LATE_RELEASE=norm,qkvg,rope,attention,o_proj,router,down sets the list ("none": none).
   // Same bits either way.

@@ -750,9 +750,7 @@ nlohmann::json CudaRunner::Describe() const {
           {"late_release", kernels::LateReleaseList(exp.late_release)},
           {"stream_gemv", exp.stream_gemv ? fmt::format("ring {} KB, stage {} KB, prefetch {} KB (o_proj {} KB)",
                                                         exp.stream_ring_kb, exp.stream_stage_kb,
-                                                        exp.stream_prefetch_kb,
-                                                        exp.oproj_prefetch_kb >= 0 ? exp.oproj_prefetch_kb
-                                                                                   : exp.stream_prefetch_kb)
+                                                        exp.stream_prefetch_kb, exp.oproj_prefetch_kb)
                                           : "0"}};
 }
 

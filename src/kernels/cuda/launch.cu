@@ -62,6 +62,7 @@ const DecodeExperiments& Experiments() {
     ReadInt("DECODELAB_STREAM_STAGE_KB", 1, &x.stream_stage_kb);
     ReadInt("DECODELAB_STREAM_PREFETCH_KB", 0, &x.stream_prefetch_kb);
     ReadInt("DECODELAB_OPROJ_PREFETCH_KB", -1, &x.oproj_prefetch_kb);
+    if (x.oproj_prefetch_kb < 0) x.oproj_prefetch_kb = x.stream_prefetch_kb;
     x.l2_prefetch = SwitchOn("DECODELAB_L2_PREFETCH");
     ReadInt("DECODELAB_ATTN_CLUSTER", 0, &x.attention_cluster_max_chunks);
     if (const char* v = std::getenv("DECODELAB_LATE_RELEASE")) x.late_release = ParseLateRelease(v);

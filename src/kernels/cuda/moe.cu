@@ -274,7 +274,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(Mo
   // down kernel then reads the router's expert pointers before its wait, which is safe only once
   // every routed block has seen the router complete.
   const bool shared = blockIdx.y == 0;
-  if (shared || !a.down_loads_early) AllowDependents();
+  const bool late = !shared && a.down_loads_early;
+  AllowDependentsAtStart(late);
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -282,10 +283,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(Mo
   const int F = shared ? a.shared_ffn : a.ffn;
   const int f = blockIdx.x * kMoeWarps + warp;
   if (f >= F) {
-    if (!shared && a.down_loads_early) {  // the block's trigger must still follow the router
-      WaitForPrerequisites();
-      AllowDependents();
-    }
+    if (late) WaitReleasing(late);  // the block's trigger must still follow the router
     return;
   }
   const bf16* x = a.x + static_cast<size_t>(t) * a.d;
@@ -297,8 +295,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(Mo
                            a.shared_up_w + static_cast<size_t>(f) * a.d};
     LaneDots<2, kU>(rows, xs, n8, lane, acc, WaitForEarlierKernels{});
   } else {
-    WaitForPrerequisites();
-    if (a.down_loads_early) AllowDependents();
+    WaitReleasing(late);
     const bf16* rows[2] = {ws.rows[j] + static_cast<size_t>(f) * a.d,
                            ws.rows[a.top_k + j] + static_cast<size_t>(f) * a.d};
     LaneDots<2, kU>(rows, xs, n8, lane, acc, NothingToWaitFor{});
@@ -425,7 +422,7 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
   DL_TIMELINE_SCOPE(kMoeGateUp);
   // With down_loads_early the trigger follows each consumer's own wait (the down kernel reads the
   // router's pointers before its wait; see MoeGateUpKernel); otherwise it comes first.
-  if (!a.down_loads_early) AllowDependents();
+  AllowDependentsAtStart(a.down_loads_early);
   extern __shared__ __align__(128) unsigned char s_gu_stream[];
   uint64_t* full = reinterpret_cast<uint64_t*>(s_gu_stream);
   uint64_t* empty = full + kGuMaxSlots;
@@ -475,8 +472,7 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
     }
     return;
   }
-  WaitForPrerequisites();
-  if (a.down_loads_early) AllowDependents();
+  WaitReleasing(a.down_loads_early);
   for (int c = threadIdx.x; c < n8; c += kMoeWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
   ConsumerSync<kMoeWarps>();
   const int row = warp >> 1, mat = warp & 1;
