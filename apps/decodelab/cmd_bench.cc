@@ -1,9 +1,13 @@
-// decodelab bench: in-process batch-1 decode timing (no HTTP), always ignoring end-of-sequence.
-// Prints, and writes as JSON: TPOT percentiles over decode steps (the first excluded), tok/s, prefill
-// time, bytes read per token, the GPU copy bandwidth measured at start, the memory floor and the
-// fraction of it reached, kernels per step, the fallback flag, and the build/GPU/settings identity.
+// decodelab bench: in-process decode timing through the serving scheduler (engine/scheduler.h, the
+// loop behind `serve`, without HTTP), end-of-sequence ignored: what bench measures is what serve runs.
+// `--concurrency N` runs N requests at once (continuous batching). Prints, and writes as JSON: TPOT
+// percentiles over inter-token gaps (the first token excluded), tok/s per stream and in total,
+// prefill time (TTFT at concurrency 1), bytes per step, the GPU copy bandwidth measured at start,
+// the memory floor and the fraction of it reached, kernels per step, the fallback flag, the kernel
+// tuning and the build/GPU/settings identity.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -11,14 +15,16 @@
 
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
+#include "backend/cuda_runner.h"
 #include "base/build_info.h"
 #include "base/rng.h"
 #include "base/sha256.h"
 #include "cuda/bandwidth.h"
-#include "lab/lab_stats.h"
 #include "cuda/device.h"
+#include "engine/scheduler.h"
 #include "kernels/timeline.h"
-#include "model/cuda_runner.h"
+#include "lab/lab_stats.h"
+#include "lab/serve_bench.h"
 #include "model/param_count.h"
 
 namespace dl::app {
@@ -29,25 +35,76 @@ struct BenchFlags {
   int prompt_len = 1024;
   int gen_len = 1024;
   int repeat = 3;
+  int concurrency = 1;
+  int max_num_batched_tokens = 0;  // 0: max(prefill chunk, concurrency)
   bool allow_fallback = false;
   bool no_graph = false;
   std::vector<std::string> skip_ops;
   std::string json_out;
 };
 
-std::vector<int32_t> BenchPrompt(int n, int64_t vocab) {
-  const uint64_t key = StreamKey(0, "decodelab-bench-prompt-v1");
+std::vector<int32_t> BenchPrompt(int n, int64_t vocab, int salt) {
+  const uint64_t key = StreamKey(static_cast<uint64_t>(salt), "decodelab-bench-prompt-v1");
   std::vector<int32_t> p(n);
   for (int i = 0; i < n; ++i) p[i] = static_cast<int32_t>(SplitMix64(key ^ SplitMix64(i)) % vocab);
   return p;
 }
 
-int RunBench(const BenchFlags& f) {
+// One run: `concurrency` requests at once through a fresh scheduler.
+struct RunResult {
+  std::vector<double> itl_ms;   // inter-token gaps of every request
+  std::vector<double> ttft_ms;  // per request
+  double duration_s = 0;        // first submit to last token
+  int64_t tokens = 0;
+};
+
+Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOptions& so) {
   using Clock = std::chrono::steady_clock;
+  Scheduler sched(engine, so);
+  sched.Start();
+  std::vector<std::shared_ptr<RequestState>> states;
+  const auto t0 = Clock::now();
+  for (int i = 0; i < f.concurrency; ++i) {
+    GenerationRequest r;
+    r.prompt = BenchPrompt(f.prompt_len, engine.config().vocab_size, i);
+    r.sampling.max_tokens = f.gen_len;
+    r.sampling.ignore_eos = true;
+    DL_ASSIGN_OR_RETURN(auto st, sched.Submit(std::move(r)));
+    states.push_back(std::move(st));
+  }
+  RunResult out;
+  Clock::time_point last = t0;
+  for (auto& st : states) {
+    std::vector<Clock::time_point> times;
+    RequestState::Update u;
+    while (true) {
+      st->Poll(&u, std::chrono::milliseconds(200));
+      for (const TokenEvent& e : u.tokens) times.push_back(e.emitted);
+      if (u.finished) break;
+    }
+    if (u.reason != FinishReason::kLength || static_cast<int>(times.size()) != f.gen_len) {
+      sched.Stop();
+      return Internal("bench request ended with {} after {} tokens: {}", FinishReasonName(u.reason), times.size(),
+                      u.error.message());
+    }
+    out.ttft_ms.push_back(std::chrono::duration<double, std::milli>(times[0] - t0).count());
+    for (size_t i = 1; i < times.size(); ++i) {
+      out.itl_ms.push_back(std::chrono::duration<double, std::milli>(times[i] - times[i - 1]).count());
+    }
+    last = std::max(last, times.back());
+    out.tokens += static_cast<int64_t>(times.size());
+  }
+  sched.Stop();
+  out.duration_s = std::chrono::duration<double>(last - t0).count();
+  return out;
+}
+
+int RunBench(const BenchFlags& f) {
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
-  if (f.prompt_len < 1 || f.gen_len < 2 || f.repeat < 1) {
-    return ReportError(InvalidArgument("--prompt-len >= 1, --gen-len >= 2 and --repeat >= 1 please"));
+  if (f.prompt_len < 1 || f.gen_len < 2 || f.repeat < 1 || f.concurrency < 1) {
+    return ReportError(
+        InvalidArgument("--prompt-len >= 1, --gen-len >= 2, --repeat >= 1 and --concurrency >= 1 please"));
   }
   if (opts->shape == "s21" && opts->backend != BackendKind::kCpu) {
     return ReportError(InvalidArgument(
@@ -58,6 +115,10 @@ int RunBench(const BenchFlags& f) {
   opts->allow_fallback = f.allow_fallback;
   opts->use_graph = !f.no_graph;
   opts->skip_ops = f.skip_ops;
+  opts->max_batch = f.concurrency;
+  opts->max_sequences = f.concurrency;
+  opts->max_rows_per_step = f.max_num_batched_tokens > 0 ? f.max_num_batched_tokens
+                                                         : std::max(opts->prefill_chunk, f.concurrency);
   if (opts->backend == BackendKind::kAuto && f.engine.kv_dtype == "f32" &&
       cuda::DeviceCount() > 0) {
     opts->kv_dtype = DType::kF8E4M3;  // the bench default on a GPU is the FP8 cache
@@ -73,67 +134,49 @@ int RunBench(const BenchFlags& f) {
     copy_gbps = *bw;
     std::fprintf(stderr, "copy bandwidth: %.0f GB/s (read + write)\n", copy_gbps);
   }
-  const auto t_load = Clock::now();
+  const auto t_load = std::chrono::steady_clock::now();
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   std::fprintf(stderr, "backend: %s (%s); load %.1f s\n", (*engine)->runner->backend_name().c_str(),
                (*engine)->backend_choice_reason.c_str(),
-               std::chrono::duration<double>(Clock::now() - t_load).count());
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
   const ModelConfig& cfg = (*engine)->config();
-  const auto prompt = BenchPrompt(f.prompt_len, cfg.vocab_size);
-  auto* cuda_runner = dynamic_cast<CudaRunner*>((*engine)->runner.get());
+  SchedulerOptions so;
+  so.max_batch = f.concurrency;
+  so.max_waiting = f.concurrency;
+  so.prefill_chunk = opts->prefill_chunk;
+  so.max_tokens_per_step = opts->max_rows_per_step;
 
-  std::vector<double> run_medians, all_steps, prefill_ms;
+  std::vector<double> run_medians, all_steps, prefill_ms, ttft_ms, out_tok_s;
   for (int rep = 0; rep < f.repeat; ++rep) {
-    KvCache& kv = *(*engine)->kv;
-    SequenceKv seq;
-    std::vector<float> logits;
-    std::vector<double> steps;
-    Status st = [&]() -> Status {
-      const auto t0 = Clock::now();
-      for (int i = 0; i < f.prompt_len; i += opts->prefill_chunk) {
-        const int n = std::min(opts->prefill_chunk, f.prompt_len - i);
-        DL_RETURN_IF_ERROR(kv.Reserve(seq, n));
-        DL_RETURN_IF_ERROR((*engine)->runner->Forward(
-            seq, std::span<const int32_t>(prompt).subspan(i, n), false, &logits));
-        DL_RETURN_IF_ERROR(kv.Commit(seq, n));
-      }
-      prefill_ms.push_back(std::chrono::duration<double>(Clock::now() - t0).count() * 1e3);
-      int32_t token = ArgmaxWithMargin(logits).first;
-      for (int s = 0; s < f.gen_len; ++s) {
-        const auto ts = Clock::now();
-        DL_RETURN_IF_ERROR(kv.Reserve(seq, 1));
-        if (cuda_runner) {
-          DL_ASSIGN_OR_RETURN(token, cuda_runner->DecodeArgmax(seq, token));
-        } else {
-          DL_RETURN_IF_ERROR((*engine)->runner->Forward(seq, std::span<const int32_t>(&token, 1),
-                                                        false, &logits));
-          token = ArgmaxWithMargin(logits).first;
-        }
-        DL_RETURN_IF_ERROR(kv.Commit(seq, 1));
-        steps.push_back(std::chrono::duration<double>(Clock::now() - ts).count() * 1e3);
-      }
-      return Status::Ok();
-    }();
-    Status rel = kv.Release(seq);
-    if (!st.ok()) return ReportError(st);
-    if (!rel.ok()) return ReportError(rel);
-    steps.erase(steps.begin());  // the first decode step also captures the graph
-    run_medians.push_back(lab::Median(steps));
-    all_steps.insert(all_steps.end(), steps.begin(), steps.end());
-    std::fprintf(stderr, "run %d/%d: prefill %.2f ms, median TPOT %.4f ms\n", rep + 1, f.repeat,
-                 prefill_ms.back(), run_medians.back());
+    auto run = RunOnce(**engine, f, so);
+    if (!run.ok()) return ReportError(run.status());
+    run_medians.push_back(lab::Median(run->itl_ms));
+    all_steps.insert(all_steps.end(), run->itl_ms.begin(), run->itl_ms.end());
+    ttft_ms.insert(ttft_ms.end(), run->ttft_ms.begin(), run->ttft_ms.end());
+    prefill_ms.push_back(lab::Median(run->ttft_ms));
+    out_tok_s.push_back(run->duration_s > 0 ? run->tokens / run->duration_s : 0.0);
+    std::fprintf(stderr, "run %d/%d: TTFT median %.2f ms, median TPOT %.4f ms, %.1f output tok/s\n", rep + 1,
+                 f.repeat, prefill_ms.back(), run_medians.back(), out_tok_s.back());
   }
 
   const ParamCounts pc = CountParams(cfg);
   const int64_t kv_elem = static_cast<int64_t>(DTypeSize((*engine)->kv->spec().dtype));
-  // KV read per step averaged over the decoded contexts.
+  // Bytes one decode step reads with `concurrency` sequences: the dense weights once, each routed
+  // expert once if any token chose it (expected fraction under uniform routing, which random weights
+  // give: 1 - (1 - k/E)^C), and every sequence's KV, averaged over the decoded contexts.
   double kv_bytes = 0;
   for (int s = 1; s < f.gen_len; ++s) {
     kv_bytes += static_cast<double>(KvBytesReadPerToken(cfg, f.prompt_len + s, kv_elem));
   }
-  kv_bytes /= (f.gen_len - 1);
-  const double weight_bytes = static_cast<double>(pc.bytes_per_token_bf16());
+  kv_bytes = kv_bytes / (f.gen_len - 1) * f.concurrency;
+  const double routed_active = 2.0 * static_cast<double>(pc.active_routed);
+  double touched = 1.0;
+  if (cfg.num_experts > 0) {
+    const double k_over_e = static_cast<double>(cfg.num_experts_per_tok) / static_cast<double>(cfg.num_experts);
+    touched = (1.0 - std::pow(1.0 - k_over_e, f.concurrency)) / k_over_e;  // experts read per chosen slot
+  }
+  const double weight_bytes = static_cast<double>(pc.bytes_per_token_bf16()) - routed_active + routed_active * touched;
   const double bytes = weight_bytes + kv_bytes;
   const double tpot = lab::Median(all_steps);
   const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e9) * 1e3 : 0.0;
@@ -150,16 +193,24 @@ int RunBench(const BenchFlags& f) {
       {"tpot_ms_p10", lab::Percentile(all_steps, 10)},
       {"tpot_ms_p90", lab::Percentile(all_steps, 90)},
       {"tok_s", 1e3 / tpot},
+      {"output_tok_s", lab::Median(out_tok_s)},
+      {"concurrency", f.concurrency},
       {"run_median_tpot_ms", run_medians},
       {"run_spread_rel", spread},
       {"prefill_ms_median", lab::Median(prefill_ms)},
-      {"bytes_per_token", bytes},
-      {"weight_bytes_per_token", weight_bytes},
-      {"kv_bytes_per_token_mean", kv_bytes},
+      {"ttft_ms_median", lab::Median(ttft_ms)},
+      {"ttft_ms_p99", lab::Percentile(ttft_ms, 99)},
+      {"bytes_per_step", bytes},
+      {"bytes_per_token", bytes / f.concurrency},
+      {"weight_bytes_per_step", weight_bytes},
+      {"weight_bytes_per_token", weight_bytes / f.concurrency},
+      {"expert_reads_per_slot", touched},
+      {"kv_bytes_per_step_mean", kv_bytes},
       {"copy_bandwidth_gbps", copy_gbps},
       {"memory_floor_ms", floor_ms},
       {"pct_of_floor", floor_ms > 0 ? 100.0 * floor_ms / tpot : 0.0},
       {"kernels_per_step", kernels},
+      {"tuning", describe.value("tuning", nlohmann::json::object())},
       {"kernels_per_layer", cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0},
       {"fallback", describe.value("fallback", false)},
       {"skipped_ops", f.skip_ops},
@@ -183,45 +234,42 @@ int RunBench(const BenchFlags& f) {
         {"prefill_chunk", opts->prefill_chunk},
         {"graph", !f.no_graph},
         {"dependent_launch", describe.value("dependent_launch", false)},
-        {"fused_norm", describe.value("fused_norm", std::string("0"))},
+        {"concurrency", f.concurrency},
+        {"max_num_batched_tokens", so.max_tokens_per_step},
         {"ignore_eos", true}}}};
   std::printf("decodelab bench  commit %s  %s\n", BuildCommit().c_str(),
               gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
-  std::printf("  model        %s, %lld layers, kv %s page %d, prompt %d, gen %d, %d runs%s\n",
+  std::printf("  model        %s, %lld layers, kv %s page %d, prompt %d, gen %d, concurrency %d, %d runs%s\n",
               f.engine.model_dir.empty() ? ("shape " + f.engine.shape).c_str() : f.engine.model_dir.c_str(),
               static_cast<long long>(cfg.num_hidden_layers),
               std::string(DTypeName((*engine)->kv->spec().dtype)).c_str(),
-              (*engine)->kv->spec().page_size, f.prompt_len, f.gen_len, f.repeat,
+              (*engine)->kv->spec().page_size, f.prompt_len, f.gen_len, f.concurrency, f.repeat,
               describe.value("fallback", false) ? "  ** FALLBACK: not a speed result **" : "");
   if (!f.skip_ops.empty()) {
     std::printf("  ** SKIPPED OPS: %s (timing experiment; outputs are wrong; not a speed result) **\n",
                 fmt::format("{}", fmt::join(f.skip_ops, ",")).c_str());
   }
-  std::printf("  TPOT         median %.4f ms  p10 %.4f  p90 %.4f  (%.1f tok/s; run spread %.1f%%)\n",
+  std::printf("  TPOT         median %.4f ms  p10 %.4f  p90 %.4f  (%.1f tok/s per stream; run spread %.1f%%)\n",
               tpot, lab::Percentile(all_steps, 10), lab::Percentile(all_steps, 90), 1e3 / tpot, 100 * spread);
-  std::printf("  prefill      %.2f ms (median of runs)\n", lab::Median(prefill_ms));
-  std::printf("  bytes/token  %.3f GB (weights %.3f + KV %.4f)\n", bytes / 1e9, weight_bytes / 1e9,
-              kv_bytes / 1e9);
+  std::printf("  throughput   %.1f output tok/s (median of runs, all %d streams, prefill included)\n",
+              lab::Median(out_tok_s), f.concurrency);
+  std::printf("  TTFT         median %.2f ms  p99 %.2f ms (at concurrency 1: the prefill time)\n", lab::Median(ttft_ms),
+              lab::Percentile(ttft_ms, 99));
+  std::printf("  bytes/step   %.3f GB (weights %.3f: routed experts %.2fx one token's, expected under uniform "
+              "routing; KV %.4f)\n",
+              bytes / 1e9, weight_bytes / 1e9, touched, kv_bytes / 1e9);
   if (copy_gbps > 0) {
-    std::printf("  floor        %.4f ms at %.0f GB/s copy bandwidth -> %.1f%% of floor\n", floor_ms,
+    std::printf("  floor        %.4f ms per step at %.0f GB/s copy bandwidth -> %.1f%% of floor\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot);
   }
   if (gpu.is_null()) {
     std::printf("  backend      cpu reference (no kernels, graph or launch modes)\n");
   } else {
-    std::printf("  kernels      %d per step (%.1f per layer), %s, %s, %s\n", kernels,
+    std::printf("  kernels      %d per batch-1 step (%.1f per layer), %s, %s\n", kernels,
                 cfg.num_hidden_layers ? double(kernels) / cfg.num_hidden_layers : 0.0,
-                f.no_graph ? "launched one by one" : "one CUDA graph",
-                describe.value("dependent_launch", false) ? "programmatic dependent launch"
-                                                          : "plain launches (DECODELAB_PDL=0)",
-                describe.value("fused_norm", std::string("0")) == "0" ? "separate norm kernels"
-                : describe.value("fused_norm_before_attention", false) ? "norms folded into q/k/v/g and the router"
-                                                                        : "norm folded into the router only");
-    if (describe.contains("stream_gemv")) {
-      const std::string gemv = describe.value("stream_gemv", std::string("0"));
-      std::printf("  GEMV         %s\n", gemv == "0" ? "plain kernel at batch 1 (DECODELAB_STREAM_GEMV=0)"
-                                                     : ("streaming at batch 1: " + gemv).c_str());
-    }
+                f.no_graph ? "launched one by one" : "CUDA graphs per batch bucket",
+                describe.value("dependent_launch", false) ? "programmatic dependent launch" : "plain launches");
+    std::printf("  tuning       %s\n", kernels::TuningString(opts->tuning).c_str());
   }
   if (kernels::TimelineBuilt() && !gpu.is_null()) {
     // The runner restarts the recording before every decode step: what is left is the last one.
@@ -255,16 +303,131 @@ int RunBench(const BenchFlags& f) {
   return 0;
 }
 
+struct BenchServeFlags {
+  EngineFlags engine;
+  std::string endpoint;
+  int max_batch = 0;  // 0: the concurrency (or 64 for unbounded)
+  int max_num_batched_tokens = 0;
+  lab::ServeBenchOptions bench;
+  std::string json_out;
+  std::string serve_log = "/tmp/decodelab-bench-serve.log";
+};
+
+void PrintServeSummary(const nlohmann::json& j) {
+  auto line = [&](const char* label, const std::string& key, const char* fmtstr = "%.2f") {
+    std::printf("%-40s", label);
+    std::printf(fmtstr, j.value(key, 0.0));
+    std::printf("\n");
+  };
+  std::printf("============ Serving Benchmark Result ============\n");
+  std::printf("%-40s%d\n", "Successful requests:", j.value("completed", 0));
+  std::printf("%-40s%d\n", "Failed requests:", j.value("failed", 0));
+  std::printf("%-40s%d\n", "Maximum request concurrency:", j.value("max_concurrency", 0));
+  line("Benchmark duration (s):", "duration");
+  std::printf("%-40s%lld\n", "Total input tokens:", static_cast<long long>(j.value("total_input_tokens", 0)));
+  std::printf("%-40s%lld\n", "Total generated tokens:", static_cast<long long>(j.value("total_output_tokens", 0)));
+  line("Request throughput (req/s):", "request_throughput");
+  line("Output token throughput (tok/s):", "output_throughput");
+  line("Total Token throughput (tok/s):", "total_token_throughput");
+  for (auto [title, name, label] :
+       {std::tuple{"---------------Time to First Token----------------", "ttft", "TTFT"},
+        std::tuple{"-----Time per Output Token (excl. 1st token)------", "tpot", "TPOT"},
+        std::tuple{"---------------Inter-token Latency----------------", "itl", "ITL"},
+        std::tuple{"----------------End-to-end Latency----------------", "e2el", "E2EL"}}) {
+    std::printf("%s\n", title);
+    for (const char* stat : {"mean", "median", "p99"}) {
+      const std::string key = std::string(stat) + "_" + name + "_ms";
+      std::string text = std::string(stat == std::string("mean") ? "Mean" : stat == std::string("median") ? "Median" : "P99") +
+                         " " + label + " (ms):";
+      line(text.c_str(), key);
+    }
+  }
+  std::printf("==================================================\n");
+}
+
+int RunBenchServe(const BenchServeFlags& f) {
+  lab::ServeBenchOptions o = f.bench;
+  std::unique_ptr<lab::ServeChild> child;
+  lab::Endpoint ep;
+  if (!f.endpoint.empty()) {
+    if (!f.engine.model_dir.empty() || !f.engine.shape.empty()) {
+      return ReportError(InvalidArgument("bench serve: give --endpoint (a running server) or --model/--shape (one "
+                                         "this command starts), not both"));
+    }
+    auto parsed = lab::ParseEndpoint(f.endpoint);
+    if (!parsed.ok()) return ReportError(parsed.status());
+    ep = *parsed;
+  } else {
+    if (f.engine.model_dir.empty() == f.engine.shape.empty()) {
+      return ReportError(InvalidArgument("bench serve: give --endpoint URL, or exactly one of --model/--shape"));
+    }
+    std::vector<std::string> args = f.engine.ToArgs();
+    const int max_batch = f.max_batch > 0 ? f.max_batch : (o.concurrency > 0 ? o.concurrency : 64);
+    args.insert(args.end(), {"--max-batch", std::to_string(max_batch)});
+    if (f.max_num_batched_tokens > 0) {
+      args.insert(args.end(), {"--max-num-batched-tokens", std::to_string(f.max_num_batched_tokens)});
+    }
+    std::fprintf(stderr, "starting decodelab serve (log: %s) ...\n", f.serve_log.c_str());
+    auto started = lab::ServeChild::Start("/proc/self/exe", args, f.serve_log, 1800);
+    if (!started.ok()) return ReportError(started.status());
+    child = std::move(*started);
+    ep = child->endpoint();
+  }
+  auto result = lab::RunServeBench(ep, o, [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
+  if (child) child->Stop();
+  if (!result.ok()) return ReportError(result.status());
+  nlohmann::json j = *result;
+  j["commit"] = BuildCommit();
+  PrintServeSummary(j);
+  if (!f.json_out.empty()) {
+    std::ofstream out(f.json_out);
+    out << j.dump(2) << "\n";
+    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
+    std::printf("wrote %s\n", f.json_out.c_str());
+  }
+  return j.value("failed", 0) == 0 ? 0 : 1;
+}
+
+void AddBenchServeCommand(CLI::App* bench, CommandContext& ctx) {
+  auto flags = std::make_shared<BenchServeFlags>();
+  CLI::App* cmd = bench->add_subcommand(
+      "serve", "Serving benchmark over HTTP (vllm bench serve's counterpart): random token prompts, streamed, "
+               "greedy, ignore_eos; against --endpoint or a `decodelab serve` it starts");
+  flags->engine.Add(cmd);
+  cmd->add_option("--endpoint", flags->endpoint, "A running OpenAI-compatible server, http://HOST:PORT (any engine)");
+  cmd->add_option("--input-len", flags->bench.input_len, "Prompt tokens per request")->default_val(1024);
+  cmd->add_option("--output-len", flags->bench.output_len, "Generated tokens per request")->default_val(1024);
+  cmd->add_option("--num-prompts", flags->bench.num_prompts, "Requests")->default_val(100);
+  cmd->add_option("--concurrency,--max-concurrency", flags->bench.concurrency,
+                  "Most requests in flight (0 = all at once)")
+      ->default_val(0);
+  cmd->add_option("--request-rate", flags->bench.request_rate, "Requests per second, Poisson arrivals (default inf)");
+  cmd->add_option("--prompt-seed", flags->bench.seed, "Seed of the prompts and arrivals (--seed is the started server's weights seed)")->default_val(0);
+  cmd->add_option("--vocab-size", flags->bench.vocab_size,
+                  "Prompt ids come from [0, N) (default: the server's, from /v1/decodelab/state)");
+  cmd->add_option("--model-name", flags->bench.model, "The request's model (default: the first of /v1/models)");
+  cmd->add_option("--max-batch", flags->max_batch, "Started server: --max-batch (default: the concurrency, 64 if 0)");
+  cmd->add_option("--max-num-batched-tokens", flags->max_num_batched_tokens, "Started server: rows per step");
+  cmd->add_option("--serve-log", flags->serve_log, "Started server: its log file");
+  cmd->add_option("--json-out", flags->json_out, "Write the results as JSON (vLLM's key names)");
+  cmd->callback([flags, &ctx] { ctx.exit_code = RunBenchServe(*flags); });
+}
+
 }  // namespace
 
 void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = root.add_subcommand(
-      "bench", "Batch-1 decode benchmark in process (no HTTP; end-of-sequence ignored)");
+      "bench", "Decode benchmark in process through the serving scheduler (no HTTP; end-of-sequence ignored)");
   flags->engine.Add(cmd);
   cmd->add_option("--prompt-len", flags->prompt_len, "Prompt tokens")->default_val(1024);
   cmd->add_option("--gen-len", flags->gen_len, "Generated tokens per run")->default_val(1024);
   cmd->add_option("--repeat", flags->repeat, "Runs; TPOT statistics pool all of them")->default_val(3);
+  cmd->add_option("--concurrency", flags->concurrency, "Requests decoded together (continuous batching)")
+      ->default_val(1)
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-num-batched-tokens", flags->max_num_batched_tokens,
+                  "Token rows per forward (decode rows + prefill chunks); default max(prefill chunk, concurrency)");
   cmd->add_flag("--allow-fallback", flags->allow_fallback,
                 "Run a generic attention kernel where a preset is not built (the result says "
                 "fallback and is not a speed result)");
@@ -276,7 +439,11 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
                               fmt::join(kSkippableOps, ", ")))
       ->delimiter(',');
   cmd->add_option("--json-out", flags->json_out, "Write the results as JSON");
-  cmd->callback([flags, &ctx] { ctx.exit_code = RunBench(*flags); });
+  AddBenchServeCommand(cmd, ctx);
+  cmd->callback([flags, &ctx, cmd] {
+    if (cmd->get_subcommand("serve")->parsed()) return;  // `bench serve` ran instead
+    ctx.exit_code = RunBench(*flags);
+  });
 }
 
 }  // namespace dl::app

@@ -24,6 +24,7 @@ struct ServeFlags {
   int port = 8000;
   std::string api_key;
   int max_batch = 8;
+  int max_num_batched_tokens = 0;  // 0: max(prefill chunk, max batch)
   int max_waiting = 1024;
   bool prefix_caching = false;
   size_t max_body_bytes = 16u << 20;
@@ -47,6 +48,14 @@ int RunServe(const ServeFlags& f) {
   if (f.max_waiting < 0) return ReportError(InvalidArgument("--max-waiting must be >= 0"));
   // Pools for max_batch full-length sequences; with prefix caching, as much again for cached pages.
   opts->max_sequences = f.max_batch * (f.prefix_caching ? 2 : 1);
+  opts->max_batch = f.max_batch;
+  opts->max_rows_per_step =
+      f.max_num_batched_tokens > 0 ? f.max_num_batched_tokens : std::max(opts->prefill_chunk, f.max_batch);
+  if (opts->max_rows_per_step < f.max_batch) {
+    return ReportError(InvalidArgument("--max-num-batched-tokens {} is below --max-batch {}: every running "
+                                       "sequence needs a row in each step",
+                                       opts->max_rows_per_step, f.max_batch));
+  }
   std::fprintf(stderr, "decodelab serve: loading %s ...\n",
                opts->model_dir.empty() ? ("--shape " + opts->shape).c_str() : opts->model_dir.c_str());
   auto engine = LoadEngine(*opts);
@@ -60,13 +69,7 @@ int RunServe(const ServeFlags& f) {
   so.max_waiting = f.max_waiting;
   so.prefill_chunk = opts->prefill_chunk;
   so.enable_prefix_caching = f.prefix_caching;
-  if (e.runner->backend_name() != "cpu-reference" && so.max_batch > 1) {
-    std::fprintf(stderr,
-                 "note: batched decode is not implemented for the %s backend yet: one sequence "
-                 "runs at a time and the rest queue (--max-batch %d ignored)\n",
-                 e.runner->backend_name().c_str(), f.max_batch);
-    so.max_batch = 1;
-  }
+  so.max_tokens_per_step = opts->max_rows_per_step;
 
   // Tokenizer and chat template: from the model directory; --shape gets the generated small
   // tokenizer make-model would write for the same vocabulary (and no chat template).
@@ -169,6 +172,9 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
                   "Sequences decoded together (continuous batching); the rest wait")
       ->default_val(8)
       ->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-num-batched-tokens", flags->max_num_batched_tokens,
+                  "Token rows per forward: decode rows first, then prefill chunks (default max(prefill "
+                  "chunk, max batch))");
   cmd->add_option("--max-waiting", flags->max_waiting,
                   "Queued requests beyond which new ones get HTTP 503")
       ->default_val(1024);

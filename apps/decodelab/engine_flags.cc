@@ -2,6 +2,8 @@
 
 #include <charconv>
 
+#include "kernels/tuning.h"
+
 namespace dl::app {
 
 void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
@@ -27,8 +29,9 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   }
   cmd->add_option("--max-seq-len", max_seq_len, "Longest sequence (prompt + generated) to plan for")
       ->default_val(4096);
-  cmd->add_option("--prefill-chunk", prefill_chunk, "Prompt tokens per forward during prefill")
+  cmd->add_option("--prefill-chunk", prefill_chunk, "Prompt tokens of one sequence per forward during prefill")
       ->default_val(512);
+  cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
 }
 
 Result<EngineOptions> EngineFlags::ToOptions() const {
@@ -50,7 +53,21 @@ Result<EngineOptions> EngineFlags::ToOptions() const {
   o.max_seq_len = max_seq_len;
   if (prefill_chunk < 1) return InvalidArgument("--prefill-chunk must be positive");
   o.prefill_chunk = prefill_chunk;
+  o.max_rows_per_step = prefill_chunk;
+  for (const std::string& t : tune) DL_RETURN_IF_ERROR(kernels::SetTuning(&o.tuning, t));
   return o;
+}
+
+std::vector<std::string> EngineFlags::ToArgs() const {
+  std::vector<std::string> a;
+  if (!model_dir.empty()) a.insert(a.end(), {"--model", model_dir});
+  if (!shape.empty()) a.insert(a.end(), {"--shape", shape, "--seed", std::to_string(seed)});
+  if (num_layers > 0) a.insert(a.end(), {"--num-layers", std::to_string(num_layers)});
+  a.insert(a.end(), {"--backend", backend, "--kv-dtype", kv_dtype, "--page-size", std::to_string(page_size),
+                     "--max-seq-len", std::to_string(max_seq_len), "--prefill-chunk", std::to_string(prefill_chunk)});
+  if (!kv_scales.empty()) a.insert(a.end(), {"--kv-scales", kv_scales});
+  for (const std::string& t : tune) a.insert(a.end(), {"--tune", t});
+  return a;
 }
 
 Result<std::vector<int32_t>> ParseIdList(const std::string& text) {

@@ -20,11 +20,14 @@ struct EngineFlags {
   int page_size = 16;
   int max_seq_len = 4096;
   int prefill_chunk = 512;
+  std::vector<std::string> tune;  // --tune name=value (kernels/tuning.h)
 
   // Adds the flags; `with_kv` adds the cache options too.
   void Add(CLI::App* cmd, bool with_kv = true);
   // Validates and converts to EngineOptions.
   Result<EngineOptions> ToOptions() const;
+  // The same settings as command-line flags (for a `decodelab serve` child).
+  std::vector<std::string> ToArgs() const;
 };
 
 // "5,17,42" -> {5, 17, 42}.

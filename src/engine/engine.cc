@@ -7,8 +7,8 @@
 
 #include "base/rng.h"
 #include "cuda/device.h"
-#include "model/cpu_runner.h"
-#include "model/cuda_runner.h"
+#include "backend/cpu_runner.h"
+#include "backend/cuda_runner.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
 
@@ -98,13 +98,16 @@ KvCacheSpec MakeKvSpec(const ModelConfig& c, DType dtype, int32_t page_size, int
   return s;
 }
 
-// Prefills every built-in calibration prompt as one chunk on a fresh sequence.
+// Prefills every built-in calibration prompt as one chunk on a fresh sequence (no outputs).
 Status RunCalibrationPrompts(const ModelConfig& c, KvCache& kv, ModelRunner& runner) {
-  std::vector<float> logits;
   for (const auto& p : BuiltinCalibrationPrompts(c.vocab_size)) {
     SequenceKv seq;
     DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
-    Status st = runner.Forward(seq, p, false, &logits);
+    ForwardBatch batch;
+    batch.mode = ForwardMode::kPrefill;
+    batch.AddSequence(seq, p);
+    ForwardResult result;
+    Status st = runner.Forward(batch, &result);
     DL_RETURN_IF_ERROR(kv.Release(seq));
     DL_RETURN_IF_ERROR(st.WithContext("calibration forward"));
   }
@@ -143,7 +146,8 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   CudaRunnerOptions co = base;
   co.skip_ops.clear();  // calibration runs the whole model whatever the bench leaves out
   co.max_seq_len = 128;
-  co.max_chunk = 128;
+  co.max_rows = 128;
+  co.max_outputs = 1;
   co.use_graph = false;
   DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(checkpoint, kv.spec(), {}, co));
   DL_RETURN_IF_ERROR(RunCalibrationPrompts(c, kv, *runner));
@@ -207,9 +211,11 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;
   co.max_seq_len = o.max_seq_len;
-  co.max_chunk = o.prefill_chunk;
+  co.max_rows = std::max({o.max_rows_per_step, o.prefill_chunk, o.max_batch, 1});
+  co.max_outputs = std::max(o.max_batch, 1);
   co.synthetic_seed = o.seed;
   co.skip_ops = o.skip_ops;
+  co.tuning = o.tuning;
 
   // KV scales for FP8: file, else checkpoint, else built-in calibration. Never from a request.
   KvScales scales;
@@ -235,7 +241,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
 
   DL_ASSIGN_OR_RETURN(KvCache kv,
                       KvCache::Create(MakeKvSpec(cfg, effective.kv_dtype, o.page_size, o.max_seq_len,
-                                                 o.max_sequences, o.prefill_chunk)));
+                                                 o.max_sequences, co.max_rows)));
   engine->kv = std::make_unique<KvCache>(std::move(kv));
   if (chosen == BackendKind::kCuda) {
     DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),
@@ -265,22 +271,42 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
   KvCache& kv = *engine.kv;
   ModelRunner& runner = *engine.runner;
   std::vector<float> logits;
-  auto run = [&](std::span<const int32_t> chunk) -> Status {
-    DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(chunk.size())));
-    DL_RETURN_IF_ERROR(runner.Forward(seq, chunk, false, &logits));
-    return kv.Commit(seq, static_cast<int32_t>(chunk.size()));
+  int32_t device_token = -1;
+  // One forward of `rows` for this sequence; with `output`, the last row's greedy token and logits.
+  auto run = [&](std::span<const int32_t> rows, bool output) -> Status {
+    const int32_t n = static_cast<int32_t>(rows.size());
+    DL_RETURN_IF_ERROR(kv.Reserve(seq, n));
+    ForwardBatch batch;
+    batch.mode = n == 1 ? ForwardMode::kDecode : ForwardMode::kPrefill;
+    batch.AddSequence(seq, rows);
+    if (output) batch.AddOutput(n - 1).want_logits = true;
+    ForwardResult result;
+    DL_RETURN_IF_ERROR(runner.Forward(batch, &result));
+    DL_RETURN_IF_ERROR(kv.Commit(seq, n));
+    if (output) {
+      if (!result.rows[0].finite) {
+        return DataLoss("the model produced NaN or Inf logits at position {}", seq.length() - 1);
+      }
+      logits = std::move(result.rows[0].logits);
+      device_token = result.rows[0].token;
+    }
+    return Status::Ok();
   };
   Status status = [&]() -> Status {
     const auto t0 = Clock::now();
-    const int32_t chunk = std::max(1, opts.prefill_chunk);
+    const size_t chunk = static_cast<size_t>(std::max(1, opts.prefill_chunk));
     for (size_t i = 0; i < prompt.size(); i += chunk) {
-      DL_RETURN_IF_ERROR(run(prompt.subspan(i, std::min<size_t>(chunk, prompt.size() - i))));
+      const size_t n = std::min(chunk, prompt.size() - i);
+      DL_RETURN_IF_ERROR(run(prompt.subspan(i, n), i + n == prompt.size()));
     }
     r.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     r.last_prompt_logits = logits;
     r.finish_reason = "length";
     for (int32_t step = 0; step < opts.max_tokens; ++step) {
       auto [tok, margin] = ArgmaxWithMargin(logits);
+      if (tok != device_token) {
+        return Internal("the backend's greedy token {} is not the argmax {} of its logits", device_token, tok);
+      }
       r.tokens.push_back(tok);
       r.margins.push_back(margin);
       if (opts.keep_step_logits) r.step_logits.push_back(logits);
@@ -293,7 +319,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
                                ? opts.forced_tokens[step]
                                : tok;
       const auto ts = Clock::now();
-      DL_RETURN_IF_ERROR(run(std::span<const int32_t>(&next, 1)));
+      DL_RETURN_IF_ERROR(run(std::span<const int32_t>(&next, 1), true));
       r.decode_step_seconds.push_back(std::chrono::duration<double>(Clock::now() - ts).count());
     }
     return Status::Ok();

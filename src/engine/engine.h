@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "model/checkpoint.h"
+#include "kernels/tuning.h"
 #include "model/runner.h"
 
 namespace dl {
@@ -29,12 +30,17 @@ struct EngineOptions {
   std::string kv_scales_file;  // FP8 only
   int32_t page_size = 16;
   int32_t max_seq_len = 4096;  // per sequence, bounds the KV pools
-  int32_t max_sequences = 1;
-  int32_t prefill_chunk = 512;  // tokens per forward during prefill
+  int32_t max_sequences = 1;    // sequences the KV pools hold at full length
+  int32_t prefill_chunk = 512;  // prompt tokens of one sequence per forward
+  // The largest forward (CUDA: sizes the workspace arena and the graph buckets): token rows, and
+  // sequences (output rows). The scheduler's max batch and per-step token budget stay within them.
+  int32_t max_rows_per_step = 512;
+  int32_t max_batch = 1;
   bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
   bool use_graph = true;        // CUDA: one captured graph per decode step
   bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales
   std::vector<std::string> skip_ops;  // CUDA timing experiments only (CudaRunnerOptions::skip_ops)
+  kernels::Tuning tuning;             // CUDA kernel tuning (--tune name=value), printed with results
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.
@@ -81,7 +87,8 @@ struct GenerateResult {
   std::vector<double> decode_step_seconds;  // steps after the first token
 };
 
-// Greedy decoding of one prompt; releases the sequence's pages before returning (also on error).
+// Greedy decoding of one prompt through the batch interface (one sequence, logits of every step
+// back on the host); releases the sequence's pages before returning (also on error).
 Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> prompt,
                                       const GenerateOptions& options);
 

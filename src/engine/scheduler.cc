@@ -188,24 +188,29 @@ struct Scheduler::Sequence {
   GenerationRequest req;
   SequenceKv kv;
   bool has_kv = false;
-  int32_t prefilled = 0;  // prompt positions whose KV is written (or attached from the cache)
+  // The context: the prompt, then every token emitted so far. Positions below kv.length() are in
+  // the cache; the rest run through the model (all of it after a preemption).
+  std::vector<int32_t> tokens;
   int32_t cached = 0;
   int32_t generated = 0;
-  int32_t last_token = -1;
   int32_t registered_blocks = 0;
   std::vector<uint64_t> block_hashes;  // chained hashes of the prompt's whole pages
-  std::vector<float> logits;
   uint64_t key = 0;
   bool done = false;
   uint64_t stamp = 0;  // prefix-cache recency of this request
   Clock::time_point arrival, admitted, last_emit;
+  // This step's rows (set while planning).
+  int32_t step_rows = 0;
+  int32_t computed() const { return kv.length(); }
 };
 
 Scheduler::Scheduler(Engine& engine, SchedulerOptions options)
     : engine_(engine), options_(options) {
   options_.max_batch = std::max(1, options_.max_batch);
-  options_.prefill_chunk =
-      std::clamp(options_.prefill_chunk, 1, std::max(1, engine.options.prefill_chunk));
+  options_.max_batch = std::min(options_.max_batch, std::max(1, engine.runner->max_outputs()));
+  options_.max_tokens_per_step =
+      std::clamp(options_.max_tokens_per_step, options_.max_batch, std::max(1, engine.runner->max_rows()));
+  options_.prefill_chunk = std::clamp(options_.prefill_chunk, 1, options_.max_tokens_per_step);
   stats_.ttft = Histogram(TtftBuckets());
   stats_.itl = Histogram(ItlBuckets());
   stats_.e2e = Histogram(E2eBuckets());
@@ -271,6 +276,7 @@ Result<std::shared_ptr<RequestState>> Scheduler::Submit(GenerationRequest r) {
                                                std::random_device{}();
   s->key = StreamKey(seed, "decodelab-sampling-v1");
   s->req = std::move(r);
+  s->tokens = s->req.prompt;
   s->state->SetPromptInfo(static_cast<int32_t>(s->req.prompt.size()), 0);
   auto state = s->state;
   {
@@ -317,7 +323,7 @@ void Scheduler::Loop() {
     }
     if (clear_cache_.exchange(false)) DropPrefixCacheLocked();
 
-    // Requests cancelled while queued never touch the model.
+    // Requests cancelled while queued never touch the model; cancelled running ones leave now.
     for (auto it = waiting_.begin(); it != waiting_.end();) {
       if ((*it)->state->cancelled()) {
         FinishSequence(**it, FinishReason::kCancelled, Status(StatusCode::kCancelled, "cancelled"));
@@ -326,37 +332,16 @@ void Scheduler::Loop() {
         ++it;
       }
     }
-    // Admission: join the running set between steps.
-    while (static_cast<int32_t>(running_.size()) < options_.max_batch && !waiting_.empty()) {
-      auto s = std::move(waiting_.front());
-      waiting_.pop_front();
-      s->admitted = Clock::now();
-      s->stamp = ++use_clock_;
-      {
-        std::lock_guard slock(stats_mu_);
-        stats_.queue_time.Observe(Seconds(s->arrival, s->admitted));
-      }
-      if (options_.enable_prefix_caching) {
-        Status st = AttachCachedPrefix(*s);
-        if (!st.ok()) spdlog::warn("prefix cache: {}", st.message());
-      }
-      s->state->SetPromptInfo(static_cast<int32_t>(s->req.prompt.size()), s->cached);
-      running_.push_back(std::move(s));
-    }
-    // One step: one Forward per running sequence.
     for (auto& s : running_) {
       if (s->state->cancelled()) {
         FinishSequence(*s, FinishReason::kCancelled, Status(StatusCode::kCancelled, "cancelled"));
-        continue;
-      }
-      Status st = Step(*s);
-      if (!st.ok()) {
-        spdlog::error("request {}: {}", s->state->id(), st.message());
-        FinishSequence(*s, FinishReason::kError, st);
       }
     }
-    running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                  [](const auto& s) { return s->done; }),
+    running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->done; }),
+                   running_.end());
+    Admit();
+    if (!running_.empty()) Step();
+    running_.erase(std::remove_if(running_.begin(), running_.end(), [](const auto& s) { return s->done; }),
                    running_.end());
     PublishStats();
   }
@@ -373,41 +358,187 @@ void Scheduler::Loop() {
   PublishStats();
 }
 
-Status Scheduler::ReserveWithEviction(Sequence& s, int32_t n) {
-  while (true) {
-    Status st = engine_.kv->Reserve(s.kv, n);
-    s.has_kv = true;
-    if (st.ok() || st.code() != StatusCode::kResourceExhausted) return st;
-    if (!EvictOneBlock()) return st;
+namespace {
+
+// Pages a sequence needs for positions [0, n) in each group the cache has (the most a first chunk of
+// n tokens can take).
+bool FirstChunkFits(const KvCache& kv, int32_t n) {
+  const int32_t pages = (n + kv.spec().page_size - 1) / kv.spec().page_size;
+  for (KvGroup g : {KvGroup::kFull, KvGroup::kSliding}) {
+    if (!kv.has_group(g)) continue;
+    if (kv.total_pages(g) - kv.used_pages(g) < pages) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void Scheduler::Admit() {
+  KvCache& kv = *engine_.kv;
+  while (static_cast<int32_t>(running_.size()) < options_.max_batch && !waiting_.empty()) {
+    Sequence& next = *waiting_.front();
+    const int32_t first_chunk =
+        std::min<int32_t>(options_.prefill_chunk, static_cast<int32_t>(next.tokens.size()));
+    // With sequences running, a new one waits until its first chunk fits (otherwise the step would
+    // preempt it straight away); alone, it is admitted and the step says if it cannot fit at all.
+    if (!running_.empty() && !FirstChunkFits(kv, first_chunk)) {
+      while (EvictOneBlock() && !FirstChunkFits(kv, first_chunk)) {
+      }
+      if (!FirstChunkFits(kv, first_chunk)) break;
+    }
+    auto s = std::move(waiting_.front());
+    waiting_.pop_front();
+    if (s->generated == 0) {  // a preempted sequence keeps its first admission's timings
+      s->admitted = Clock::now();
+      std::lock_guard slock(stats_mu_);
+      stats_.queue_time.Observe(Seconds(s->arrival, s->admitted));
+    }
+    s->stamp = ++use_clock_;
+    if (options_.enable_prefix_caching) {
+      Status st = AttachCachedPrefix(*s);
+      if (!st.ok()) spdlog::warn("prefix cache: {}", st.message());
+    }
+    s->state->SetPromptInfo(static_cast<int32_t>(s->req.prompt.size()), s->cached);
+    running_.push_back(std::move(s));
   }
 }
 
-Status Scheduler::Step(Sequence& s) {
+Status Scheduler::ReserveForStep(Sequence& s, int32_t n, size_t index) {
+  KvCache& kv = *engine_.kv;
+  while (true) {
+    Status st = kv.Reserve(s.kv, n);
+    s.has_kv = true;
+    if (st.ok() || st.code() != StatusCode::kResourceExhausted) return st;
+    if (EvictOneBlock()) continue;
+    // Preempt the newest running sequence that is not yet in this step.
+    size_t victim = running_.size();
+    for (size_t i = running_.size(); i-- > 0;) {
+      if (i != index && !running_[i]->done && running_[i]->step_rows == 0) {
+        victim = i;
+        break;
+      }
+    }
+    if (victim == running_.size()) return st;
+    Preempt(victim);
+  }
+}
+
+void Scheduler::Preempt(size_t index) {
+  Sequence& s = *running_[index];
+  if (s.has_kv) {
+    Status st = engine_.kv->Release(s.kv);
+    if (!st.ok()) spdlog::error("request {}: releasing KV pages: {}", s.state->id(), st.message());
+    s.has_kv = false;
+  }
+  s.cached = 0;
+  s.registered_blocks = 0;
+  s.block_hashes.clear();
+  s.step_rows = 0;
+  {
+    std::lock_guard slock(stats_mu_);
+    ++stats_.preemptions_total;
+  }
+  spdlog::debug("request {} preempted (KV pages exhausted): it will be recomputed", s.state->id());
+  // Back to the front of the queue; `done` marks the running slot for removal.
+  auto moved = std::move(running_[index]);
+  moved->done = false;
+  waiting_.push_front(std::move(moved));
+  running_[index] = std::make_unique<Sequence>();
+  running_[index]->done = true;
+}
+
+void Scheduler::Step() {
   KvCache& kv = *engine_.kv;
   ModelRunner& runner = *engine_.runner;
-  const int32_t prompt_len = static_cast<int32_t>(s.req.prompt.size());
-  if (s.prefilled < prompt_len) {
-    const int32_t n = std::min(options_.prefill_chunk, prompt_len - s.prefilled);
-    DL_RETURN_IF_ERROR(ReserveWithEviction(s, n));
-    std::span<const int32_t> chunk(s.req.prompt.data() + s.prefilled, static_cast<size_t>(n));
-    DL_RETURN_IF_ERROR(runner.Forward(s.kv, chunk, false, &s.logits));
-    // Register before Commit: Commit lets go of sliding pages the cache may want to keep.
-    if (options_.enable_prefix_caching) RegisterPromptBlocks(s, s.prefilled, s.prefilled + n);
-    DL_RETURN_IF_ERROR(kv.Commit(s.kv, n));
-    s.prefilled += n;
-    if (s.prefilled < prompt_len) return Status::Ok();
-  } else {
-    DL_RETURN_IF_ERROR(ReserveWithEviction(s, 1));
-    DL_RETURN_IF_ERROR(runner.Forward(s.kv, std::span<const int32_t>(&s.last_token, 1), false,
-                                      &s.logits));
-    DL_RETURN_IF_ERROR(kv.Commit(s.kv, 1));
+  ForwardBatch batch;
+  std::vector<Sequence*> in_batch;
+  int32_t budget = options_.max_tokens_per_step;
+  bool any_prefill = false;
+  for (auto& s : running_) s->step_rows = 0;
+  // Two passes in admission order: decode rows first (one each), then prefill chunks from what is left
+  // of the budget.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+      Sequence& s = *running_[i];
+      if (s.done) continue;
+      const int32_t remaining = static_cast<int32_t>(s.tokens.size()) - s.computed();
+      const bool decode = remaining == 1;
+      if (decode != (pass == 0)) continue;
+      const int32_t n = decode ? 1 : std::min({remaining, options_.prefill_chunk, budget});
+      Status st = ReserveForStep(s, n, i);
+      if (!st.ok()) {
+        if (st.code() == StatusCode::kResourceExhausted && !in_batch.empty()) {
+          Preempt(i);  // others hold the pages: wait for them, recomputing later
+          continue;
+        }
+        spdlog::error("request {}: {}", s.state->id(), st.message());
+        FinishSequence(s, FinishReason::kError,
+                       st.code() == StatusCode::kResourceExhausted
+                           ? ResourceExhausted("the KV cache cannot hold this request: {}", st.message())
+                           : st);
+        continue;
+      }
+      s.step_rows = n;
+      const int32_t first = batch.AddSequence(
+          s.kv, std::span<const int32_t>(s.tokens.data() + s.computed(), static_cast<size_t>(n)));
+      if (s.computed() + n == static_cast<int32_t>(s.tokens.size())) {
+        OutputRequest& out = batch.AddOutput(first + n - 1);
+        const SamplingParams& p = s.req.sampling;
+        out.sampling.temperature = p.temperature;
+        out.sampling.top_k = p.top_k > 0 ? p.top_k : 0;
+        out.sampling.top_p = p.top_p;
+        out.sampling.key = s.key;
+        out.sampling.step = static_cast<uint64_t>(s.generated);
+        out.want_logits = p.logprobs >= 0;
+      }
+      any_prefill = any_prefill || !decode;
+      in_batch.push_back(&s);
+      budget -= n;
+    }
   }
+  if (in_batch.empty()) return;
+  batch.mode = any_prefill ? ForwardMode::kPrefill : ForwardMode::kDecode;
+  ForwardResult result;
+  Status st = runner.Launch(batch);
+  if (st.ok()) st = runner.Wait(&result);
+  if (!st.ok()) {
+    spdlog::error("step of {} sequences failed: {}", in_batch.size(), st.message());
+    for (Sequence* s : in_batch) FinishSequence(*s, FinishReason::kError, st);
+    return;
+  }
+  {
+    std::lock_guard slock(stats_mu_);
+    ++stats_.steps_total;
+  }
+  size_t out = 0;
+  for (Sequence* s : in_batch) {
+    const int32_t begin = s->computed();
+    // Register before Commit: Commit lets go of sliding pages the cache may want to keep.
+    if (options_.enable_prefix_caching) RegisterPromptBlocks(*s, begin, begin + s->step_rows);
+    Status cst = kv.Commit(s->kv, s->step_rows);
+    const bool has_output = s->computed() == static_cast<int32_t>(s->tokens.size());
+    const RowResult* row = has_output ? &result.rows[out++] : nullptr;
+    if (!cst.ok()) {
+      FinishSequence(*s, FinishReason::kError, cst);
+      continue;
+    }
+    if (row != nullptr) Emit(*s, *row);
+  }
+}
+
+void Scheduler::Emit(Sequence& s, const RowResult& row) {
   const SamplingParams& p = s.req.sampling;
+  if (!row.finite) {
+    FinishSequence(s, FinishReason::kError,
+                   DataLoss("the model produced NaN or Inf logits at position {}", s.computed() - 1));
+    return;
+  }
   TokenEvent ev;
-  ev.token = SampleToken(s.logits, p, s.key, static_cast<uint64_t>(s.generated));
-  if (p.logprobs >= 0) ComputeLogprobs(s.logits, ev.token, p.logprobs, &ev);
+  ev.token = row.token;
+  if (p.logprobs >= 0) ComputeLogprobs(row.logits, ev.token, p.logprobs, &ev);
   const int32_t tok = ev.token;
   const auto now = Clock::now();
+  ev.emitted = now;
   {
     std::lock_guard slock(stats_mu_);
     if (s.generated == 0) {
@@ -419,6 +550,7 @@ Status Scheduler::Step(Sequence& s) {
   }
   s.last_emit = now;
   ++s.generated;
+  s.tokens.push_back(tok);
   s.state->PushToken(std::move(ev));
   const auto& eos = engine_.config().eos_token_ids;
   const bool is_eos = !p.ignore_eos && std::find(eos.begin(), eos.end(), tok) != eos.end();
@@ -428,10 +560,7 @@ Status Scheduler::Step(Sequence& s) {
     FinishSequence(s, FinishReason::kStop);
   } else if (s.generated >= p.max_tokens) {
     FinishSequence(s, FinishReason::kLength);
-  } else {
-    s.last_token = tok;
   }
-  return Status::Ok();
 }
 
 void Scheduler::FinishSequence(Sequence& s, FinishReason reason, Status error) {
@@ -462,7 +591,6 @@ void Scheduler::PublishStats() {
   stats_.kv_pages_used = kv.used_pages(KvGroup::kFull) + kv.used_pages(KvGroup::kSliding);
   stats_.kv_pages_total = kv.total_pages(KvGroup::kFull) + kv.total_pages(KvGroup::kSliding);
   stats_.prefix_cache_blocks = static_cast<int32_t>(blocks_.size());
-  ++stats_.steps_total;
 }
 
 // ---- prefix cache ----
@@ -509,7 +637,6 @@ Status Scheduler::AttachCachedPrefix(Sequence& s) {
   }
   DL_RETURN_IF_ERROR(kv.AttachPrefix(s.kv, m * page, full, slide));
   s.has_kv = true;
-  s.prefilled = m * page;
   s.cached = m * page;
   s.registered_blocks = m;
   return Status::Ok();

@@ -1,18 +1,24 @@
 // The serving scheduler: one engine thread owns the model runner and the KV cache; HTTP threads hand it
 // parsed requests through a queue and read results back from a per-request RequestState (llama.cpp's
-// server_context / server_queue split).
+// server_context / server_queue split). `bench` drives the same loop in process, so what bench
+// measures is what serve runs.
 //
-// Continuous batching: sequences join and leave the running set between steps. Each step runs, for
-// every running sequence, one Forward call: a prefill chunk of at most `prefill_chunk` prompt tokens,
-// or one decode token. A long prompt therefore costs running streams at most one chunk per step. The
-// CPU runner processes one sequence per Forward call, so a sequence's logits never depend on what
-// else is running: greedy outputs equal GenerateGreedy's for the same prompt and chunk size.
+// Continuous batching: sequences join and leave the running set between steps, and each step is ONE
+// forward (model/forward_batch.h) over every running sequence: a decode row for each sequence that has
+// its whole context in the cache, then prefill chunks (at most `prefill_chunk` tokens of one
+// sequence) in admission order while the step's token budget (`max_tokens_per_step`) lasts. A long
+// prompt therefore costs the running streams at most one budget's worth of rows per step. Every
+// backend computes each row on its own, so a sequence's tokens and logits do not depend on what else
+// runs or on how its prompt was chunked: greedy outputs equal GenerateGreedy's for the same prompt.
 //
-// KV pages are reserved chunk by chunk and returned when a sequence finishes, fails or is cancelled
-// (RequestState::Cancel, e.g. on client disconnect). Pools are sized for max_batch full-length
-// sequences (EngineOptions.max_sequences), so an admitted sequence never runs out of pages; admission
-// control is the running-set size plus a bounded waiting queue (Submit returns ResourceExhausted when
-// it is full: HTTP 503).
+// KV pages are reserved per step and returned when a sequence finishes, fails or is cancelled
+// (RequestState::Cancel, e.g. on client disconnect). When a step cannot get the pages it needs, the
+// most recently admitted running sequences are preempted: their pages are returned and they go back
+// to the front of the queue, to be recomputed from their prompt and the tokens they already produced
+// (vLLM's recompute policy). Recomputation gives the same KV bit for bit, so a preempted request's
+// output is unchanged; it only waits. Admission waits while the free pages would not hold a new
+// sequence's first chunk. The waiting queue is bounded (Submit returns ResourceExhausted when it is
+// full: HTTP 503).
 //
 // Prefix caching (off by default): whole prompt pages are registered in a block cache keyed by a
 // chained hash of their tokens; a new prompt that starts with cached blocks attaches those pages
@@ -60,6 +66,7 @@ struct TokenLogprob {
 
 struct TokenEvent {
   int32_t token = 0;
+  std::chrono::steady_clock::time_point emitted{};  // when the engine thread produced it
   float logprob = 0.0f;             // when SamplingParams.logprobs >= 0
   std::vector<TokenLogprob> top;    // the top N, best first
 };
@@ -127,6 +134,7 @@ struct SchedulerStats {
   uint64_t prompt_tokens_total = 0;
   uint64_t generation_tokens_total = 0;
   uint64_t cached_prompt_tokens_total = 0;
+  uint64_t preemptions_total = 0;  // sequences sent back to the queue for lack of KV pages
   std::map<std::string, uint64_t> finished_total;  // by finish reason
   uint64_t steps_total = 0;
   Histogram ttft, itl, e2e, queue_time;
@@ -137,6 +145,8 @@ struct SchedulerOptions {
   int32_t max_waiting = 1024;  // queued requests beyond which Submit refuses (503)
   int32_t prefill_chunk = 512;
   bool enable_prefix_caching = false;
+  // Token rows of one forward (decode rows + prefill chunks); clamped to what the runner takes.
+  int32_t max_tokens_per_step = 512;
 };
 
 class Scheduler {
@@ -176,12 +186,21 @@ class Scheduler {
   };
 
   void Loop();
-  // Runs one Forward for `s` and, when its logits are for a new position, samples and emits a token.
-  Status Step(Sequence& s);
+  // Admits waiting sequences while the batch and the free KV pages allow.
+  void Admit();
+  // One step: plans the batch (reserving pages, preempting where they run out), runs it and emits
+  // the sampled tokens.
+  void Step();
+  // Reserves n positions for s (running_[index]), evicting prefix-cache blocks and then preempting
+  // the running sequences not yet planned into this step, newest first; ResourceExhausted when even
+  // that cannot make room.
+  Status ReserveForStep(Sequence& s, int32_t n, size_t index);
+  void Preempt(size_t index);
+  // Emits the token sampled for s (and finishes it on a stop condition).
+  void Emit(Sequence& s, const RowResult& row);
   void FinishSequence(Sequence& s, FinishReason reason, Status error = Status::Ok());
   Status AttachCachedPrefix(Sequence& s);
   void RegisterPromptBlocks(Sequence& s, int32_t begin, int32_t end);
-  Status ReserveWithEviction(Sequence& s, int32_t n);
   // Drops the least recently used block whose pages only the cache holds (deepest first, so a
   // chain loses its tail before its head). False when no block would free a page.
   bool EvictOneBlock();

@@ -101,6 +101,77 @@ TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
   EXPECT_EQ(stats.itl.count, 44u);
 }
 
+// A KV pool that holds one full-length sequence, four requests at once: steps run out of pages, the
+// newest sequences are preempted and recomputed later, and every output still equals its alone run.
+TEST(SchedulerTest, PreemptionRecomputesAndKeepsEveryOutput) {
+  auto ref_engine = TinyEngine(1, 16, 128);
+  std::vector<std::vector<int32_t>> prompts = {Prompt(40, 1), Prompt(33, 2), Prompt(47, 3), Prompt(20, 4)};
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& p : prompts) {
+    GenerateOptions g;
+    g.max_tokens = 60;
+    g.ignore_eos = true;
+    g.prefill_chunk = 16;
+    auto r = GenerateGreedy(*ref_engine, p, g);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    expected.push_back(r->tokens);
+  }
+  auto engine = TinyEngine(1, 16, 128);
+  Scheduler sched(*engine, {.max_batch = 4, .max_waiting = 8, .prefill_chunk = 16});
+  sched.Start();
+  std::vector<std::shared_ptr<RequestState>> states;
+  for (const auto& p : prompts) {
+    GenerationRequest r;
+    r.prompt = p;
+    r.sampling.max_tokens = 60;
+    r.sampling.ignore_eos = true;
+    auto st = sched.Submit(r);
+    ASSERT_TRUE(st.ok()) << st.status().message();
+    states.push_back(*st);
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Collected c = Drain(*states[i]);
+    EXPECT_EQ(c.last.reason, FinishReason::kLength) << c.last.error.message();
+    EXPECT_EQ(c.tokens, expected[i]) << "prompt " << i;
+  }
+  sched.Stop();
+  EXPECT_GT(sched.Stats().preemptions_total, 0u) << "the pool should have run out of pages";
+  EXPECT_EQ(UsedPages(*engine), 0);
+}
+
+// A request that needs the whole KV pool (128 positions of a pool of 128) next to a small one: both
+// complete (the pool is sized so that any admissible request fits alone), with the greedy tokens the
+// long one gets alone.
+TEST(SchedulerTest, ARequestNeedingTheWholePoolCompletesBesideAnother) {
+  auto engine = TinyEngine(1, 16, 128);
+  Scheduler sched(*engine, {.max_batch = 2, .max_waiting = 8, .prefill_chunk = 16});
+  sched.Start();
+  GenerationRequest big;
+  big.prompt = Prompt(100, 5);
+  big.sampling.max_tokens = 28;
+  big.sampling.ignore_eos = true;
+  GenerationRequest small;
+  small.prompt = Prompt(10, 6);
+  small.sampling.max_tokens = 5;
+  auto a = sched.Submit(big);
+  auto b = sched.Submit(small);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Collected cb = Drain(**b);
+  EXPECT_EQ(cb.tokens.size(), 5u);
+  Collected ca = Drain(**a);
+  EXPECT_EQ(ca.last.reason, FinishReason::kLength) << ca.last.error.message();
+  auto ref_engine = TinyEngine(1, 16, 128);
+  GenerateOptions g;
+  g.max_tokens = 28;
+  g.ignore_eos = true;
+  g.prefill_chunk = 16;
+  auto ref = GenerateGreedy(*ref_engine, big.prompt, g);
+  ASSERT_TRUE(ref.ok());
+  EXPECT_EQ(ca.tokens, ref->tokens);
+  sched.Stop();
+  EXPECT_EQ(UsedPages(*engine), 0);
+}
+
 TEST(SchedulerTest, ValidatesRequests) {
   auto engine = TinyEngine(1, 16, 64);
   Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 4});

@@ -45,6 +45,20 @@ Status AbsMaxBf16(const bf16* src, int64_t n, float* out, Stream stream);
 // device/host libm differences). Also reports the bytes in use on the device before the test.
 Status DeviceSmokeTest(int device, size_t* bytes_in_use);
 
+// dst[r, :] = src[rows[r], :] for r < num_rows (BF16, width % 8 == 0): the output rows of a batch
+// gathered before the LM head.
+struct GatherRowsParams {
+  const bf16* src = nullptr;     // [*, width]
+  const int32_t* rows = nullptr; // [num_rows] device
+  bf16* dst = nullptr;           // [num_rows, width]
+  int num_rows = 0;
+  int width = 0;
+};
+Status GatherRows(const GatherRowsParams& p, Stream stream);
+
+// out[i] = bf16(a[i] + b[i]) for i < n: the residual update AddRmsNorm makes, for hidden-state taps.
+Status AddBf16(const bf16* a, const bf16* b, bf16* out, int64_t n, Stream stream);
+
 // dst[i] = float(src[i]) for logits copied back to the host.
 Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream);
 

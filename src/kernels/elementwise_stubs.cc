@@ -12,6 +12,10 @@ Status AbsMaxBf16(const bf16*, int64_t, float*, Stream) {
   return Unavailable("no CUDA backend in this build");
 }
 Status DeviceSmokeTest(int, size_t*) { return Unavailable("no CUDA backend in this build"); }
+Status GatherRows(const GatherRowsParams&, Stream) { return Unavailable("no CUDA backend in this build"); }
+Status AddBf16(const bf16*, const bf16*, bf16*, int64_t, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
 Status Bf16ToF32(const bf16*, float*, int64_t, Stream) {
   return Unavailable("no CUDA backend in this build");
 }

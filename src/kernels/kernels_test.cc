@@ -9,6 +9,7 @@
 #include "base/rng.h"
 #include "kernels/attention/attention.h"
 #include "kernels/ops.h"
+#include "kernels/tuning.h"
 #include "kernels/reference/reference.h"
 
 namespace dl::kernels {
@@ -99,27 +100,37 @@ TEST(Registry, ChunkCountFollowsAbsolutePositions) {
   // experiment switch, whose default must agree.
   EXPECT_GE(AttentionParams{}.cluster_max_chunks, 5);
   EXPECT_LE(AttentionParams{}.cluster_max_chunks, kAttnMaxClusterChunks);
-  EXPECT_EQ(DecodeExperiments{}.attention_cluster_max_chunks, AttentionParams{}.cluster_max_chunks);
+  EXPECT_EQ(Tuning{}.attention_cluster_max_chunks, AttentionParams{}.cluster_max_chunks);
 }
 
-TEST(Experiments, LateReleaseListRoundTrips) {
-  EXPECT_EQ(ParseLateRelease(""), 0u);
-  EXPECT_EQ(LateReleaseList(0), "");
-  const unsigned bits = ParseLateRelease("rope,attention,bogus,,down");
-  DecodeExperiments e;
-  e.late_release = bits;
-  EXPECT_TRUE(Late(e, LateRelease::kRope));
-  EXPECT_TRUE(Late(e, LateRelease::kAttention));
-  EXPECT_TRUE(Late(e, LateRelease::kDown));
-  EXPECT_FALSE(Late(e, LateRelease::kNorm));
-  EXPECT_FALSE(Late(e, LateRelease::kRouter));
-  EXPECT_EQ(LateReleaseList(bits), "rope,attention,down");  // LateRelease order, unknown names dropped
-  std::string all;
-  for (const char* name : kLateReleaseNames) all += std::string(all.empty() ? "" : ",") + name;
-  EXPECT_EQ(ParseLateRelease(all), (1u << static_cast<unsigned>(LateRelease::kCount)) - 1);
+TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
+  Tuning t;
   // The measured default: attention, o_proj and down release after their wait, the others at their start.
-  EXPECT_EQ(LateReleaseList(DecodeExperiments{}.late_release), "attention,o_proj,down");
-  EXPECT_EQ(ParseLateRelease("none"), 0u);
+  EXPECT_EQ(LateReleaseList(t.late_release), "attention,o_proj,down");
+  ASSERT_TRUE(SetTuning(&t, "late_release=rope,attention,down").ok());
+  EXPECT_TRUE(t.late(LateRelease::kRope));
+  EXPECT_TRUE(t.late(LateRelease::kAttention));
+  EXPECT_TRUE(t.late(LateRelease::kDown));
+  EXPECT_FALSE(t.late(LateRelease::kNorm));
+  EXPECT_EQ(LateReleaseList(t.late_release), "rope,attention,down");  // LateRelease order
+  ASSERT_TRUE(SetTuning(&t, "late_release=none").ok());
+  EXPECT_EQ(t.late_release, 0u);
+  ASSERT_TRUE(SetTuning(&t, "stream_prefetch_kb=64").ok());
+  EXPECT_EQ(t.stream_prefetch_kb, 64);
+  ASSERT_TRUE(SetTuning(&t, "dependent_launch=0").ok());
+  EXPECT_FALSE(t.dependent_launch);
+  // Every printed setting parses back to the same value.
+  Tuning back;
+  for (const auto& [name, value] : TuningSettings(t)) ASSERT_TRUE(SetTuning(&back, name + "=" + value).ok()) << name;
+  EXPECT_EQ(TuningString(back), TuningString(t));
+  // Unknown names, values out of range, malformed assignments: errors naming the setting.
+  EXPECT_EQ(SetTuning(&t, "late_release=rope,bogus").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetTuning(&t, "no_such_thing=1").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetTuning(&t, "attention_cluster_max_chunks=9").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetTuning(&t, "batch_gemv_tokens=5").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetTuning(&t, "stream_gemv").code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(SetTuning(&t, "stream_ring_kb=abc").message().find("stream_ring_kb"), std::string::npos);
+  EXPECT_NE(TuningHelp().find("batch_gemv_rows"), std::string::npos);
 }
 
 TEST(Reference, RmsNormAddsResidualAndNormalisesToUnitRms) {

@@ -34,7 +34,7 @@ struct AddRmsNormParams {
   int n = 0;
   float eps = 1e-6f;
   bool prefetch_residual = true;  // as FusedInputNorm::prefetch_residual
-  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
+  bool release_after_wait = false;  // PDL release point (Tuning::late_release)
 };
 Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 
@@ -90,6 +90,10 @@ struct QkNormRopeAppendParams {
   KvDtype kv_dtype = KvDtype::kBf16;
   float k_scale = 1.0f, v_scale = 1.0f;  // FP8 only
   const int32_t* block_table = nullptr;  // [max_pages] page ids of this sequence
+  // Rows of several sequences: row t's table is block_table + token_seq[t] * block_table_stride
+  // (nullptr: every row uses block_table).
+  const int32_t* token_seq = nullptr;
+  int32_t block_table_stride = 0;
   int page_size = 16;                    // P
   // > 0: warm L2 before the PDL wait with what the kernel reads after it that no earlier kernel of
   // the step writes: positions, norm weights, inv_freq and the first block_table_entries entries
@@ -97,15 +101,19 @@ struct QkNormRopeAppendParams {
   // (session 4: queued behind the q/k/v/g weight stream); a prefetch does not hold the thread.
   int block_table_entries = 0;
   bool prefetch_constants = true;
-  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
+  bool release_after_wait = false;  // PDL release point (Tuning::late_release)
 };
 Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 
 // ---- 5. GEMV / small-T GEMM ------------------------------------------------------------------------
 // y[t, o] = bf16( sum_i W[o, i] * x[t, i] ), FP32 accumulation in a FIXED order per output element that
 // does not depend on T: GEMM over T tokens is bit-identical to T separate GEMVs (batch invariance, so
-// prefill chunking cannot change results). One warp per output row, 16-byte loads of W.
-// cuBLASLt (tensor cores) would win for prefill T >~ 16, at the price of batch invariance.
+// prefill chunking cannot change results). The order: the input is split into k_split contiguous
+// slices; lane l of a slice's warp takes its 16-byte chunks l, l+32, l+64, ... in ascending order and
+// FMAs their 8 elements in order; the 32 lane sums are added by an xor butterfly (WarpSum); slices
+// are added in ascending order. Batch 1 streams W (GemvParams::streaming); T > 1 tokens run the
+// batched kernel (each warp holds batch_rows rows' chunks in registers for batch_tokens tokens, so W
+// is read once per token tile) unless a norm is fused, which takes the tiled plain kernel.
 struct GemvParams {
   const bf16* w = nullptr;  // [out, in]
   const bf16* x = nullptr;  // [T, in] (row stride x_stride)
@@ -118,11 +126,6 @@ struct GemvParams {
   int k_split = 0;
   // Set: x is computed from it (x itself is not read); token t's rows come from row t of residual.
   FusedInputNorm norm;
-  // > 0: the staged kernel (GemvStagedSupported): one block per SM owns consecutive rows and, before
-  // its PDL wait, copies the first stage_rows of them into shared memory and loads up to 4 more
-  // into registers, so the whole weight stream can overlap a latency-bound predecessor (attention
-  // before o_proj). Same bits as the plain kernel. Batch 1 only, no fused norm.
-  int stage_rows = 0;
   // on: the streaming kernel (GemvStreamSupported): batch 1, one block per SM owns consecutive rows
   // (one contiguous stretch of W) and a producer warp copies them through a ring of shared-memory
   // stages with TMA bulk copies, the first prefetch_kb before the PDL wait, so HBM stays busy
@@ -136,15 +139,15 @@ struct GemvParams {
                            // latency-bound predecessor, whose loads queue behind these (96 against
                            // 64 KB: 2.564 / 2.553 against 2.572 / 2.567 ms, session 7; 128: slower)
   } streaming;
-  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
+  // T > 1 without a fused norm: rows per warp (1, 2, 4) and tokens per tile (4, 8, 16) of the batched
+  // kernel (Tuning::batch_gemv_rows / batch_gemv_tokens). Same bits for every choice.
+  int batch_rows = 2;
+  int batch_tokens = 8;
+  bool release_after_wait = false;  // PDL release point (Tuning::late_release)
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
 int GemvKSplitFor(int out, int in);
-// Whether GemvParams::stage_rows applies to this shape at T = 1 (8 warps per row, 4 chunks of 16
-// bytes per lane: in = 8,192) and how many rows fit in one block's shared memory.
-bool GemvStagedSupported(int out, int in);
-int GemvMaxStageRows(int in);
 // Whether GemvParams::streaming applies to this shape with this ring (two stages of whole row groups fit).
 bool GemvStreamSupported(int out, int in, int ring_kb = 128, int stage_kb = 32);
 Status Gemv(const GemvParams& p, Stream stream);
@@ -152,11 +155,15 @@ Status Gemv(const GemvParams& p, Stream stream);
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
 // Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);
 // select the top-k of (s + bias) (ties: lowest expert id; descending order); w_e = bf16(s_e / sum_sel s)
-// (sum in selection order). Experts (two kernels): h_j = bf16(bf16(silu(bf16(G_j x))) * bf16(U_j x));
+// (sum in selection order). Experts: h_j = bf16(bf16(silu(bf16(G_j x))) * bf16(U_j x));
 // o_j = bf16(D_j h_j); y = bf16( bf16(alpha * bf16(sum_j bf16(o_j * w_j))) + bf16(D_s h_s) )
 // (5.17.0 grouped_mm order: per-slot BF16 products, FP32 sum over slots, one rounding). No host
-// round trip: expert ids stay on the device and index the pointer arrays. T tokens share the three
-// launches but nothing else: token t's arithmetic is the same for every T (prefill = decode, bit for bit).
+// round trip: expert ids stay on the device and index the pointer arrays. Batch 1: router, gate/up
+// and down+combine (three launches, the weights streamed per token). T > 1: router, a grouping
+// kernel that lists each selected expert's (token, slot) pairs, gate/up and down over those lists
+// (each selected expert's rows are read once for all its tokens) and the combine: five launches.
+// Every dot product keeps the GEMV's per-lane order (GemvParams), so token t's arithmetic is the
+// same for every T and every grouping: prefill = decode = batched decode, bit for bit.
 // Expert weights: arrays (in DEVICE memory) of E device pointers, one per expert tensor, matching the
 // loader's per-expert tensors: gate/up [F, d], down [d, F].
 struct MoeParams {
@@ -183,32 +190,17 @@ struct MoeParams {
   // Set: the router computes u2 from it and writes it to norm.u_out, which must be x, for the expert
   // kernels.
   FusedInputNorm norm;
-  // Experiments: shapes of the gate/up and down kernels (0 = default; MoeGateUpVariants() /
-  // MoeDownVariants() of each). Every variant gives the same bits.
-  int gate_up_variant = 0, down_variant = 0;
-  // The down kernel loads its weight rows before waiting for gate/up (the router, which chose them,
-  // has completed by then: routed gate/up blocks let the down kernel launch only after their own
-  // wait). Off: it waits first and only warms L2 with the shared expert's rows. Same bits either way.
-  bool down_loads_early = true;
-  // The router's blocks copy the [E] gate/up/down pointer tables into shared memory before their PDL
-  // wait, so the block that selects the experts writes their pointers without one more dependent
-  // memory round trip (measured −0.05 ms per token on XS.2: likely a DRAM miss, the tables being read
-  // once per step). Same result either way.
-  bool router_stages_pointers = true;
-  // The same for the [E] correction biases, which the selecting block otherwise reads from global
-  // memory next to the logits (measured −0.01 ms per token on XS.2 in two A/B pairs, session 7).
-  bool router_stages_bias = true;
   // Batch 1: gate/up streams its weights through a ring of this many KB of shared memory (TMA bulk
   // copies, like GemvParams::streaming), in units of 4 rows of one slot's gate and up
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
   // kernel. Same bits either way.
   int gate_up_stream_ring_kb = 128;
-  // PDL release points (DecodeExperiments::late_release) of the router and the down kernel.
+  // PDL release points (Tuning::late_release) of the router and the down kernel.
   bool router_release_after_wait = false, down_release_after_wait = false;
 };
-int MoeGateUpVariants();
-int MoeDownVariants();
-size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
+// Workspace for up to num_tokens tokens (the per-token router state and, for T > 1, the grouped path's
+// expert lists and per-slot outputs).
+size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
 
 // ---- 7. Argmax -------------------------------------------------------------------------------------
@@ -219,76 +211,17 @@ struct ArgmaxParams {
   int32_t* out = nullptr;        // [1]
   void* workspace = nullptr;     // ArgmaxWorkspaceBytes(n)
   uint32_t* counter = nullptr;   // one word, zero before first use; the kernel leaves it zero
+  int32_t* nonfinite = nullptr;  // [1] optional: set to 1 when a logit is NaN or +-Inf, else 0
 };
 size_t ArgmaxWorkspaceBytes(int n);
 Status Argmax(const ArgmaxParams& p, Stream stream);
 
 // ---- Launch mode ----------------------------------------------------------------------------------
-// Whether the decode kernels use programmatic dependent launch (sm_90+): on by default; the
-// environment variable DECODELAB_PDL=0 turns it off (A/B measurements). Reported by bench.
+// Whether the decode kernels are launched with programmatic dependent launch (sm_90+). A launch
+// attribute every launcher shares, so it is process-wide: the CUDA backend sets it from its
+// Tuning::dependent_launch when it is built (one engine per process). On by default.
+void SetDependentLaunch(bool on);
 bool DependentLaunchEnabled();
-// Which add + RMSNorm kernels the engine folds into their consumers (FusedInputNorm), from
-// DECODELAB_FUSED_NORM: "router" (default) only the one before the MoE router / dense MLP (32 router
-// blocks recompute it); "stream" also the one before q/k/v/g where that GEMV streams (batch 1: its
-// ~130 blocks, one per SM, recompute it); "1" both everywhere; "0" none (A/B). Measured on XS.2
-// (docs/performance.md): session 4, before the streaming GEMV: router 3.04 ms, both 3.15, none 3.11
-// (each of the plain GEMV's ~2,600 blocks read 12 KB from L2 for the norm); session 7: "stream"
-// 2.680 / 2.695 against router 2.630 / 2.648 ms, slower though it removes 40 launches. Reported by bench.
-struct FusedNormMode {
-  bool before_attention = false, before_mlp = false;
-  bool before_streaming_attention = false;  // before q/k/v/g only where that GEMV streams
-  const char* name = "0";
-};
-FusedNormMode FusedNorm();
-// The decode kernels whose PDL release point DecodeExperiments::late_release can move.
-enum class LateRelease : unsigned { kNorm, kQkvg, kRope, kAttention, kOProj, kRouter, kDown, kCount };
-inline constexpr unsigned kDefaultLateRelease = (1u << static_cast<unsigned>(LateRelease::kAttention)) |
-                                                (1u << static_cast<unsigned>(LateRelease::kOProj)) |
-                                                (1u << static_cast<unsigned>(LateRelease::kDown));
-// Kernel-shape experiments the engine applies to every layer, read once from the environment
-// (docs/kernels.md; measured in docs/performance.md, session 4). Reported by bench.
-struct DecodeExperiments {
-  int moe_gate_up_variant = 0, moe_down_variant = 0;  // DECODELAB_MOE_VARIANT="g,d" (MoeParams)
-  bool moe_down_loads_early = true;                   // DECODELAB_MOE_DOWN_EARLY=0 turns it off
-  int moe_gate_up_stream_ring_kb = 128;               // DECODELAB_MOE_GATE_UP_STREAM_KB (MoeParams; 0 = off)
-  bool moe_router_stages_pointers = true;             // DECODELAB_MOE_ROUTER_POINTERS=0 turns it off
-  bool moe_router_stages_bias = true;                 // DECODELAB_MOE_ROUTER_BIAS=0 turns it off
-  int oproj_stage_rows = 0;                           // DECODELAB_OPROJ_STAGE_ROWS (GemvParams; 0 = off)
-  // Batch-1 dense GEMVs through the streaming kernel (GemvParams::streaming): DECODELAB_STREAM_GEMV=0
-  // turns it off; DECODELAB_STREAM_RING_KB / _STAGE_KB / _PREFETCH_KB set its sizes.
-  bool stream_gemv = true;
-  int stream_ring_kb = 128, stream_stage_kb = 32, stream_prefetch_kb = 96;
-  // o_proj's own (DECODELAB_OPROJ_PREFETCH_KB; -1: stream_prefetch_kb's value): its whole 128 KB ring before
-  // the wait, since with attention's late release it streams beside attention, not RoPE: 2.490 against
-  // 2.513 ms (3 alternating rounds, session 8; 48 KB 2.571); q/k/v/g at 128 too was slower (2.517).
-  int oproj_prefetch_kb = 128;
-  // Small data read right after a PDL wait warmed in L2 before it (FusedInputNorm::prefetch_residual,
-  // QkNormRopeAppendParams::prefetch_constants): DECODELAB_L2_PREFETCH=0 turns it off.
-  bool l2_prefetch = true;
-  // DECODELAB_ATTN_CLUSTER=N: attention merges through a cluster up to N chunks (0 = off; at most 8)
-  int attention_cluster_max_chunks = AttentionParams{}.cluster_max_chunks;
-  // Kernels that let their successor launch (griddepcontrol.launch_dependents) just after their own
-  // PDL wait instead of at their start: the successor's pre-wait loads then no longer run beside the
-  // latency-bound kernel before this one. Default attention + o_proj + down: o_proj's pre-wait weight
-  // copies (96 KB per SM when measured) wait until RoPE has completed, the router's staged weights
-  // and tables until attention has: 2.516 against 2.559 ms (3 alternating rounds, session 8; each
-  // alone 0.00-0.01);
-  // down: the next norm, and so q/k/v/g's prefetch, after gate/up: -0.005 to -0.01 ms in 3 calls.
-  // DECODELAB_LATE_RELEASE=norm,qkvg,rope,attention,o_proj,router,down sets the list ("none": none).
-  // Same bits either way.
-  unsigned late_release = kDefaultLateRelease;  // bits: 1 << LateRelease::k...
-};
-inline bool Late(const DecodeExperiments& e, LateRelease k) {
-  return (e.late_release >> static_cast<unsigned>(k)) & 1u;
-}
-// The kernels' names in DECODELAB_LATE_RELEASE, indexed by LateRelease.
-inline constexpr const char* kLateReleaseNames[] = {"norm", "qkvg", "rope", "attention", "o_proj", "router", "down"};
-static_assert(std::size(kLateReleaseNames) == static_cast<size_t>(LateRelease::kCount));
-// "attention,rope"-style list -> late_release bits; unknown names are ignored (an experiment switch).
-unsigned ParseLateRelease(std::string_view list);
-// The bits as the list, in LateRelease order ("" for none).
-std::string LateReleaseList(unsigned bits);
-const DecodeExperiments& Experiments();
 
 // ---- Test and benchmark helper -----------------------------------------------------------------------
 // dst[i] = bf16(scale * NormalAt(key, i)) (base/rng.h, counter-based): the function the CPU computes,

@@ -1,10 +1,10 @@
-// What the engine asks of a backend: run a chunk of tokens of one sequence through the model, appending
-// their K/V to the paged cache, and return logits. Prefill (many tokens) and decode (one token) are the
-// same call, so they share one code path in every backend.
+// What the engine asks of a backend: run one ForwardBatch (prefill chunks, decode rows, verify rows
+// of any number of sequences at once) through the model, appending the rows' K/V to the paged cache,
+// and return what the batch asked for. Launch and Wait are separate so the host can prepare the next
+// step while the device runs this one.
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_scales.h"
+#include "model/forward_batch.h"
 
 namespace dl {
 
@@ -32,16 +33,24 @@ class ModelRunner {
   virtual std::string backend_name() const = 0;
   virtual const KvCacheSpec& kv_spec() const = 0;
   virtual const KvScales& kv_scales() const = 0;
+  // Largest batch one forward takes: token rows, and output rows.
+  virtual int32_t max_rows() const = 0;
+  virtual int32_t max_outputs() const = 0;
 
-  // Runs `tokens` at positions [seq.length(), seq.length() + n). The caller has reserved pages for them
-  // (KvCache::Reserve) and commits them afterwards. `logits` receives [n, vocab] floats when
-  // `all_logits`, else the last token's [vocab].
-  virtual Status Forward(const SequenceKv& seq, std::span<const int32_t> tokens, bool all_logits,
-                         std::vector<float>* logits) = 0;
+  // Starts the forward of `batch`. The caller has reserved pages for every row (KvCache::Reserve)
+  // and commits them after Wait. `batch` and the SequenceKvs it points to must stay unchanged until
+  // Wait returns. At most one forward is in flight.
+  virtual Status Launch(const ForwardBatch& batch) = 0;
+  // Waits for the launched forward and fills `result` (rows parallel to batch.outputs).
+  virtual Status Wait(ForwardResult* result) = 0;
+  Status Forward(const ForwardBatch& batch, ForwardResult* result) {
+    DL_RETURN_IF_ERROR(Launch(batch));
+    return Wait(result);
+  }
 
   virtual void set_kv_observer(KvObserver* observer) { (void)observer; }
 
-  // Identity for logs, JSON and the lab: presets, fallback flag, topology (backend-specific keys).
+  // Identity for logs, JSON and the lab: presets, fallback flag, tuning, topology (backend keys).
   virtual nlohmann::json Describe() const = 0;
 };
 

@@ -13,9 +13,10 @@
 
 #include "cuda/device.h"
 #include "engine/engine.h"
-#include "model/cuda_runner.h"
+#include "backend/cuda_runner.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
+#include "tests/common/batch_schedule.h"
 #include "tests/common/golden_data.h"
 
 namespace dl {
@@ -206,7 +207,8 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   for (auto& s : scales.v) s = 0.02f;
   CudaRunnerOptions co;
   co.max_seq_len = 1024;
-  co.max_chunk = 512;
+  co.max_rows = 512;
+  co.max_outputs = 1;
   co.use_graph = graph;
   auto runner = CudaRunner::Create(ck, spec, scales, co);
   EXPECT_TRUE(runner.ok()) << runner.status().ToString();
@@ -214,20 +216,31 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   if (!runner.ok()) return run;
   SequenceKv seq;
   std::vector<float> logits;
-  auto forward = [&](std::span<const int32_t> t) {
+  int32_t token = -1;
+  auto forward = [&](std::span<const int32_t> t, bool output) {
     EXPECT_TRUE(kvc->Reserve(seq, static_cast<int32_t>(t.size())).ok());
-    Status st = (*runner)->Forward(seq, t, false, &logits);
+    ForwardBatch b;
+    b.AddSequence(seq, t);
+    if (output) b.AddOutput(static_cast<int32_t>(t.size()) - 1).want_logits = true;
+    ForwardResult r;
+    Status st = (*runner)->Forward(b, &r);
     EXPECT_TRUE(st.ok()) << st.ToString();
     EXPECT_TRUE(kvc->Commit(seq, static_cast<int32_t>(t.size())).ok());
+    if (output && st.ok()) {
+      logits = r.rows[0].logits;
+      token = r.rows[0].token;
+    }
   };
   for (size_t i = 0; i < prompt.size(); i += chunk) {
-    forward(std::span<const int32_t>(prompt).subspan(i, std::min<size_t>(chunk, prompt.size() - i)));
+    const size_t n = std::min<size_t>(chunk, prompt.size() - i);
+    forward(std::span<const int32_t>(prompt).subspan(i, n), i + n == prompt.size());
   }
   run.last_logits = logits;
   for (int32_t s = 0; s < steps; ++s) {
     const int32_t tok = ArgmaxWithMargin(logits).first;
+    EXPECT_EQ(token, tok) << "the device's greedy token is the argmax of the logits it returns";
     run.tokens.push_back(tok);
-    forward(std::span<const int32_t>(&tok, 1));
+    forward(std::span<const int32_t>(&tok, 1), true);
   }
   return run;
 }
@@ -271,6 +284,74 @@ TEST(CudaRunnerTest, TokensIdenticalAcrossPageSizesChunksAndGraphs) {
                                    reference.last_logits.size() * 4))
               << DTypeName(kv) << " page " << page << " chunk " << chunk << " graph " << graph;
         }
+      }
+    }
+  }
+}
+
+// The batch-shaped engine's promise on the GPU, with XS.2's attention geometry (D 128, 48/64 heads, the
+// 512 window, which prompts up to 700 tokens wrap): every sequence's tokens and the logits of every
+// row that produced one (greedy and seeded top-k/top-p sampling) are bit-identical alone and under
+// random schedules of arrivals, subsets, prefill chunk sizes and batch buckets (padding rows
+// included), with FP8 and BF16 caches and with graphs or eager launches.
+TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
+  SKIP_WITHOUT_GPU();
+  auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 13, DType::kBF16);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : {5, 130, 700, 37, 513, 64, 260}) {
+    std::vector<int32_t> p = LongPrompt(n, ck->config().vocab_size);
+    for (auto& t : p) t = (t + n) % static_cast<int32_t>(ck->config().vocab_size);
+    prompts.push_back(p);
+  }
+  const int32_t steps = 12;
+  for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
+    for (bool graph : {true, false}) {
+      SCOPED_TRACE(testing::Message() << DTypeName(kv) << (graph ? " graphs" : " eager"));
+      auto engine = std::make_unique<Engine>();
+      // The engine by hand around the synthetic checkpoint (LoadEngine builds from a shape or a directory).
+      KvCacheSpec spec;
+      spec.num_layers = static_cast<int32_t>(ck->config().num_hidden_layers);
+      spec.num_kv_heads = static_cast<int32_t>(ck->config().num_key_value_heads);
+      spec.head_dim = static_cast<int32_t>(ck->config().head_dim);
+      spec.page_size = 32;
+      spec.dtype = kv;
+      for (int64_t l = 0; l < ck->config().num_hidden_layers; ++l) {
+        spec.layer_groups.push_back(ck->config().is_sliding(l) ? KvGroup::kSliding : KvGroup::kFull);
+      }
+      spec.sliding_window = static_cast<int32_t>(ck->config().sliding_window);
+      spec.pages_full = PagesNeededFull(1024, 32) * static_cast<int32_t>(prompts.size());
+      spec.pages_sliding = spec.pages_full;
+      auto kvc = KvCache::Create(spec);
+      ASSERT_TRUE(kvc.ok());
+      engine->kv = std::make_unique<KvCache>(std::move(*kvc));
+      KvScales scales = KvScales::Unit(spec.num_layers);
+      for (auto& s : scales.k) s = 0.05f;
+      for (auto& s : scales.v) s = 0.02f;
+      CudaRunnerOptions co;
+      co.max_seq_len = 1024;
+      co.max_rows = 96;
+      co.max_outputs = static_cast<int32_t>(prompts.size());
+      co.use_graph = graph;
+      auto runner = CudaRunner::Create(*ck, spec, scales, co);
+      ASSERT_TRUE(runner.ok()) << runner.status().ToString();
+      engine->runner = std::move(*runner);
+      std::vector<testing_batch::SeqTrace> alone;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        auto a = testing_batch::RunAlone(*engine, prompts[i], i, steps, 64);
+        ASSERT_TRUE(a.ok()) << a.status().ToString();
+        alone.push_back(std::move(*a));
+      }
+      for (uint64_t seed : {1u, 2u}) {
+        auto together = testing_batch::RunRandomSchedule(*engine, prompts, steps, seed, 96);
+        ASSERT_TRUE(together.ok()) << together.status().ToString();
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          EXPECT_EQ(testing_batch::Compare(alone[i], (*together)[i]), "") << "sequence " << i << ", seed " << seed;
+        }
+      }
+      EXPECT_EQ(engine->kv->used_pages(KvGroup::kFull) + engine->kv->used_pages(KvGroup::kSliding), 0);
+      if (graph) {
+        EXPECT_GT(engine->runner->Describe()["graphs"].size(), 3u) << "the schedules should span several buckets";
       }
     }
   }

@@ -19,6 +19,7 @@
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
 #include "kernels/ops.h"
+#include "kernels/sampling.h"
 
 using namespace dl;
 using namespace dl::kernels;
@@ -104,7 +105,7 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, norm, rope, attn, moe, argmax); the copy row always runs.
+  // Optional: one section only (gemv, gemv_batch, norm, rope, attn, moe, argmax); the copy row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
@@ -155,6 +156,29 @@ int main(int argc, char** argv) {
     }, 200);
     rows.push_back({name, fmt::format("{}x{} ks{}", out, in, ks <= 0 ? GemvKSplitFor(out, in) : ks),
                     ms * 1e3, 2.0 * out * in});
+  }
+  // Batched GEMV (T tokens, W read once per token tile): the decode batch sizes, every kernel shape.
+  // The bytes column counts W once: % copy is the fraction of the weight stream's floor reached.
+  if (want("gemv_batch")) {
+    auto xb = Random(size_t(64) * 8192, 11, 1.0f);
+    auto yb = Alloc(size_t(64) * 10304 * 2);
+    for (auto [name, out, in] : {std::tuple{"qkvg", 10304, 2048}, std::tuple{"o_proj", 2048, 8192}}) {
+      std::vector<cuda::DeviceBuffer> w;
+      for (int c = 0; c < 8; ++c) w.push_back(Random(size_t(out) * in, 30 + c, 0.02f));
+      for (int T : {2, 8, 32, 64}) {
+        for (int br : {1, 2, 4}) {
+          for (int bt : {8, 16}) {
+            const double ms = TimeMs([&](int i) {
+              GemvParams p{w[i % 8].as<bf16>(), xb.as<bf16>(), yb.as<bf16>(), out, in, T};
+              p.batch_rows = br, p.batch_tokens = bt;
+              CHECK_OK(Gemv(p, g_stream));
+            }, 50);
+            rows.push_back({fmt::format("gemv {} T{}", name, T), fmt::format("{}x{} r{} t{}", out, in, br, bt),
+                            ms * 1e3, 2.0 * out * in});
+          }
+        }
+      }
+    }
   }
 
   // Residual add + RMSNorm, d = 2048.
@@ -267,45 +291,39 @@ int main(int argc, char** argv) {
       biases.push_back(Random(E, 60 + l, 0.05f));
       shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
     }
-    auto xs = Random(size_t(16) * d, 80, 1.0f);
-    auto yv = Alloc(d * 2), ws = Alloc(MoeWorkspaceBytes(E, k, F, F)), counter = Alloc(4);
+    auto xs = Random(size_t(64) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(64) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 64)), counter = Alloc(64 * 4);
+    auto ids = Alloc(size_t(64) * k * 4);
     CHECK_OK(counter.Fill(0));
-    // Launch i of a timed graph: layer i % layers, input row i % 16.
-    auto moe_params = [&](int i, int top_k) {
+    // Launch i of a timed graph: layer i % layers, input row i % 16 (batch 1) or rows [0, T).
+    auto moe_params = [&](int i, int top_k, int T) {
       const int l = i % layers;
       MoeParams p;
-      p.x = xs.as<bf16>() + size_t(i % 16) * d, p.router_w = routers[l].as<bf16>();
+      p.x = xs.as<bf16>() + (T == 1 ? size_t(i % 16) * d : 0), p.router_w = routers[l].as<bf16>();
       p.router_bias = biases[l].as<bf16>();
       p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
       p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
       p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
       p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
       p.d = d, p.num_experts = E, p.top_k = top_k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+      p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
       p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
       return p;
     };
-    // Kernel-shape variants of the expert kernels at top-k 8 (section "moe" only): does occupancy or
-    // loads in flight per warp set their speed? One knob at a time.
-    if (only == "moe") {
-      for (int g = 0; g < MoeGateUpVariants(); ++g) {
-        for (int v = 0; v < MoeDownVariants(); ++v) {
-          if (g != 0 && v != 0) continue;
-          const double ms = TimeMs([&](int i) {
-            MoeParams p = moe_params(i, k);
-            p.gate_up_variant = g, p.down_variant = v;
-            CHECK_OK(Moe(p, g_stream));
-          }, 200);
-          rows.push_back({fmt::format("moe k8 gu{} dn{}", g, v), "E256 k8 F512 d2048 variant", ms * 1e3,
-                          2.0 * (size_t(E) * d + size_t(k + 1) * 3 * F * d)});
-        }
-      }
-    }
     // top-k 8 is the model; 1 and 4 separate the fixed cost (router, launches, chains) from the
     // per-slot streaming cost.
     for (int top_k : {k, 4, 1}) {
-      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, top_k), g_stream)); }, 200);
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, top_k, 1), g_stream)); }, 200);
       rows.push_back({fmt::format("moe (router+{}+shared)", top_k), fmt::format("E256 k{} F512 d2048", top_k),
                       ms * 1e3, 2.0 * (size_t(E) * d + size_t(top_k + 1) * 3 * F * d)});
+    }
+    // The grouped path (T > 1): bytes = the router, the experts uniform routing touches (expected
+    // E (1 - (1 - k/E)^T)) and the shared expert.
+    for (int T : {2, 8, 32, 64}) {
+      const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, 50);
+      rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
+                      2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
     }
   }
 
@@ -319,6 +337,27 @@ int main(int argc, char** argv) {
       CHECK_OK(Argmax(p, g_stream));
     }, 500);
     rows.push_back({"argmax", "V 100352", ms * 1e3, 2.0 * 100352});
+    // The sampler, one block per row: greedy rows and top-k/top-p rows.
+    for (int R : {1, 64}) {
+      for (bool greedy : {true, false}) {
+        auto many = Random(size_t(R) * 100352, 91, 3.0f);
+        auto params = Alloc(sizeof(DeviceRowSampling) * R), toks = Alloc(4 * R), bad = Alloc(4 * R);
+        auto scratch = Alloc(size_t(R) * 100352 * 4);
+        std::vector<DeviceRowSampling> hp(R);
+        for (auto& sp : hp) {
+          if (!greedy) sp.temperature = 0.8f, sp.top_k = 50, sp.top_p = 0.9f, sp.key = 7;
+        }
+        CHECK_OK(params.CopyFromHost(hp.data(), sizeof(DeviceRowSampling) * R));
+        const double ms2 = TimeMs([&](int) {
+          SampleRowsParams p;
+          p.logits = many.as<bf16>(), p.rows = R, p.vocab = 100352, p.params = params.as<DeviceRowSampling>();
+          p.tokens = toks.as<int32_t>(), p.nonfinite = bad.as<int32_t>(), p.scratch = scratch.as<float>();
+          CHECK_OK(SampleRows(p, g_stream));
+        }, 50);
+        rows.push_back({fmt::format("sample_rows R{} {}", R, greedy ? "greedy" : "top-k/p"), "V 100352", ms2 * 1e3,
+                        2.0 * 100352 * R});
+      }
+    }
   }
 
   std::printf("\n%-24s %-32s %10s %10s %8s\n", "kernel", "shape", "us/call", "GB/s", "%copy");

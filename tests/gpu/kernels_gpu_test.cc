@@ -17,8 +17,10 @@
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
+#include "kernels/elementwise.h"
 #include "kernels/ops.h"
 #include "kernels/reference/reference.h"
+#include "kernels/sampling.h"
 
 namespace dl::kernels {
 namespace {
@@ -427,9 +429,9 @@ TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   // k_split 0 = the shape's default (4 for 2,048 x 8,192); every split must match and be invariant.
   for (auto [out, in, ks] : {std::tuple{1000, 2048, 0}, std::tuple{64, 512, 0}, std::tuple{2048, 8192, 0},
                              std::tuple{2048, 8192, 1}, std::tuple{2048, 8192, 2},
-                             std::tuple{300, 8192, 8}}) {
+                             std::tuple{300, 8192, 8}, std::tuple{10304, 2048, 0}}) {
     SCOPED_TRACE(testing::Message() << out << "x" << in << " k_split " << ks);
-    const int T = 11;
+    const int T = 37;  // several token tiles of every width, the last one partial
     auto w = RandomBf16(static_cast<size_t>(out) * in, 91, 0.05f), x = RandomBf16(T * in, 92);
     auto d_w = Upload(w), d_x = Upload(x);
     auto d_y = Alloc(T * out * 2), d_y1 = Alloc(out * 2);
@@ -440,43 +442,26 @@ TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
     ref::Gemv(r);
     const auto y = Download<bf16>(d_y, T * out);
     ExpectClose(y, ref, 1e-4f, 1.0f / 128, "gemm out " + std::to_string(out));
-    for (int t : {0, 7, 10}) {
+    for (int t : {0, 7, 10, 36}) {
       GemvParams one{d_w.as<bf16>(), d_x.as<bf16>() + t * in, d_y1.as<bf16>(), out, in, 1, 0, 0, ks};
       ASSERT_OK(Gemv(one, nullptr));
       EXPECT_EQ(Download<bf16>(d_y1, out), Rows(y, out, t, 1)) << "token " << t;
     }
-  }
-}
-
-// The staged GEMV (weights copied into shared memory before the PDL wait) gives the plain kernel's
-// bits: o_proj's shape with no, few and the most staged rows, a shape whose blocks are not all full,
-// and one with more rows per block than one register round holds (the after-wait rounds).
-TEST(GemvGpu, StagedMatchesPlainBitForBit) {
-  SKIP_WITHOUT_GPU();
-  const int in = 8192;
-  ASSERT_TRUE(GemvStagedSupported(2048, in));
-  EXPECT_FALSE(GemvStagedSupported(2048, 2048));
-  EXPECT_FALSE(GemvStagedSupported(8000, 8192)) << "4 warps per row there: other bits";
-  ASSERT_GE(GemvMaxStageRows(in), 8);
-  for (auto [out, stage] : {std::pair{2048, 1}, std::pair{2048, 8}, std::pair{2048, GemvMaxStageRows(in)},
-                            std::pair{300, 2}, std::pair{4000, 5}}) {
-    SCOPED_TRACE(testing::Message() << out << "x" << in << " stage_rows " << stage);
-    auto d_w = Upload(RandomBf16(static_cast<size_t>(out) * in, 97, 0.05f)), d_x = Upload(RandomBf16(in, 98));
-    auto d_y0 = Alloc(out * 2), d_y1 = Alloc(out * 2);
-    GemvParams p{d_w.as<bf16>(), d_x.as<bf16>(), d_y0.as<bf16>(), out, in, 1};
-    ASSERT_OK(Gemv(p, nullptr));
-    GemvParams staged = p;
-    staged.y = d_y1.as<bf16>();
-    staged.stage_rows = stage;
-    ASSERT_OK(Gemv(staged, nullptr));
-    Sync();
-    EXPECT_EQ(Download<bf16>(d_y1, out), Download<bf16>(d_y0, out));
-    GemvParams two = staged;
-    two.num_tokens = 2;
-    EXPECT_FALSE(Gemv(two, nullptr).ok()) << "staging is batch 1 only";
-    GemvParams too_many = staged;
-    too_many.stage_rows = GemvMaxStageRows(in) + 1;
-    EXPECT_FALSE(Gemv(too_many, nullptr).ok());
+    // Every batched-kernel shape (rows per warp, tokens per tile) and other token counts: the same bits.
+    for (auto [rows, tokens] : {std::pair{1, 4}, std::pair{1, 16}, std::pair{2, 4}, std::pair{2, 16}, std::pair{4, 8},
+                                std::pair{4, 16}}) {
+      for (int n : {2, 9, T}) {
+        GemvParams q = p;
+        q.num_tokens = n;
+        q.batch_rows = rows, q.batch_tokens = tokens;
+        auto d_yq = Alloc(static_cast<size_t>(n) * out * 2);
+        q.y = d_yq.as<bf16>();
+        ASSERT_OK(Gemv(q, nullptr));
+        Sync();
+        EXPECT_EQ(Download<bf16>(d_yq, static_cast<size_t>(n) * out), Rows(y, out, 0, n))
+            << "rows/warp " << rows << " tokens/tile " << tokens << " T " << n;
+      }
+    }
   }
 }
 
@@ -614,7 +599,7 @@ TEST(MoeGpu, MatchesReference) {
     auto d_x = Upload(x), d_router = Upload(router), d_bias = Upload(bias);
     auto d_g = Upload(dg), d_u = Upload(du), d_d = Upload(dd);
     auto d_y = Alloc(c.d * 2), d_ids = Alloc(c.k * 4), d_w = Alloc(c.k * 4);
-    auto d_ws = Alloc(MoeWorkspaceBytes(c.E, c.k, c.F, c.Fs)), d_counter = Alloc(4, 0);
+    auto d_ws = Alloc(MoeWorkspaceBytes(c.d, c.E, c.k, c.F, c.Fs)), d_counter = Alloc(4, 0);
     MoeParams p;
     p.x = d_x.as<bf16>(), p.router_w = d_router.as<bf16>(), p.router_bias = d_bias.as<bf16>();
     p.gate_w = d_g.as<const bf16*>(), p.up_w = d_u.as<const bf16*>(), p.down_w = d_d.as<const bf16*>();
@@ -704,7 +689,7 @@ TEST(MoeGpu, TokensInOneLaunchMatchSingleTokenLaunches) {
   auto x = RandomBf16(static_cast<size_t>(T) * d, 201);
   auto d_x = Upload(x);
   auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ids = Alloc(static_cast<size_t>(T) * k * 4);
-  auto d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
+  auto d_ws = Alloc(MoeWorkspaceBytes(d, E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
   MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(),
                              d_counter.as<uint32_t>(), T);
   ASSERT_OK(Moe(p, nullptr));
@@ -745,13 +730,13 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
     };
     // Separate kernels.
     auto d_h_sep = Upload(h), x_sep = Alloc(n * 2), y_sep = Alloc(n * 2), ids_sep = Alloc(static_cast<size_t>(T) * k * 4);
-    auto ws_sep = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), c_sep = Alloc(T * 4, 0);
+    auto ws_sep = Alloc(MoeWorkspaceBytes(d, E, k, F, Fs, T)), c_sep = Alloc(T * 4, 0);
     AddRmsNormParams np{d_h_sep.as<bf16>(), d_dl.as<bf16>(), d_nw.as<bf16>(), x_sep.as<bf16>(), T, d, 1e-6f};
     ASSERT_OK(AddRmsNorm(np, nullptr));
     ASSERT_OK(Moe(base(x_sep, y_sep, ids_sep, ws_sep, c_sep), nullptr));
     // Fused.
     auto d_h = Upload(h), d_h_out = Alloc(n * 2), x = Alloc(n * 2), y = Alloc(n * 2);
-    auto ids = Alloc(static_cast<size_t>(T) * k * 4), ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), c = Alloc(T * 4, 0);
+    auto ids = Alloc(static_cast<size_t>(T) * k * 4), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, Fs, T)), c = Alloc(T * 4, 0);
     MoeParams p = base(x, y, ids, ws, c);
     p.norm.residual = d_h.as<bf16>();
     p.norm.delta = d_dl.as<bf16>();
@@ -773,9 +758,7 @@ TEST(MoeGpu, FusedInputNormMatchesSeparateKernels) {
 
 // Batch 1's streaming gate/up (TMA bulk copies through a ring) gives the register kernel's bits: a
 // small layer, XS.2's widths (d 2,048, F = Fs = 512) and one with Fs != F and k 4; the default ring, a
-// ring of two slots (every mbarrier phase reused) and one that holds everything; the down kernel's
-// weight loads before or after its wait; the reference run without the router's staged pointer table
-// and biases.
+// ring of two slots (every mbarrier phase reused) and one that holds everything.
 TEST(MoeGpu, StreamingGateUpMatchesRegisterKernel) {
   SKIP_WITHOUT_GPU();
   struct Shape {
@@ -785,58 +768,84 @@ TEST(MoeGpu, StreamingGateUpMatchesRegisterKernel) {
     const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 5000, 502, 503);
     auto d_x = Upload(RandomBf16(sh.d, 501));
     auto d_y0 = Alloc(sh.d * 2), d_y1 = Alloc(sh.d * 2);
-    auto d_ws = Alloc(MoeWorkspaceBytes(sh.E, sh.k, sh.F, sh.Fs, 1)), d_counter = Alloc(4, 0);
+    auto d_ws = Alloc(MoeWorkspaceBytes(sh.d, sh.E, sh.k, sh.F, sh.Fs, 1)), d_counter = Alloc(4, 0);
     MoeParams p = layer.Params(d_x.as<bf16>(), d_y0.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), 1);
     p.gate_up_stream_ring_kb = 0;
-    p.router_stages_pointers = false;  // the reference also reads the expert pointers and biases from
-    p.router_stages_bias = false;      // global memory
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     const auto y0 = Download<bf16>(d_y0, sh.d);
     const int two_slots_kb = 2 * 4 * sh.d * 2 * 2 / 1024 + 1;  // a slot: [2, 4, d] BF16
     for (const int ring_kb : {128, two_slots_kb, 1024}) {
-      for (bool early : {true, false}) {
-        SCOPED_TRACE(testing::Message() << "d " << sh.d << " F " << sh.F << " Fs " << sh.Fs << " k " << sh.k
-                                        << " ring " << ring_kb << " KB, early " << early);
-        MoeParams q = p;
-        q.y = d_y1.as<bf16>();
-        q.gate_up_stream_ring_kb = ring_kb;
-        q.down_loads_early = early;
-        ASSERT_OK(Moe(q, nullptr));
-        Sync();
-        EXPECT_EQ(Download<bf16>(d_y1, sh.d), y0);
-      }
+      SCOPED_TRACE(testing::Message() << "d " << sh.d << " F " << sh.F << " Fs " << sh.Fs << " k " << sh.k
+                                      << " ring " << ring_kb << " KB");
+      MoeParams q = p;
+      q.y = d_y1.as<bf16>();
+      q.gate_up_stream_ring_kb = ring_kb;
+      ASSERT_OK(Moe(q, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y1, sh.d), y0);
     }
   }
 }
 
-// Every kernel-shape variant of the expert kernels (occupancy, loads in flight), with the down kernel's weight loads before or after its wait: same bits.
-TEST(MoeGpu, KernelVariantsAreBitIdentical) {
+// The grouped path (T > 1: each selected expert's rows read once for all its tokens) gives every token
+// the bits it gets alone (the batch-1 kernels) and inside any other batch: few experts so each one
+// serves more tokens than one pass of its warps takes (token tiles), k 4 and 8, XS.2's widths, and a
+// batch whose tokens are a shuffled subset (different groupings of the same token).
+TEST(MoeGpu, GroupedPathMatchesEveryTokenAlone) {
   SKIP_WITHOUT_GPU();
-  const int E = 64, k = 8, d = 512, F = 128, Fs = 64, T = 3;
-  const RandomMoeLayer layer(E, k, d, F, Fs, 4000, 402, 403);
-  auto d_x = Upload(RandomBf16(static_cast<size_t>(T) * d, 401));
-  auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ws = Alloc(MoeWorkspaceBytes(E, k, F, Fs, T)), d_counter = Alloc(T * 4, 0);
-  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), T);
-  ASSERT_OK(Moe(p, nullptr));
-  Sync();
-  const auto y0 = Download<bf16>(d_y, static_cast<size_t>(T) * d);
-  for (int g = 0; g < MoeGateUpVariants(); ++g) {
-    for (int v = 0; v < MoeDownVariants(); ++v) {
-      for (bool early : {true, false}) {
-        MoeParams q = p;
-        q.gate_up_variant = g, q.down_variant = v;
-        q.down_loads_early = early;
-        ASSERT_OK(Moe(q, nullptr));
-        Sync();
-        EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * d), y0)
-            << "gate/up " << g << " down " << v << " down loads early " << early;
-      }
+  struct Shape {
+    int E, k, d, F, Fs, T;
+  };
+  for (const Shape sh : {Shape{16, 4, 512, 128, 64, 40}, Shape{64, 8, 512, 128, 128, 33}, Shape{256, 8, 2048, 512, 512, 64}}) {
+    SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " T " << sh.T);
+    const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 6000, 602, 603);
+    const int T = sh.T;
+    auto x = RandomBf16(static_cast<size_t>(T) * sh.d, 601);
+    auto d_x = Upload(x);
+    auto d_y = Alloc(static_cast<size_t>(T) * sh.d * 2), d_ids = Alloc(static_cast<size_t>(T) * sh.k * 4);
+    auto d_ws = Alloc(MoeWorkspaceBytes(sh.d, sh.E, sh.k, sh.F, sh.Fs, T)), d_counter = Alloc(T * 4, 0);
+    MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(),
+                               d_counter.as<uint32_t>(), T);
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    const auto y_all = Download<bf16>(d_y, static_cast<size_t>(T) * sh.d);
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "run to run";
+    auto d_y1 = Alloc(sh.d * 2), d_ids1 = Alloc(sh.k * 4);
+    for (int t = 0; t < T; t += 3) {
+      MoeParams one = p;
+      one.num_tokens = 1;
+      one.x = d_x.as<bf16>() + static_cast<size_t>(t) * sh.d;
+      one.y = d_y1.as<bf16>(), one.topk_ids = d_ids1.as<int32_t>();
+      ASSERT_OK(Moe(one, nullptr));
+      Sync();
+      ASSERT_EQ(Download<bf16>(d_y1, sh.d), Rows(y_all, sh.d, t, 1)) << "token " << t;
     }
+    // A shuffled subset of the tokens in another batch: the same rows.
+    std::vector<int> pick(T);
+    std::iota(pick.begin(), pick.end(), 0);
+    std::shuffle(pick.begin(), pick.end(), std::mt19937(7));
+    pick.resize(T / 2 + 1);
+    std::vector<bf16> xs;
+    for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * sh.d, x.begin() + static_cast<size_t>(t + 1) * sh.d);
+    auto d_xs = Upload(xs);
+    const int n = static_cast<int>(pick.size());
+    auto d_ys = Alloc(static_cast<size_t>(n) * sh.d * 2), d_idss = Alloc(static_cast<size_t>(n) * sh.k * 4);
+    MoeParams sub = p;
+    sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
+    ASSERT_OK(Moe(sub, nullptr));
+    Sync();
+    const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * sh.d);
+    for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, sh.d, i, 1), Rows(y_all, sh.d, pick[i], 1)) << "token " << pick[i];
   }
-  MoeParams bad = p;
-  bad.gate_up_variant = MoeGateUpVariants();
-  EXPECT_FALSE(Moe(bad, nullptr).ok());
+  // The grouped path needs the selected ids.
+  const RandomMoeLayer layer(16, 4, 512, 128, 64, 6000, 602, 603);
+  auto d_x = Upload(RandomBf16(2 * 512, 604)), d_y = Alloc(2 * 512 * 2);
+  auto d_ws = Alloc(MoeWorkspaceBytes(512, 16, 4, 128, 64, 2)), d_counter = Alloc(8, 0);
+  EXPECT_FALSE(Moe(layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), nullptr, d_ws.data(), d_counter.as<uint32_t>(), 2),
+                   nullptr).ok());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -860,6 +869,192 @@ TEST(ArgmaxGpu, MatchesReferenceWithTiesAndNan) {
     EXPECT_EQ(run(x), n - 2);
     EXPECT_EQ(Download<uint32_t>(d_counter, 1)[0], 0u);
   }
+  // The optional non-finite flag: NaN, +Inf and -Inf anywhere set it; finite rows clear it.
+  const int n = 100352;
+  auto d_ws = Alloc(ArgmaxWorkspaceBytes(n)), d_counter = Alloc(4, 0), d_out = Alloc(4), d_bad = Alloc(4);
+  for (auto [where, bits, bad] : {std::tuple{-1, bf16{0}, 0}, std::tuple{5, bf16{0x7fc0}, 1},
+                                  std::tuple{n - 1, bf16{0x7f80}, 1}, std::tuple{n / 2, bf16{0xff80}, 1}}) {
+    auto x = RandomBf16(n, 112);
+    if (where >= 0) x[where] = bits;
+    auto d_x = Upload(x);
+    ArgmaxParams p{d_x.as<bf16>(), n, d_out.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>(), d_bad.as<int32_t>()};
+    ASSERT_OK(Argmax(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<int32_t>(d_bad, 1)[0], bad) << "planted at " << where;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The sampler against ref::SampleRow (kernels/sampling.h's rule): greedy with and without logit
+// adjustments, temperature with top-k, top-p, min-p and all three, non-finite rows flagged; a row's
+// token is the same alone and among other rows (batch invariance), and run to run.
+TEST(SampleRowsGpu, MatchesTheReferenceRuleAndIsBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  const int V = 5000, R = 9;
+  auto logits = RandomBf16(static_cast<size_t>(R) * V, 121, 3.0f);
+  logits[8 * V + 17] = 0x7fc0;  // row 8: NaN
+  std::vector<RowSampling> rs(R);
+  rs[1].adjustments = {{5, 1.3f, 0.0f}, {17, 1.0f, -2.0f}, {200, 2.0f, 5.0f}};
+  rs[2].temperature = 1.0f;
+  rs[3].temperature = 0.7f, rs[3].top_k = 20;
+  rs[4].temperature = 1.2f, rs[4].top_p = 0.8f;
+  rs[5].temperature = 1.0f, rs[5].min_p = 0.05f;
+  rs[6].temperature = 0.9f, rs[6].top_k = 50, rs[6].top_p = 0.9f, rs[6].min_p = 0.01f;
+  rs[7].temperature = 1.0f, rs[7].top_k = 1;
+  rs[7].adjustments = {{3, 1.0f, 100.0f}};
+  for (int r = 0; r < R; ++r) rs[r].key = 1000 + r, rs[r].step = 3;
+  std::vector<DeviceRowSampling> dp(R);
+  std::vector<LogitAdjustment> adj;
+  for (int r = 0; r < R; ++r) {
+    dp[r] = {rs[r].temperature, rs[r].top_k, rs[r].top_p, rs[r].min_p, rs[r].key, rs[r].step,
+             static_cast<int32_t>(adj.size()), static_cast<int32_t>(rs[r].adjustments.size())};
+    adj.insert(adj.end(), rs[r].adjustments.begin(), rs[r].adjustments.end());
+  }
+  auto run = [&](const std::vector<bf16>& rows, const std::vector<DeviceRowSampling>& params, int n) {
+    auto d_l = Upload(rows), d_p = Upload(params), d_a = Upload(adj);
+    auto d_t = Alloc(4 * n), d_bad = Alloc(4 * n), d_s = Alloc(static_cast<size_t>(n) * V * 4);
+    SampleRowsParams p;
+    p.logits = d_l.as<bf16>(), p.rows = n, p.vocab = V, p.params = d_p.as<DeviceRowSampling>();
+    p.adjustments = d_a.as<LogitAdjustment>(), p.tokens = d_t.as<int32_t>(), p.nonfinite = d_bad.as<int32_t>();
+    p.scratch = d_s.as<float>();
+    EXPECT_TRUE(SampleRows(p, nullptr).ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return std::pair{Download<int32_t>(d_t, n), Download<int32_t>(d_bad, n)};
+  };
+  const auto [tokens, bad] = run(logits, dp, R);
+  for (int r = 0; r < R; ++r) {
+    std::vector<float> row(V);
+    for (int i = 0; i < V; ++i) row[i] = Bf16ToFloat(logits[static_cast<size_t>(r) * V + i]);
+    bool finite = true;
+    const int32_t want = ref::SampleRow(row.data(), V, rs[r], &finite);
+    EXPECT_EQ(bad[r], finite ? 0 : 1) << "row " << r;
+    if (finite) EXPECT_EQ(tokens[r], want) << "row " << r;
+  }
+  EXPECT_EQ(tokens[7], 3) << "top-k 1 after a +100 bias is that token";
+  // Each row alone (one-row launches): the same token; and run to run.
+  for (int r = 0; r < R - 1; ++r) {
+    std::vector<bf16> one(logits.begin() + static_cast<size_t>(r) * V, logits.begin() + static_cast<size_t>(r + 1) * V);
+    std::vector<DeviceRowSampling> p1 = {dp[r]};
+    EXPECT_EQ(run(one, p1, 1).first[0], tokens[r]) << "row " << r << " alone";
+  }
+  EXPECT_EQ(run(logits, dp, R).first, tokens);
+  // Sampling draws differ with the step (the counter), so a seed gives a sequence, not one token.
+  std::set<int32_t> seen;
+  for (uint64_t step = 0; step < 16; ++step) {
+    auto p2 = dp;
+    p2[2].step = step;
+    seen.insert(run(logits, p2, R).first[2]);
+  }
+  EXPECT_GT(seen.size(), 1u);
+}
+
+// Rows of several sequences in one launch (the batch's block tables, one row per sequence) give each
+// sequence the bits of its own launch: RoPE-append into one shared pool and attention over it, for a
+// sliding and a global preset.
+TEST(AttentionGpu, RowsOfSeveralSequencesMatchTheirOwnLaunches) {
+  SKIP_WITHOUT_GPU();
+  const int K = 8, D = 128, P = 32, pages = 64;
+  for (WindowKind win : {WindowKind::kSliding, WindowKind::kGlobal}) {
+    const int G = win == WindowKind::kSliding ? 8 : 6, H = G * K;
+    auto kernel = ResolveAttention({D, G, P, KvDtype::kFp8, win});
+    if (!kernel.ok()) continue;  // a focused build
+    SCOPED_TRACE(kernel->name);
+    // Two sequences over one pool with disjoint pages; sequence 0 at positions 700.., 1 at 40...
+    const int max_pages = 32;
+    std::vector<int32_t> tables(2 * max_pages, -1);
+    for (int i = 0; i < 24; ++i) tables[i] = 63 - i;               // sequence 0: pages 63..40
+    for (int i = 0; i < 4; ++i) tables[max_pages + i] = 2 * i + 1;  // sequence 1: pages 1, 3, 5, 7
+    // Fill both sequences' history through RoPE-append of random rows, one sequence at a time.
+    const size_t pool = static_cast<size_t>(pages) * P * K * D;
+    auto d_kp = Alloc(pool, 0), d_vp = Alloc(pool, 0);
+    auto d_tables = Upload(tables);
+    auto qn = RandomBf16(D, 131), kn = RandomBf16(D, 132);
+    std::vector<float> inv_freq(D / 2);
+    for (int j = 0; j < D / 2; ++j) inv_freq[j] = std::pow(10000.0f, -2.0f * j / D);
+    auto d_qn = Upload(qn), d_kn = Upload(kn), d_f = Upload(inv_freq);
+    const int stride = (H + 2 * K) * D;
+    auto rope = [&](const cuda::DeviceBuffer& qkv, const cuda::DeviceBuffer& pos, const int32_t* seq,
+                    const int32_t* table, int T, cuda::DeviceBuffer& q_out) {
+      QkNormRopeAppendParams p;
+      p.q = qkv.as<bf16>(), p.k = p.q + H * D, p.v = p.k + K * D, p.qkv_stride = stride;
+      p.q_norm_weight = d_qn.as<bf16>(), p.k_norm_weight = d_kn.as<bf16>(), p.inv_freq = d_f.as<float>();
+      p.rotary_dim = D, p.positions = pos.as<int32_t>(), p.num_tokens = T, p.num_q_heads = H;
+      p.num_kv_heads = K, p.head_dim = D, p.q_out = q_out.as<bf16>(), p.k_pool = d_kp.data(), p.v_pool = d_vp.data();
+      p.kv_dtype = KvDtype::kFp8, p.k_scale = 0.05f, p.v_scale = 0.03f, p.page_size = P;
+      p.block_table = table, p.token_seq = seq, p.block_table_stride = seq ? max_pages : 0;
+      return QkNormRopeAppend(p, nullptr);
+    };
+    const int len[2] = {703, 43};
+    std::vector<std::vector<int32_t>> hist_pos(2);
+    for (int s = 0; s < 2; ++s) {
+      for (int i = 0; i < len[s] - 3; ++i) hist_pos[s].push_back(i);
+      auto qkv = Upload(RandomBf16(static_cast<size_t>(hist_pos[s].size()) * stride, 140 + s));
+      auto pos = Upload(hist_pos[s]);
+      auto q_out = Alloc(hist_pos[s].size() * H * D * 2);
+      ASSERT_OK(rope(qkv, pos, nullptr, d_tables.as<int32_t>() + s * max_pages, static_cast<int>(hist_pos[s].size()), q_out));
+    }
+    Sync();
+    const auto k_before = Download<uint8_t>(d_kp, pool), v_before = Download<uint8_t>(d_vp, pool);
+    // This forward: 3 rows of sequence 0 and 2 of sequence 1.
+    const std::vector<int32_t> seq = {0, 0, 0, 1, 1}, pos = {700, 701, 702, 40, 41}, history = {700, 700, 700, 40, 40};
+    const int T = 5;
+    auto qkv_rows = RandomBf16(static_cast<size_t>(T) * stride, 150);
+    auto gate_rows = RandomBf16(static_cast<size_t>(T) * H, 151);
+    auto attend = [&](int first, int n, bool batched) {
+      auto d_qkv = Upload(std::vector<bf16>(qkv_rows.begin() + static_cast<size_t>(first) * stride,
+                                            qkv_rows.begin() + static_cast<size_t>(first + n) * stride));
+      auto d_pos = Upload(std::vector<int32_t>(pos.begin() + first, pos.begin() + first + n));
+      auto d_seq = Upload(std::vector<int32_t>(seq.begin() + first, seq.begin() + first + n));
+      auto d_hist = Upload(std::vector<int32_t>(history.begin() + first, history.begin() + first + n));
+      auto d_gate = Upload(std::vector<bf16>(gate_rows.begin() + static_cast<size_t>(first) * H,
+                                             gate_rows.begin() + static_cast<size_t>(first + n) * H));
+      auto q_out = Alloc(static_cast<size_t>(n) * H * D * 2), out = Alloc(static_cast<size_t>(n) * H * D * 2);
+      const int32_t* table = d_tables.as<int32_t>() + (batched ? 0 : seq[first] * max_pages);
+      EXPECT_TRUE(rope(d_qkv, d_pos, batched ? d_seq.as<int32_t>() : nullptr, table, n, q_out).ok());
+      AttentionParams a;
+      a.q = q_out.as<bf16>(), a.k_pool = d_kp.data(), a.v_pool = d_vp.data(), a.block_table = table;
+      a.token_seq = batched ? d_seq.as<int32_t>() : nullptr, a.block_table_stride = batched ? max_pages : 0;
+      a.positions = d_pos.as<int32_t>(), a.history_stable = true, a.history = d_hist.as<int32_t>();
+      a.max_position = 1023, a.num_tokens = n, a.num_q_heads = H, a.num_kv_heads = K, a.head_dim = D;
+      a.page_size = P, a.kv_dtype = KvDtype::kFp8, a.window_kind = win, a.window = 512;
+      a.k_scale = 0.05f, a.v_scale = 0.03f, a.gate = d_gate.as<bf16>(), a.gate_stride = H, a.out = out.as<bf16>();
+      auto ws = Alloc(AttentionWorkspaceBytes(a)), counters = Alloc(static_cast<size_t>(n) * K * 4, 0);
+      a.workspace = ws.data(), a.workspace_bytes = ws.size(), a.counters = counters.as<uint32_t>();
+      EXPECT_TRUE(RunAttention(*kernel, a, nullptr).ok());
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return Download<bf16>(out, static_cast<size_t>(n) * H * D);
+    };
+    const auto together = attend(0, T, true);
+    const auto k_together = Download<uint8_t>(d_kp, pool), v_together = Download<uint8_t>(d_vp, pool);
+    ASSERT_OK(d_kp.CopyFromHost(k_before.data(), pool));
+    ASSERT_OK(d_vp.CopyFromHost(v_before.data(), pool));
+    auto alone = attend(0, 3, false);
+    const auto alone1 = attend(3, 2, false);
+    alone.insert(alone.end(), alone1.begin(), alone1.end());
+    EXPECT_EQ(together, alone) << "attention rows";
+    EXPECT_TRUE(Download<uint8_t>(d_kp, pool) == k_together && Download<uint8_t>(d_vp, pool) == v_together)
+        << "the appended K/V land in the same slots";
+  }
+}
+
+// The batch's small element-wise helpers: row gather for the output rows, the residual add of the
+// hidden-state taps (AddRmsNorm's rounding).
+TEST(ElementwiseGpu, GatherRowsAndAddBf16) {
+  SKIP_WITHOUT_GPU();
+  const int width = 136, rows = 7;
+  auto src = RandomBf16(static_cast<size_t>(rows) * width, 161);
+  const std::vector<int32_t> pick = {6, 0, 3, 3};
+  auto d_src = Upload(src), d_pick = Upload(pick), d_dst = Alloc(pick.size() * width * 2);
+  ASSERT_OK(GatherRows({d_src.as<bf16>(), d_pick.as<int32_t>(), d_dst.as<bf16>(), 4, width}, nullptr));
+  Sync();
+  const auto got = Download<bf16>(d_dst, pick.size() * width);
+  for (size_t r = 0; r < pick.size(); ++r) EXPECT_EQ(Rows(got, width, static_cast<int>(r), 1), Rows(src, width, pick[r], 1));
+  auto a = RandomBf16(1000, 162, 4.0f), b = RandomBf16(1000, 163);
+  auto d_a = Upload(a), d_b = Upload(b), d_o = Alloc(2000);
+  ASSERT_OK(AddBf16(d_a.as<bf16>(), d_b.as<bf16>(), d_o.as<bf16>(), 1000, nullptr));
+  Sync();
+  const auto o = Download<bf16>(d_o, 1000);
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(o[i], FloatToBf16(Bf16ToFloat(a[i]) + Bf16ToFloat(b[i]))) << i;
 }
 
 }  // namespace

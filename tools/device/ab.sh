@@ -2,10 +2,10 @@
 # Alternating A/B benches in one device-machine call: builds decodelab only, then runs the XS.2 bench
 # (1 run each, 1024 + 1024, FP8 KV, page 32) for every configuration in turn, ROUNDS times, so that
 # drift during the call (clocks, temperature) falls on every configuration alike; prints each run and
-# the median per configuration last. A configuration is a space-separated list of NAME=VALUE
-# environment assignments; "" is the default engine.
+# the median per configuration last. A configuration is a space-separated list of kernel tuning
+# settings NAME=VALUE (bench --tune); "" is the default engine.
 #   usage (repo root, on the GPU machine, .deps carried):
-#     bash tools/device/ab.sh [--rounds N] [--gen-len N] "" "DECODELAB_LATE_RELEASE=o_proj" ...
+#     bash tools/device/ab.sh [--rounds N] [--gen-len N] "" "late_release=o_proj" ...
 set -uo pipefail
 ROUNDS=3; GEN=1024; CONFIGS=()
 while [ $# -gt 0 ]; do
@@ -26,8 +26,9 @@ declare -A RUNS
 for r in $(seq 1 "$ROUNDS"); do
   for i in "${!CONFIGS[@]}"; do
     cfg=${CONFIGS[$i]}
-    tpot=$(env $cfg timeout 200 build/bin/decodelab bench --shape xs2 --prompt-len 1024 --gen-len "$GEN" \
-      --repeat 1 --kv-dtype fp8 --page-size 32 2>&1 | sed -n 's/^  TPOT *median \([0-9.]*\) ms.*/\1/p')
+    tune=(); for t in $cfg; do tune+=(--tune "$t"); done
+    tpot=$(timeout 200 build/bin/decodelab bench --shape xs2 --prompt-len 1024 --gen-len "$GEN" \
+      --repeat 1 --kv-dtype fp8 --page-size 32 "${tune[@]}" 2>&1 | sed -n 's/^  TPOT *median \([0-9.]*\) ms.*/\1/p')
     echo "round $r  [${cfg:-default}]  ${tpot:-FAILED}"
     RUNS[$i]="${RUNS[$i]:-} ${tpot:-nan}"
   done

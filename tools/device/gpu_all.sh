@@ -7,8 +7,8 @@
 #   --peer also times transformers on the same GPU (tools/peers/transformers_bench.py).
 #   --quick: kernel work in progress: only the GPU targets, GPU tests, one bench run, kernel bench.
 #   --ab NAME=VALUE (repeatable): after the main bench, one more bench run (same settings, 1 run)
-#     with that environment variable set, e.g. --ab DECODELAB_PDL=0: an A/B in the same call.
-#     Several variables for one run: --ab "A=1 B=2" (space-separated, values without spaces).
+#     with that kernel tuning (bench --tune NAME=VALUE), e.g. --ab dependent_launch=0: an A/B in the
+#     same call. Several settings for one run: --ab "A=1 B=2" (space-separated).
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 # Logs go to a scratch folder and come back as one tarball (the device returns at most 8 files).
@@ -70,8 +70,9 @@ timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat $([ "
 cat "$OUT/bench_xs2.log" | tail -12
 for kv in "${AB[@]}"; do
   name=$(printf '%s' "$kv" | tr -c 'A-Za-z0-9_' '_')  # NAME=VALUE as a file name
-  env $kv timeout 200 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
-    --page-size 32 --json-out "$OUT/bench_xs2_ab_$name.json" > "$OUT/bench_ab_$name.log" 2>&1; R[bench_ab_$name]=$?
+  tune=(); for t in $kv; do tune+=(--tune "$t"); done
+  timeout 200 $B bench --shape xs2 --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
+    --page-size 32 "${tune[@]}" --json-out "$OUT/bench_xs2_ab_$name.json" > "$OUT/bench_ab_$name.log" 2>&1; R[bench_ab_$name]=$?
   echo "A/B $kv: $(grep -E '^  TPOT' "$OUT/bench_ab_$name.log")"
 done
 timeout 120 ./build/tests/gpu/kernels_bench > "$OUT/kernels_bench.log" 2>&1; R[kernels_bench]=$?

@@ -21,13 +21,19 @@ struct AttentionParams {
   const void* k_pool = nullptr;     // [num_pages, P, K, D] BF16 or FP8 E4M3
   const void* v_pool = nullptr;     // [num_pages, P, K, D]
   const int32_t* block_table = nullptr;  // [max_pages]: position s lives in page block_table[s / P]
+  // Rows of several sequences (a batch): row t's block table is block_table + token_seq[t] *
+  // block_table_stride. nullptr: every row uses block_table.
+  const int32_t* token_seq = nullptr;
+  int32_t block_table_stride = 0;
   const int32_t* positions = nullptr;    // [T] query positions, or nullptr: first_position + t
   int32_t first_position = 0;
-  // True when the keys at positions below the launch's first query position (positions[0], else
-  // first_position) were written by EARLIER launches: the kernel then loads them before waiting on
-  // the previous kernel (programmatic dependent launch), overlapping that kernel's tail. Leave false
-  // unless that holds (the engine's forwards: earlier tokens' KV comes from earlier forwards).
+  // True when the keys at positions below row t's history (history[t]; without it, below the
+  // launch's first query position, positions[0] or first_position) were written by EARLIER
+  // launches: the kernel then loads them before waiting on the previous kernel (programmatic
+  // dependent launch), overlapping that kernel's tail. Leave false unless that holds (the engine's
+  // forwards: a sequence's earlier KV comes from earlier forwards; history = its length before).
   bool history_stable = false;
+  const int32_t* history = nullptr;  // [T]
   // Upper bound of every query position; sizes the grid and the workspace, so a CUDA graph captured
   // with a large bound stays valid while positions (read from `positions`) grow.
   int32_t max_position = 0;

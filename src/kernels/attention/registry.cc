@@ -143,6 +143,7 @@ Status ValidateAttentionParams(const AttentionParams& p) {
   }
   if (p.first_position < 0) return bad("negative position");
   if (p.gate && p.gate_stride <= 0) return bad("gate needs gate_stride");
+  if (p.token_seq && p.block_table_stride < 1) return bad("token_seq needs block_table_stride");
   return Status::Ok();
 }
 

@@ -44,28 +44,35 @@ __global__ void __launch_bounds__(kArgmaxThreads) ArgmaxKernel(ArgmaxParams a) {
   WaitForPrerequisites();
   float best = -INFINITY;
   int bi = INT_MAX;
+  bool bad = false;  // a NaN or Inf seen
   const int n8 = a.n / 8;
   const uint4* x8 = reinterpret_cast<const uint4*>(a.logits);
   for (int c = blockIdx.x * kArgmaxThreads + threadIdx.x; c < n8; c += gridDim.x * kArgmaxThreads) {
     float f[8];
     Bf16x8ToFloat(x8[c], f);
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
+    for (int e = 0; e < 8; ++e) {
+      bad = bad || !isfinite(f[e]);
       if (Better(f[e], c * 8 + e, best, bi)) best = f[e], bi = c * 8 + e;
+    }
   }
   if (blockIdx.x == 0) {
     for (int i = n8 * 8 + threadIdx.x; i < a.n; i += kArgmaxThreads) {
       const float f = Bf16BitsToFloat(a.logits[i]);
+      bad = bad || !isfinite(f);
       if (Better(f, i, best, bi)) best = f, bi = i;
     }
   }
   BlockArgmax(best, bi);
+  bad = __syncthreads_or(bad);
   float* ws_v = static_cast<float*>(a.workspace);
   int* ws_i = reinterpret_cast<int*>(ws_v + kArgmaxMaxBlocks);
+  int* ws_bad = ws_i + kArgmaxMaxBlocks;
   __shared__ bool s_last;
   if (threadIdx.x == 0) {
     ws_v[blockIdx.x] = best;
     ws_i[blockIdx.x] = bi;
+    ws_bad[blockIdx.x] = bad;
     __threadfence();
     s_last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
   }
@@ -75,19 +82,22 @@ __global__ void __launch_bounds__(kArgmaxThreads) ArgmaxKernel(ArgmaxParams a) {
   if (threadIdx.x == 0) {
     float v = __ldcg(&ws_v[0]);
     int i = __ldcg(&ws_i[0]);
+    int any_bad = __ldcg(&ws_bad[0]);
     for (int b = 1; b < static_cast<int>(gridDim.x); ++b) {
       const float bv = __ldcg(&ws_v[b]);
       const int bidx = __ldcg(&ws_i[b]);
+      any_bad |= __ldcg(&ws_bad[b]);
       if (Better(bv, bidx, v, i)) v = bv, i = bidx;
     }
     a.out[0] = i;
+    if (a.nonfinite) a.nonfinite[0] = any_bad != 0;
     *a.counter = 0u;
   }
 }
 
 }  // namespace dev
 
-size_t ArgmaxWorkspaceBytes(int) { return dev::kArgmaxMaxBlocks * (sizeof(float) + sizeof(int)); }
+size_t ArgmaxWorkspaceBytes(int) { return dev::kArgmaxMaxBlocks * (sizeof(float) + 2 * sizeof(int)); }
 
 Status Argmax(const ArgmaxParams& p, Stream stream) {
   if (!p.logits || !p.out || !p.workspace || !p.counter) {

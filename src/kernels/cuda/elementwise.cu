@@ -39,6 +39,25 @@ __global__ void SiluMulKernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bf
   out[static_cast<int64_t>(t) * ffn + j] = __float2bfloat16(s * u);
 }
 
+__global__ void GatherRowsKernel(const uint4* __restrict__ src, const int32_t* __restrict__ rows,
+                                 uint4* __restrict__ dst, int n16) {
+  dev::AllowDependents();
+  dev::WaitForPrerequisites();
+  const int r = blockIdx.x;
+  const uint4* s = src + static_cast<int64_t>(rows[r]) * n16;
+  for (int i = threadIdx.x; i < n16; i += blockDim.x) dst[static_cast<int64_t>(r) * n16 + i] = s[i];
+}
+
+__global__ void AddBf16Kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                              __nv_bfloat16* __restrict__ out, int64_t n) {
+  dev::AllowDependents();
+  dev::WaitForPrerequisites();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+  }
+}
+
 __global__ void Bf16ToF32Kernel(const __nv_bfloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dst[i] = __bfloat162float(src[i]);
@@ -128,6 +147,24 @@ Status DeviceSmokeTest(int device, size_t* bytes_in_use) {
   }
   if (bad) return Internal("device {}: {} of {} sampled values differ from the host formula", device, bad, n / 997 + 1);
   return Status::Ok();
+}
+
+Status GatherRows(const GatherRowsParams& p, Stream stream) {
+  if (p.width % 8 != 0 || p.num_rows < 0 || !p.src || !p.rows || !p.dst) {
+    return InvalidArgument("GatherRows: bad shape or pointers (width {} must be a multiple of 8)", p.width);
+  }
+  if (p.num_rows == 0) return Status::Ok();
+  dev::LaunchDependent(GatherRowsKernel, dim3(p.num_rows), dim3(128), stream, reinterpret_cast<const uint4*>(p.src),
+                       p.rows, reinterpret_cast<uint4*>(p.dst), p.width / 8);
+  return LaunchStatus("GatherRows");
+}
+
+Status AddBf16(const bf16* a, const bf16* b, bf16* out, int64_t n, Stream stream) {
+  if (n <= 0) return Status::Ok();
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096));
+  dev::LaunchDependent(AddBf16Kernel, dim3(blocks), dim3(256), stream, reinterpret_cast<const __nv_bfloat16*>(a),
+                       reinterpret_cast<const __nv_bfloat16*>(b), reinterpret_cast<__nv_bfloat16*>(out), n);
+  return LaunchStatus("AddBf16");
 }
 
 Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream) {

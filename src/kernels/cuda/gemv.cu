@@ -108,84 +108,123 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
   }
 }
 
-// ---- Staged GEMV (GemvParams::stage_rows): batch 1, 8 warps per row (warp w = slice w), kStagedCpl
-// chunks of 16 bytes per lane per slice. Grid ceil(out / rows_per_block) <= SMs, one block per SM.
-// Block b owns rows [b * rpb, b * rpb + rows): the first `stage` are copied into shared memory
-// ([stage, in] BF16, cp.async) and the next kStagedRemain into registers, all before the wait;
-// rows beyond those (only when out is too large for one pass) are loaded after it. Per row and
-// slice, the FMAs, the warp sum and the slice sum run in the plain kernel's order: the same bits.
-constexpr int kStagedCpl = 4;
-constexpr int kStagedRemain = 4;
-constexpr int kStagedMaxRows = 64;
-constexpr int kStagedIn = kGemvWarps * 32 * kStagedCpl * 8;  // 8,192
-
-__global__ void __launch_bounds__(kGemvWarps * 32, 1) GemvStagedKernel(GemvParams a, int rpb, int stage) {
+// ---- Batched GEMV (T > 1, no fused norm). Block = 8 warps; warp w takes slice w % KS of R
+// consecutive rows (row group w / KS of the block); grid (token tiles of TT, row blocks), token tile
+// fastest, so the blocks reading the same rows of W run together and share them through L2. Per
+// (row, token) the lane walks the slice's chunks lane, lane + 32, ... and FMAs each chunk's 8
+// elements in order, then WarpSum and the slices in order: the batch-1 kernels' arithmetic, so a
+// token's outputs do not depend on T, R or TT. The R rows' chunks are loaded once per tile and used
+// for its TT tokens (x through L1: the 8 warps of a block read the same chunks).
+template <int R, int TT, int KS>
+__global__ void __launch_bounds__(kGemvWarps * 32) GemvBatchKernel(GemvParams a) {
   DL_TIMELINE_SCOPE(kGemv);
   AllowDependentsAtStart(a.release_after_wait);
-  extern __shared__ uint4 s_w[];  // [stage][n8]
-  __shared__ float s_part[kGemvWarps][kStagedMaxRows];
+  constexpr int kGroups = kGemvWarps / KS;
+  constexpr int U = R == 1 ? 4 : 2;  // chunks per row in flight per lane
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slice = warp % KS;
+  const int row0 = (blockIdx.y * kGroups + warp / KS) * R;
+  const int t0 = blockIdx.x * TT;
+  const int nt = min(TT, a.num_tokens - t0);
   const int n8 = a.in / 8;
-  const int r0 = blockIdx.x * rpb;
-  const int rows = max(0, min(rpb, a.out - r0));
-  const int staged = min(stage, rows);
-  const uint4* w = reinterpret_cast<const uint4*>(a.w) + static_cast<size_t>(r0) * n8;
-  {  // the staged rows are one contiguous region of W
-    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(s_w));
-    for (int k = threadIdx.x; k < staged * n8; k += kGemvWarps * 32) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16 * k), "l"(w + k));
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+  const int per = n8 / KS;
+  const int lo = slice * per, hi = lo + per;
+  const uint4* w_rows[R];
+  bool live[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    live[r] = row0 + r < a.out;
+    w_rows[r] = reinterpret_cast<const uint4*>(a.w + static_cast<size_t>(live[r] ? row0 + r : 0) * a.in);
   }
-  const int lo = warp * (n8 / kGemvWarps) + lane;  // this lane's chunks: lo + 32 j
-  uint4 rv[kStagedRemain][kStagedCpl];
-  auto load_round = [&](int i0) {  // rows i0 .. i0 + kStagedRemain - 1 (those below `rows`)
+  float acc[R][TT];
 #pragma unroll
-    for (int r = 0; r < kStagedRemain; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < kStagedCpl; ++j)
-        if (i0 + r < rows) rv[r][j] = __ldg(w + static_cast<size_t>(i0 + r) * n8 + lo + 32 * j);
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+  uint4 wv[U][R];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (live[r] && c0 + 32 * u < hi) wv[u][r] = __ldg(w_rows[r] + c0 + 32 * u);
   };
-  load_round(staged);
+  load(lo + lane);  // weights depend on nothing: in flight before the wait
   WaitReleasing(a.release_after_wait);
-  float xf[kStagedCpl][8];
+  const uint4* x_base = reinterpret_cast<const uint4*>(a.x) + static_cast<size_t>(t0) * (a.x_stride / 8);
+  const int64_t x_step = a.x_stride / 8;
+  for (int c0 = lo + lane; c0 < hi; c0 += 32 * U) {
+    if (c0 != lo + lane) load(c0);
 #pragma unroll
-  for (int j = 0; j < kStagedCpl; ++j) Bf16x8ToFloat(reinterpret_cast<const uint4*>(a.x)[lo + 32 * j], xf[j]);
-  auto dot = [&](const uint4 (&wv)[kStagedCpl]) {
-    float acc = 0.0f;
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= hi) break;
+      float wf[R][8];
 #pragma unroll
-    for (int j = 0; j < kStagedCpl; ++j) {
-      float wf[8];
-      Bf16x8ToFloat(wv[j], wf);
+      for (int r = 0; r < R; ++r) Bf16x8ToFloat(wv[u][r], wf[r]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[j][e], acc);
+      for (int t = 0; t < TT; ++t) {
+        if (t >= nt) break;
+        float xf[8];
+        Bf16x8ToFloat(x_base[t * x_step + c], xf);  // written by the previous kernel: not the .nc path
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][t] = fmaf(wf[r][e], xf[e], acc[r][t]);
+      }
     }
-    return WarpSum(acc);
+  }
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0 && live[r] && t < nt) a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
+      }
+  } else {
+    __shared__ float s_part[kGemvWarps][R * TT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0) s_part[warp][r * TT + t] = v;
+      }
+    __syncthreads();
+    if (slice != 0) return;
+    for (int i = lane; i < R * TT; i += 32) {
+      const int r = i / TT, t = i % TT;
+      if (!live[r] || t >= nt) continue;
+      float v = s_part[warp][i];
+#pragma unroll
+      for (int k = 1; k < KS; ++k) v += s_part[warp + k][i];
+      a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
+    }
+  }
+}
+
+template <int R, int TT>
+void LaunchGemvBatch(const GemvParams& p, int ks, cudaStream_t s) {
+  auto grid = [&](int k) {
+    const int rows_per_block = (kGemvWarps / k) * R;
+    return dim3((p.num_tokens + TT - 1) / TT, (p.out + rows_per_block - 1) / rows_per_block);
   };
-  for (int i0 = staged; i0 < rows; i0 += kStagedRemain) {  // register rows first: already here
-    if (i0 != staged) load_round(i0);
-#pragma unroll
-    for (int r = 0; r < kStagedRemain; ++r) {
-      if (i0 + r >= rows) break;
-      const float v = dot(rv[r]);
-      if (lane == 0) s_part[warp][i0 + r] = v;
-    }
+  const dim3 block(kGemvWarps * 32);
+  switch (ks) {
+    case 1: LaunchDependent(GemvBatchKernel<R, TT, 1>, grid(1), block, s, p); break;
+    case 2: LaunchDependent(GemvBatchKernel<R, TT, 2>, grid(2), block, s, p); break;
+    case 4: LaunchDependent(GemvBatchKernel<R, TT, 4>, grid(4), block, s, p); break;
+    default: LaunchDependent(GemvBatchKernel<R, TT, 8>, grid(8), block, s, p); break;
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  __syncthreads();
-  for (int i = 0; i < staged; ++i) {
-    uint4 wv[kStagedCpl];
-#pragma unroll
-    for (int j = 0; j < kStagedCpl; ++j) wv[j] = s_w[static_cast<size_t>(i) * n8 + lo + 32 * j];
-    const float v = dot(wv);
-    if (lane == 0) s_part[warp][i] = v;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < rows; i += kGemvWarps * 32) {
-    float sum = s_part[0][i];
-#pragma unroll
-    for (int k = 1; k < kGemvWarps; ++k) sum += s_part[k][i];
-    a.y[r0 + i] = FloatToBf16Bits(sum);
+}
+
+template <int R>
+void LaunchGemvBatchRows(const GemvParams& p, int ks, cudaStream_t s) {
+  switch (p.batch_tokens) {
+    case 4: LaunchGemvBatch<R, 4>(p, ks, s); break;
+    case 16: LaunchGemvBatch<R, 16>(p, ks, s); break;
+    default: LaunchGemvBatch<R, 8>(p, ks, s); break;
   }
 }
 
@@ -364,9 +403,9 @@ Status Gemv(const GemvParams& params, Stream stream) {
     dev::GemvStreamGeometry g =
         dev::StreamGeometry(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb, dev::SmCount());
     g.prefetch_bytes = static_cast<size_t>(std::max(p.streaming.prefetch_kb, 0)) * 1024;
-    if (p.num_tokens != 1 || p.stage_rows > 0 || p.k_split != 0 || g.stages == 0 || !dev::DeviceHasBulkCopy() ||
+    if (p.num_tokens != 1 || p.k_split != 0 || g.stages == 0 || !dev::DeviceHasBulkCopy() ||
         reinterpret_cast<uintptr_t>(p.w) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
-      return InvalidArgument("gemv: streaming needs one token, no staging, the default k_split, 16-byte "
+      return InvalidArgument("gemv: streaming needs one token, the default k_split, 16-byte "
                              "aligned w and x and a shape whose two stages fit (GemvStreamSupported); got "
                              "[{} x {}] x {} tokens, ring {} KB",
                              p.out, p.in, p.num_tokens, p.streaming.ring_kb);
@@ -380,31 +419,17 @@ Status Gemv(const GemvParams& params, Stream stream) {
     DL_KERNEL_LAUNCH_CHECK("gemv_stream");
     return Status::Ok();
   }
-  if (p.stage_rows > 0) {
-    if (p.num_tokens != 1 || p.norm.residual || !GemvStagedSupported(p.out, p.in) || p.x_stride != p.in ||
-        p.y_stride != p.out || ks != dev::kGemvWarps) {
-      return InvalidArgument("gemv: stage_rows needs one token, no fused norm, dense rows, k_split 8 and a "
-                             "supported shape (in = {}); got [{} x {}] x {} tokens, k_split {}",
-                             dev::kStagedIn, p.out, p.in, p.num_tokens, ks);
-    }
-    if (p.stage_rows > GemvMaxStageRows(p.in)) {
-      return InvalidArgument("gemv: stage_rows {} exceeds one block's shared memory ({} rows of {})", p.stage_rows,
-                             GemvMaxStageRows(p.in), p.in);
-    }
-    int rpb = 0;
-    const int grid = dev::OneBlockPerSmGrid(p.out, dev::SmCount(), &rpb);
-    if (rpb > dev::kStagedMaxRows) {
-      return InvalidArgument("gemv: stage_rows: {} rows need {} per block (at most {})", p.out, rpb,
-                             dev::kStagedMaxRows);
-    }
-    const int stage = std::min(p.stage_rows, rpb);
-    const size_t smem = static_cast<size_t>(stage) * p.in * sizeof(uint16_t);
-    dev::LaunchDependentSmem(dev::GemvStagedKernel, dim3(grid), dim3(dev::kGemvWarps * 32), smem, s, p, rpb, stage);
-    DL_KERNEL_LAUNCH_CHECK("gemv_staged");
-    return Status::Ok();
-  }
   if (p.num_tokens == 1) {
     dev::LaunchGemv<1>(p, ks, 0, 1, s);
+  } else if (!p.norm.residual) {
+    if (p.x_stride % 8 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
+      return InvalidArgument("gemv: the batched kernel needs 16-byte aligned x rows");
+    }
+    switch (p.batch_rows) {
+      case 1: dev::LaunchGemvBatchRows<1>(p, ks, s); break;
+      case 4: dev::LaunchGemvBatchRows<4>(p, ks, s); break;
+      default: dev::LaunchGemvBatchRows<2>(p, ks, s); break;
+    }
   } else {
     for (int t0 = 0; t0 < p.num_tokens; t0 += dev::kGemvTile) {
       const int nt = std::min(dev::kGemvTile, p.num_tokens - t0);
@@ -415,19 +440,8 @@ Status Gemv(const GemvParams& params, Stream stream) {
   return Status::Ok();
 }
 
-bool GemvStagedSupported(int out, int in) {
-  return out >= 1 && in == dev::kStagedIn && GemvKSplitFor(out, in) == dev::kGemvWarps;
-}
-
 bool GemvStreamSupported(int out, int in, int ring_kb, int stage_kb) {
   return dev::DeviceHasBulkCopy() && dev::StreamGeometry(out, in, ring_kb, stage_kb, dev::SmCount()).stages > 0;
-}
-
-int GemvMaxStageRows(int in) {
-  // A block's shared memory on sm_90, less the kernel's own 2 KB and room for a block of the attention
-  // kernel beside it on the same SM (its 24 KB with an FP8 cache).
-  constexpr int kBudget = static_cast<int>(dev::kMaxBlockSmem) - (2 + 25) * 1024;
-  return in > 0 ? std::min(dev::kStagedMaxRows, kBudget / (in * 2)) : 0;
 }
 
 }  // namespace dl::kernels

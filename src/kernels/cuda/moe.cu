@@ -119,17 +119,18 @@ struct WaitForEarlierKernels {
 
 // Grid (ceil(E / 8), T). With a fused input norm, dynamic shared memory holds token t's u2 ([d] BF16),
 // computed by every block of the token after its router-row loads are issued; block (0, t) writes it
-// to x for the expert kernels, and the updated residual. With router_stages_pointers it then holds the
-// [3][E] expert pointer tables (gate, up, down), and with router_stages_bias the [E] correction biases
-// as FP32, all copied before the wait (they never change).
+// to x for the expert kernels, and the updated residual. It then holds the [3][E] expert pointer
+// tables (gate, up, down) and the [E] correction biases as FP32, copied before the wait (they never
+// change), so the block that selects the experts writes their pointers and reads the biases without
+// one more dependent memory round trip each.
 __host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a) {
   return a.norm.residual ? AlignUp(static_cast<size_t>(a.d) * sizeof(uint16_t), 16) : 0;
 }
 __host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a) {
-  return RouterPointerTableOffset(a) + (a.router_stages_pointers ? 3 * sizeof(void*) * a.num_experts : 0);
+  return RouterPointerTableOffset(a) + 3 * sizeof(void*) * a.num_experts;
 }
 __host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a) {
-  return RouterBiasOffset(a) + (a.router_stages_bias ? sizeof(float) * a.num_experts : 0);
+  return RouterBiasOffset(a) + sizeof(float) * a.num_experts;
 }
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
@@ -142,10 +143,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a));
   float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a));
   for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
-    if (a.router_stages_pointers) {
-      s_ptr[i] = a.gate_w[i], s_ptr[a.num_experts + i] = a.up_w[i], s_ptr[2 * a.num_experts + i] = a.down_w[i];
-    }
-    if (a.router_stages_bias) s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
+    s_ptr[i] = a.gate_w[i], s_ptr[a.num_experts + i] = a.up_w[i], s_ptr[2 * a.num_experts + i] = a.down_w[i];
+    s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
   }
   const FusedInputNorm& nm = a.norm;
   const bool fused = nm.residual != nullptr;
@@ -200,7 +199,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
       if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
       const float sc = 1.0f / (1.0f + expf(-z));
       // s_bias was filled before the wait; the ticket's barriers order it before this read.
-      b = sc + (a.router_stages_bias ? s_bias[i] : Bf16BitsToFloat(a.router_bias[i]));
+      b = sc + s_bias[i];
       if (isnan(b)) b = -INFINITY;
       s_score[i] = sc;
     }
@@ -236,10 +235,10 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   // scores in slot order (the reference's sum, the same in every thread).
   if (threadIdx.x < a.top_k) {
     const int j = threadIdx.x, e = s_sel[j];
-    const bool staged = a.router_stages_pointers;  // s_ptr complete: __syncthreads since the copy
-    ws.rows[j] = staged ? s_ptr[e] : a.gate_w[e];
-    ws.rows[a.top_k + j] = staged ? s_ptr[E + e] : a.up_w[e];
-    ws.rows[2 * a.top_k + j] = staged ? s_ptr[2 * E + e] : a.down_w[e];
+    // s_ptr is complete: __syncthreads since the copy.
+    ws.rows[j] = s_ptr[e];
+    ws.rows[a.top_k + j] = s_ptr[E + e];
+    ws.rows[2 * a.top_k + j] = s_ptr[2 * E + e];
     float sum = 0.0f;
     for (int i = 0; i < a.top_k; ++i) sum += s_score[s_sel[i]];
     const float w = RoundBf16(s_score[e] / sum);
@@ -250,18 +249,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   if (threadIdx.x == 0) a.counter[t] = 0u;
 }
 
-// Kernel-shape variants of the two expert kernels (MoeParams::gate_up_variant / down_variant), for
-// measuring whether occupancy and loads in flight per warp set their speed: {min blocks per SM (the
-// register cap), chunks per row in flight per lane}. Variant 0 is the default. The FMA order per row
-// does not depend on either, so every variant gives the same bits.
-struct MoeKernelShape {
-  int min_blocks, chunks;
-};
-// Measured in the decode step (XS.2, docs/performance.md session 4): gate/up {3, 4} with down {4, 1}
-// 2.91 ms; the first shapes, {1, 8} and {1, 2}, 3.09 ms. Down at 4 blocks per SM holds all 512 of
-// its blocks in one wave (64 registers); at 2 per SM (108 registers) it took two.
-constexpr MoeKernelShape kGateUpShapes[] = {{3, 4}, {1, 8}, {4, 4}, {4, 2}, {2, 8}};
-constexpr MoeKernelShape kDownShapes[] = {{4, 1}, {1, 2}, {3, 1}};  // (3|4, 2) spill 88-236 bytes
+// The expert kernels' shape: at least kMinBlocks blocks per SM (the register cap) and kU chunks per row
+// in flight per lane. Gate/up {3, 4}, down {4, 1} measured fastest of those tried (docs/performance.md,
+// session 4); down at 4 blocks per SM holds all its blocks in one wave.
+constexpr int kGateUpMinBlocks = 3, kGateUpChunks = 4;
+constexpr int kDownMinBlocks = 4, kDownChunks = 1;
 
 // Grid (ceil(Fmax / 8), k + 1, T). blockIdx.y 0 is the shared expert (slot k of h), 1..k the routed
 // slots 0..k-1: blocks are scheduled in index order, so the shared expert's, which need not wait for
@@ -270,11 +262,11 @@ constexpr MoeKernelShape kDownShapes[] = {{4, 1}, {1, 2}, {3, 1}};  // (3|4, 2) 
 template <int kMinBlocks, int kU>
 __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
-  // With down_loads_early a routed block lets the down kernel launch only after its own wait: the
-  // down kernel then reads the router's expert pointers before its wait, which is safe only once
-  // every routed block has seen the router complete.
+  // A routed block lets the down kernel launch only after its own wait: the down kernel reads the
+  // router's expert pointers before its wait, which is safe only once every routed block has seen
+  // the router complete.
   const bool shared = blockIdx.y == 0;
-  const bool late = !shared && a.down_loads_early;
+  const bool late = !shared;
   AllowDependentsAtStart(late);
   const int t = blockIdx.z;
   const MoeWs ws = MoeWorkspace(a, t);
@@ -328,21 +320,11 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
   const int i = blockIdx.x * rows_per_block + local_row;
   const bool live = local_row < rows_per_block && i < a.d;
   const bf16* shared_row = a.shared_down_w + static_cast<size_t>(live ? i : 0) * a.shared_ffn;
-  const bool early = a.down_loads_early;
-  if (!early) {
-    if (live && group == 0) {
-      for (int c = lane; c < a.shared_ffn / 8; c += 32) PrefetchL2(shared_row + 8 * c);
-    }
-    WaitReleasing(late);
-  } else if (!live) {
-    WaitReleasing(late);
-  }
-  // early: the rows' first loads go out, then the wait (before h, written by gate/up, is read). The
-  // expert pointers come from the router, complete by now (see MoeGateUpKernel); __ldcg because the
+  if (!live) WaitReleasing(late);
+  // The rows' first loads go out, then the wait (before h, written by gate/up, is read). The expert
+  // pointers come from the router, complete by now (see MoeGateUpKernel); __ldcg because the
   // workspace is rewritten every layer and L1 is not coherent.
-  auto wait_if_early = [early, late] {
-    if (early) WaitReleasing(late);
-  };
+  auto wait_after_loads = [late] { WaitReleasing(late); };
   __shared__ float s_routed[kMoeWarps][kDownGroup];
   __shared__ float s_shared[kMoeWarps];
   const bf16* h = reinterpret_cast<const bf16*>(ws.h);
@@ -362,7 +344,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernel(MoeP
     xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
     n8[kDownGroup] = a.shared_ffn / 8;
     float o[kDownGroup + 1];
-    LaneDots<kDownGroup + 1, kU>(rows, xs, n8, lane, o, wait_if_early);
+    LaneDots<kDownGroup + 1, kU>(rows, xs, n8, lane, o, wait_after_loads);
 #pragma unroll
     for (int r = 0; r < kDownGroup; ++r) {
       const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;
@@ -420,9 +402,9 @@ inline MoeGateUpStreamGeometry GateUpStreamGeometry(int d, int ffn, int shared_f
 
 __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel(MoeParams a, MoeGateUpStreamGeometry g) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
-  // With down_loads_early the trigger follows each consumer's own wait (the down kernel reads the
-  // router's pointers before its wait; see MoeGateUpKernel); otherwise it comes first.
-  AllowDependentsAtStart(a.down_loads_early);
+  // The trigger follows each consumer's own wait (the down kernel reads the router's pointers before
+  // its wait; see MoeGateUpKernel).
+  AllowDependentsAtStart(true);
   extern __shared__ __align__(128) unsigned char s_gu_stream[];
   uint64_t* full = reinterpret_cast<uint64_t*>(s_gu_stream);
   uint64_t* empty = full + kGuMaxSlots;
@@ -472,7 +454,7 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
     }
     return;
   }
-  WaitReleasing(a.down_loads_early);
+  WaitReleasing(true);
   for (int c = threadIdx.x; c < n8; c += kMoeWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
   ConsumerSync<kMoeWarps>();
   const int row = warp >> 1, mat = warp & 1;
@@ -496,27 +478,297 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
   }
 }
 
-// The instantiation of variant v (index into the shape tables above).
-using MoeKernelFn = void (*)(MoeParams);
-template <size_t... I>
-constexpr std::array<MoeKernelFn, sizeof...(I)> GateUpKernels(std::index_sequence<I...>) {
-  return {MoeGateUpKernel<kGateUpShapes[I].min_blocks, kGateUpShapes[I].chunks>...};
+// ---- The grouped path (T > 1): each selected expert's rows are read once for all the tokens routed
+// to it. After the router (per token, as above):
+//   1. MoeGroupKernel (one block) lists, from topk_ids [T, k], the experts selected at least once
+//      (ascending id) and, per expert, its (token, slot) pairs t * k + j in ascending order;
+//   2. MoeGroupGateUpKernel, grid (ceil(Fmax / 8), min(E, T k) + 1): block row 0 is the shared expert
+//      over all T tokens, row 1 + a the a-th listed expert (rows past the list return at once);
+//      warp w computes gate and up row f = 8 bx + w for the expert's tokens kGroupTokens at a time,
+//      with MoeGateUpKernel's lane order and roundings: h(t, j)[f] in token t's workspace;
+//   3. MoeGroupDownKernel, grid (ceil(d / 8), min(E, T k) + 1), likewise per output row i:
+//      bf16(bf16(o) * w(t, j)) into routed [T k, d] (BF16), the shared expert's bf16(o) into
+//      shared [T, d];
+//   4. MoeCombineKernel: y[t, i] = bf16(bf16(alpha * bf16(sum_j routed[t k + j, i])) + shared[t, i]),
+//      slots in ascending order: MoeDownKernel's sum and roundings.
+// The per-(token, row) arithmetic is MoeGateUpKernel's and MoeDownKernel's, so it does not depend on
+// which other tokens share an expert: the grouped path gives the batch-1 kernels' bits.
+constexpr int kGroupTokens = 8;  // tokens per pass over a warp's rows
+
+struct MoeGroupLayoutT {
+  size_t active_count, active, begin, count, pairs, routed, shared, bytes;
+};
+__host__ __device__ inline MoeGroupLayoutT MoeGroupLayout(int E, int k, int d, int T) {
+  MoeGroupLayoutT l;
+  size_t off = 0;
+  l.active_count = off, off += 16;
+  l.active = off, off += Align16(E * sizeof(int32_t));
+  l.begin = off, off += Align16(E * sizeof(int32_t));
+  l.count = off, off += Align16(E * sizeof(int32_t));
+  l.pairs = off, off += Align16(static_cast<size_t>(T) * k * sizeof(int32_t));
+  l.routed = off, off += Align16(static_cast<size_t>(T) * k * d * sizeof(uint16_t));
+  l.shared = off, off += Align16(static_cast<size_t>(T) * d * sizeof(uint16_t));
+  l.bytes = off;
+  return l;
 }
-template <size_t... I>
-constexpr std::array<MoeKernelFn, sizeof...(I)> DownKernels(std::index_sequence<I...>) {
-  return {MoeDownKernel<kDownShapes[I].min_blocks, kDownShapes[I].chunks>...};
+struct MoeGroupWs {
+  int32_t* active_count;  // [1]
+  int32_t* active;        // [E]
+  int32_t* begin;         // [E]
+  int32_t* count;         // [E]
+  int32_t* pairs;         // [T k]
+  uint16_t* routed;       // [T k, d] BF16
+  uint16_t* shared;       // [T, d] BF16
+};
+__host__ __device__ inline MoeGroupWs MoeGroupWorkspace(const MoeParams& a) {
+  const MoeWsLayout per = MoeWorkspaceLayout(a.num_experts, a.top_k, a.ffn, a.shared_ffn);
+  char* base = static_cast<char*>(a.workspace) + per.bytes * static_cast<size_t>(a.num_tokens);
+  const MoeGroupLayoutT l = MoeGroupLayout(a.num_experts, a.top_k, a.d, a.num_tokens);
+  return {reinterpret_cast<int32_t*>(base + l.active_count), reinterpret_cast<int32_t*>(base + l.active),
+          reinterpret_cast<int32_t*>(base + l.begin),        reinterpret_cast<int32_t*>(base + l.count),
+          reinterpret_cast<int32_t*>(base + l.pairs),        reinterpret_cast<uint16_t*>(base + l.routed),
+          reinterpret_cast<uint16_t*>(base + l.shared)};
 }
-constexpr auto kGateUpKernels = GateUpKernels(std::make_index_sequence<std::size(kGateUpShapes)>());
-constexpr auto kDownKernels = DownKernels(std::make_index_sequence<std::size(kDownShapes)>());
+
+// Exclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024 threads): returns
+// this thread's offset and sets *total.
+__device__ __forceinline__ int BlockExclusiveScan(int v, int* total) {
+  __shared__ int s_warp[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += n;
+  }
+  __syncthreads();  // s_warp may still be read by an earlier call
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < warps ? s_warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += n;
+    }
+    if (lane < warps) s_warp[lane] = w;  // inclusive scan of the warp totals
+  }
+  __syncthreads();
+  *total = s_warp[warps - 1];
+  return incl - v + (warp > 0 ? s_warp[warp - 1] : 0);
+}
+
+constexpr int kGroupThreads = 1024;
+constexpr int kGroupIdTile = 4096;  // topk ids staged in shared memory per pass
+
+// One block of kGroupThreads; thread e counts, then lists, expert e's pairs.
+__global__ void __launch_bounds__(kGroupThreads) MoeGroupKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeRouter);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  __shared__ int32_t s_ids[kGroupIdTile];
+  const int e = threadIdx.x;
+  const int n = a.num_tokens * a.top_k;
+  int c = 0;
+  for (int base = 0; base < n; base += kGroupIdTile) {
+    const int m = min(kGroupIdTile, n - base);
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += kGroupThreads) s_ids[i] = __ldcg(&a.topk_ids[base + i]);
+    __syncthreads();
+    for (int i = 0; i < m; ++i) c += s_ids[i] == e;
+  }
+  int pairs_total = 0, active_total = 0;
+  const int off = BlockExclusiveScan(c, &pairs_total);
+  const int slot = BlockExclusiveScan(c > 0 ? 1 : 0, &active_total);
+  if (c > 0) {
+    g.active[slot] = e;
+    g.begin[slot] = off;
+    g.count[slot] = c;
+  }
+  if (threadIdx.x == 0) *g.active_count = active_total;
+  int w = off;
+  for (int base = 0; base < n; base += kGroupIdTile) {
+    const int m = min(kGroupIdTile, n - base);
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += kGroupThreads) s_ids[i] = __ldcg(&a.topk_ids[base + i]);
+    __syncthreads();
+    if (c > 0) {
+      for (int i = 0; i < m; ++i) {
+        if (s_ids[i] == e) g.pairs[w++] = base + i;
+      }
+    }
+  }
+}
+
+// The (token, slot) pairs of block row y: the shared expert's (every token, slot k) or the listed
+// expert's; false when the row is past the list.
+struct GroupRows {
+  int expert = -1;  // -1: the shared expert
+  int begin = 0, count = 0;
+};
+__device__ __forceinline__ bool GroupRowOf(const MoeParams& a, const MoeGroupWs& g, int y, GroupRows* r) {
+  if (y == 0) {
+    r->expert = -1, r->begin = 0, r->count = a.num_tokens;
+    return true;
+  }
+  const int slot = y - 1;
+  if (slot >= __ldcg(g.active_count)) return false;
+  r->expert = __ldcg(&g.active[slot]);
+  r->begin = __ldcg(&g.begin[slot]);
+  r->count = __ldcg(&g.count[slot]);
+  return true;
+}
+// Pair i of the row: token and slot.
+__device__ __forceinline__ void PairOf(const MoeParams& a, const MoeGroupWs& g, const GroupRows& r, int i, int* t,
+                                       int* j) {
+  if (r.expert < 0) {
+    *t = i, *j = a.top_k;
+  } else {
+    const int p = __ldcg(&g.pairs[r.begin + i]);
+    *t = p / a.top_k, *j = p % a.top_k;
+  }
+}
+
+// NR rows of n8 chunks each (the same n8 for all) dotted with up to kGroupTokens vectors xs[tt] (nt
+// of them): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending).
+template <int NR, int U>
+__device__ __forceinline__ void GroupLaneDots(const bf16* const (&rows)[NR], const bf16* const (&xs)[kGroupTokens],
+                                              int nt, int n8, int lane, float (&acc)[NR][kGroupTokens]) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int tt = 0; tt < kGroupTokens; ++tt) acc[r][tt] = 0.0f;
+  for (int base = 0; base < n8; base += 32 * U) {
+    const int c0 = base + lane;
+    uint4 rv[NR][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (c0 + 32 * u < n8) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= n8) break;
+      float rf[NR][8];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rv[r][u], rf[r]);
+#pragma unroll
+      for (int tt = 0; tt < kGroupTokens; ++tt) {
+        if (tt >= nt) break;
+        float xf[8];
+        Bf16x8ToFloat(__ldcg(reinterpret_cast<const uint4*>(xs[tt]) + c), xf);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][tt] = fmaf(rf[r][e], xf[e], acc[r][tt]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  GroupRows gr;
+  if (!GroupRowOf(a, g, blockIdx.y, &gr)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int f = blockIdx.x * kMoeWarps + warp;
+  if (f >= F) return;
+  const bf16* rows[2] = {(shared ? a.shared_gate_w : a.gate_w[gr.expert]) + static_cast<size_t>(f) * a.d,
+                         (shared ? a.shared_up_w : a.up_w[gr.expert]) + static_cast<size_t>(f) * a.d};
+  for (int i0 = 0; i0 < gr.count; i0 += kGroupTokens) {
+    const int nt = min(kGroupTokens, gr.count - i0);
+    const bf16* xs[kGroupTokens];
+    int tok[kGroupTokens], slot[kGroupTokens];
+#pragma unroll
+    for (int tt = 0; tt < kGroupTokens; ++tt) {
+      tok[tt] = 0, slot[tt] = 0;
+      if (tt < nt) PairOf(a, g, gr, i0 + tt, &tok[tt], &slot[tt]);
+      xs[tt] = a.x + static_cast<size_t>(tok[tt]) * a.d;
+    }
+    float acc[2][kGroupTokens];
+    GroupLaneDots<2, kGateUpChunks>(rows, xs, nt, a.d / 8, lane, acc);
+#pragma unroll
+    for (int tt = 0; tt < kGroupTokens; ++tt) {
+      const float gv = RoundBf16(WarpSum(acc[0][tt]));
+      const float uv = RoundBf16(WarpSum(acc[1][tt]));
+      if (lane == 0 && tt < nt) {
+        const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+        const MoeWs ws = MoeWorkspace(a, tok[tt]);
+        ws.h[static_cast<size_t>(slot[tt]) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  GroupRows gr;
+  if (!GroupRowOf(a, g, blockIdx.y, &gr)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int i = blockIdx.x * kMoeWarps + warp;
+  if (i >= a.d) return;
+  const bf16* rows[1] = {(shared ? a.shared_down_w : a.down_w[gr.expert]) + static_cast<size_t>(i) * F};
+  for (int i0 = 0; i0 < gr.count; i0 += kGroupTokens) {
+    const int nt = min(kGroupTokens, gr.count - i0);
+    const bf16* xs[kGroupTokens];
+    int tok[kGroupTokens], slot[kGroupTokens];
+#pragma unroll
+    for (int tt = 0; tt < kGroupTokens; ++tt) {
+      tok[tt] = 0, slot[tt] = 0;
+      if (tt < nt) PairOf(a, g, gr, i0 + tt, &tok[tt], &slot[tt]);
+      const MoeWs ws = MoeWorkspace(a, tok[tt]);
+      xs[tt] = reinterpret_cast<const bf16*>(ws.h) + static_cast<size_t>(slot[tt]) * ws.h_stride;
+    }
+    float acc[1][kGroupTokens];
+    GroupLaneDots<1, 2>(rows, xs, nt, F / 8, lane, acc);
+#pragma unroll
+    for (int tt = 0; tt < kGroupTokens; ++tt) {
+      const float o = RoundBf16(WarpSum(acc[0][tt]));
+      if (lane == 0 && tt < nt) {
+        if (shared) {
+          g.shared[static_cast<size_t>(tok[tt]) * a.d + i] = FloatToBf16Bits(o);
+        } else {
+          const float w = __ldcg(&MoeWorkspace(a, tok[tt]).weights[slot[tt]]);
+          g.routed[(static_cast<size_t>(tok[tt]) * a.top_k + slot[tt]) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+        }
+      }
+    }
+  }
+}
+
+// Grid (ceil(d / 256), T).
+__global__ void __launch_bounds__(256) MoeCombineKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  const bool late = a.down_release_after_wait;
+  AllowDependentsAtStart(late);
+  WaitReleasing(late);
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  const int t = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
+  if (i >= a.d) return;
+  float routed = 0.0f;
+  for (int j = 0; j < a.top_k; ++j) routed += Bf16BitsToFloat(g.routed[(static_cast<size_t>(t) * a.top_k + j) * a.d + i]);
+  const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + Bf16BitsToFloat(g.shared[static_cast<size_t>(t) * a.d + i]));
+  a.y[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(y);
+}
 
 }  // namespace dev
 
-int MoeGateUpVariants() { return static_cast<int>(std::size(dev::kGateUpShapes)); }
-int MoeDownVariants() { return static_cast<int>(std::size(dev::kDownShapes)); }
-
-size_t MoeWorkspaceBytes(int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
-  return dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes *
-         static_cast<size_t>(std::max(num_tokens, 1));
+size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
+  const int T = std::max(num_tokens, 1);
+  const size_t per_token = dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes * static_cast<size_t>(T);
+  return T == 1 ? per_token : per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
 }
 
 Status Moe(const MoeParams& p, Stream stream) {
@@ -540,11 +792,6 @@ Status Moe(const MoeParams& p, Stream stream) {
       return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
     }
   }
-  if (p.gate_up_variant < 0 || p.gate_up_variant >= MoeGateUpVariants() || p.down_variant < 0 ||
-      p.down_variant >= MoeDownVariants()) {
-    return InvalidArgument("moe: kernel variants {} / {} (gate/up 0..{}, down 0..{})", p.gate_up_variant,
-                           p.down_variant, MoeGateUpVariants() - 1, MoeDownVariants() - 1);
-  }
   if (p.num_tokens < 1 || p.num_tokens > 65535) {
     return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
   }
@@ -555,20 +802,41 @@ Status Moe(const MoeParams& p, Stream stream) {
   dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
+  if (T > 1) {
+    if (!p.topk_ids) return InvalidArgument("moe: the grouped path (T > 1) needs topk_ids");
+    if (p.num_experts > dev::kGroupThreads) {
+      return InvalidArgument("moe: the grouped path takes at most {} experts", dev::kGroupThreads);
+    }
+    const int listed = std::min(p.num_experts, T * p.top_k) + 1;  // + the shared expert
+    if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
+    dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_group");
+    const int fmax = std::max(p.ffn, p.shared_ffn);
+    dev::LaunchDependent(dev::MoeGroupGateUpKernel, dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, listed),
+                         dim3(threads), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up");
+    dev::LaunchDependent(dev::MoeGroupDownKernel, dim3((p.d + dev::kMoeWarps - 1) / dev::kMoeWarps, listed),
+                         dim3(threads), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_group_down");
+    dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_combine");
+    return Status::Ok();
+  }
   const int fmax = std::max(p.ffn, p.shared_ffn);
   const dev::MoeGateUpStreamGeometry gu =
-      T == 1 && p.gate_up_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()
+      p.gate_up_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()
           ? dev::GateUpStreamGeometry(p.d, p.ffn, p.shared_ffn, p.top_k, p.gate_up_stream_ring_kb, dev::SmCount())
           : dev::MoeGateUpStreamGeometry{};
   if (gu.slots > 0) {
     dev::LaunchDependentSmem(dev::MoeGateUpStreamKernel, dim3(gu.grid), dim3((dev::kMoeWarps + 1) * 32), gu.smem, s, p, gu);
   } else {
-    dev::LaunchDependent(dev::kGateUpKernels[p.gate_up_variant],
-                         dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, T), dim3(threads), s, p);
+    dev::LaunchDependent(dev::MoeGateUpKernel<dev::kGateUpMinBlocks, dev::kGateUpChunks>,
+                         dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, 1), dim3(threads), s, p);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_gate_up");
   const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
-  dev::LaunchDependent(dev::kDownKernels[p.down_variant], dim3((p.d + down_rows - 1) / down_rows, T), dim3(threads), s, p);
+  dev::LaunchDependent(dev::MoeDownKernel<dev::kDownMinBlocks, dev::kDownChunks>,
+                       dim3((p.d + down_rows - 1) / down_rows, 1), dim3(threads), s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_down_combine");
   return Status::Ok();
 }

@@ -1,6 +1,7 @@
 // CPU-only builds: the launchers exist so callers link, and say plainly that there is no CUDA backend.
 #include "kernels/attention/attention.h"
 #include "kernels/ops.h"
+#include "kernels/sampling.h"
 #include "kernels/timeline.h"
 
 namespace dl::kernels {
@@ -15,21 +16,14 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
   return NoCuda("qknorm_rope_append");
 }
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
-bool GemvStagedSupported(int, int) { return false; }
-int GemvMaxStageRows(int) { return 0; }
 bool GemvStreamSupported(int, int, int, int) { return false; }
-size_t MoeWorkspaceBytes(int, int, int, int, int) { return 0; }
+size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
+void SetDependentLaunch(bool) {}
 bool DependentLaunchEnabled() { return false; }
-FusedNormMode FusedNorm() { return {}; }
-const DecodeExperiments& Experiments() {
-  static const DecodeExperiments none;
-  return none;
-}
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
-int MoeGateUpVariants() { return 1; }
-int MoeDownVariants() { return 1; }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
 Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
+Status SampleRows(const SampleRowsParams&, Stream) { return NoCuda("sample_rows"); }
 Status FillRandomBf16(bf16*, size_t, uint64_t, float, Stream) { return NoCuda("fill_random_bf16"); }
 bool TimelineBuilt() { return false; }
 Status TimelineEnable(size_t) { return NoCuda("timeline"); }

@@ -68,7 +68,9 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
       a.q_out[(static_cast<size_t>(t) * H + head) * D + e] = FloatToBf16Bits(y);
     } else {
       const int kvh = kind == 1 ? head - H : head - H - K;
-      const int page = a.block_table[pos / a.page_size];
+      const int32_t* table =
+          a.block_table + (a.token_seq ? static_cast<size_t>(a.token_seq[t]) * a.block_table_stride : 0);
+      const int page = table[pos / a.page_size];
       const size_t idx =
           ((static_cast<size_t>(page) * a.page_size + pos % a.page_size) * K + kvh) * D + e;
       void* pool = kind == 1 ? a.k_pool : a.v_pool;
@@ -107,6 +109,9 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream) {
   }
   if (p.qkv_stride < static_cast<int64_t>(p.head_dim)) {
     return InvalidArgument("qknorm_rope_append: qkv_stride {} too small", p.qkv_stride);
+  }
+  if (p.token_seq && p.block_table_stride < 1) {
+    return InvalidArgument("qknorm_rope_append: token_seq needs block_table_stride");
   }
   if (p.kv_dtype == KvDtype::kFp8 && !(p.k_scale > 0.0f && p.v_scale > 0.0f)) {
     return InvalidArgument("qknorm_rope_append: FP8 cache needs positive k_scale and v_scale");

@@ -80,7 +80,9 @@ void QkNormRopeAppend(const QkNormRopeAppendParams& p) {
           p.q_out[(static_cast<size_t>(t) * H + hh) * D + e] = ToB(y[e]);
           continue;
         }
-        const int page = p.block_table[pos / p.page_size];
+        const int32_t* table =
+            p.block_table + (p.token_seq ? static_cast<size_t>(p.token_seq[t]) * p.block_table_stride : 0);
+        const int page = table[pos / p.page_size];
         const size_t idx =
             ((static_cast<size_t>(page) * p.page_size + pos % p.page_size) * K + hh) * D + e;
         void* pool = kind == 1 ? p.k_pool : p.v_pool;
@@ -99,9 +101,10 @@ void Attention(const AttentionParams& p) {
   const int H = p.num_q_heads, K = p.num_kv_heads, D = p.head_dim, P = p.page_size, G = H / K;
   const double scale =
       p.softmax_scale > 0.0f ? p.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
-  auto read = [&](const void* pool, float kv_scale, int s, int kvh, int d) -> double {
-    const size_t idx =
-        ((static_cast<size_t>(p.block_table[s / P]) * P + s % P) * K + kvh) * D + d;
+  auto read = [&](const void* pool, float kv_scale, int t, int s, int kvh, int d) -> double {
+    const int32_t* table =
+        p.block_table + (p.token_seq ? static_cast<size_t>(p.token_seq[t]) * p.block_table_stride : 0);
+    const size_t idx = ((static_cast<size_t>(table[s / P]) * P + s % P) * K + kvh) * D + d;
     if (p.kv_dtype == KvDtype::kFp8) {
       return static_cast<double>(Fp8E4M3ToFloat(static_cast<const uint8_t*>(pool)[idx])) * kv_scale;
     }
@@ -117,7 +120,7 @@ void Attention(const AttentionParams& p) {
       double mx = -std::numeric_limits<double>::infinity();
       for (int s = start; s <= pos; ++s) {
         double dot = 0.0;
-        for (int d = 0; d < D; ++d) dot += B(q[d]) * read(p.k_pool, p.k_scale, s, kvh, d);
+        for (int d = 0; d < D; ++d) dot += B(q[d]) * read(p.k_pool, p.k_scale, t, s, kvh, d);
         score[s - start] = dot * scale;
         mx = std::max(mx, score[s - start]);
       }
@@ -125,7 +128,7 @@ void Attention(const AttentionParams& p) {
       for (double& sc : score) l += (sc = std::exp(sc - mx));
       for (int d = 0; d < D; ++d) {
         double o = 0.0;
-        for (int s = start; s <= pos; ++s) o += score[s - start] * read(p.v_pool, p.v_scale, s, kvh, d);
+        for (int s = start; s <= pos; ++s) o += score[s - start] * read(p.v_pool, p.v_scale, t, s, kvh, d);
         float out = RoundBf16(static_cast<float>(o / l));
         if (p.gate) {
           const size_t gi = static_cast<size_t>(t) * p.gate_stride +

@@ -10,6 +10,7 @@
 
 #include "kernels/attention/attention.h"
 #include "kernels/ops.h"
+#include "kernels/sampling.h"
 
 namespace dl::kernels::ref {
 
@@ -22,6 +23,9 @@ void Gemv(const GemvParams& p);
 // instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
 void Moe(const MoeParams& p, const float* logits_override = nullptr);
 int32_t Argmax(const bf16* logits, int n);
+// kernels/sampling.h's rule for one row of FP32 logits; *finite = false when a logit is NaN or Inf
+// (the token is then meaningless).
+int32_t SampleRow(const float* logits, int vocab, const RowSampling& s, bool* finite);
 
 // Softplus as PyTorch computes it (threshold 20).
 float Softplus(float z);

@@ -1,8 +1,9 @@
-// The CUDA backend for batch-1 decode: BF16 weights on the GPU, a paged BF16 or FP8 KV cache in device
+// The CUDA backend: BF16 weights on the device (CudaWeights), a paged BF16 or FP8 KV cache in device
 // memory managed by the same kv_cache bookkeeping as the CPU backend, attention kernels resolved per
-// layer from the preset table (no silent fallback), and one CUDA graph per decode step (embedding
-// through argmax) that is independent of the sequence length: positions, token ids and block tables are
-// read from device memory, so one capture serves every step.
+// layer from the preset table (no silent fallback), a workspace arena sized from the largest batch
+// (CudaWorkspace), and the Laguna forward (model/laguna_forward.h) recorded as one CUDA graph per
+// batch bucket (GraphCache). Every op keeps a fixed reduction order per row, so a row's results are
+// the same at every batch size and in every bucket.
 #pragma once
 
 #include <memory>
@@ -10,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/tuning.h"
 #include "model/checkpoint.h"
 #include "model/runner.h"
 
@@ -18,9 +20,10 @@ namespace dl {
 struct CudaRunnerOptions {
   int device = 0;
   bool allow_fallback = false;  // run a generic attention kernel where a preset is not built
-  bool use_graph = true;        // capture the decode step as one CUDA graph
-  int32_t max_seq_len = 4096;   // positions the graph and the workspaces are sized for
-  int32_t max_chunk = 512;      // most tokens in one forward (prefill chunk)
+  bool use_graph = true;        // record forwards as CUDA graphs (per batch bucket)
+  int32_t max_seq_len = 4096;   // positions the graphs and the workspaces are sized for
+  int32_t max_rows = 512;       // token rows of one forward
+  int32_t max_outputs = 1;      // output rows (sequences) of one forward
   // For a shape-only checkpoint (null data): generate each tensor on the device with this seed,
   // by the formula of model/synthetic.h.
   uint64_t synthetic_seed = 0;
@@ -28,6 +31,7 @@ struct CudaRunnerOptions {
   // measure what each costs inside the real step. Outputs are then wrong; Describe() lists them.
   // Names: kSkippableOps.
   std::vector<std::string> skip_ops;
+  kernels::Tuning tuning;
 };
 inline constexpr std::string_view kSkippableOps[] = {"norm", "qkvg", "rope", "attention", "o_proj", "moe", "dense_mlp"};
 
@@ -41,16 +45,16 @@ class CudaRunner : public ModelRunner {
   std::string backend_name() const override { return "cuda"; }
   const KvCacheSpec& kv_spec() const override;
   const KvScales& kv_scales() const override;
-  Status Forward(const SequenceKv& seq, std::span<const int32_t> tokens, bool all_logits,
-                 std::vector<float>* logits) override;
+  int32_t max_rows() const override;
+  int32_t max_outputs() const override;
+  Status Launch(const ForwardBatch& batch) override;
+  Status Wait(ForwardResult* result) override;
   nlohmann::json Describe() const override;
 
-  // The decode fast path: one token in, the argmax out, logits stay on the device.
-  Result<int32_t> DecodeArgmax(const SequenceKv& seq, int32_t token);
   // Per-layer max |x| over the K and V pools (BF16 caches only): FP8 scale calibration runs the
   // built-in prompts through a BF16 cache, then reads these.
   Result<std::pair<std::vector<float>, std::vector<float>>> KvPoolAbsMax();
-  // Kernel nodes of the captured decode graph (0 before the first decode).
+  // Kernel nodes of the captured batch-1 decode graph (0 before the first decode).
   int kernel_nodes() const;
   // Attention preset (canonical name) per layer, and whether any layer runs a fallback kernel.
   const std::vector<std::string>& layer_presets() const;

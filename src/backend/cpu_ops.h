@@ -5,17 +5,17 @@
 
 #include <cstdint>
 
-#include "model/checkpoint.h"
+#include "model/weights.h"
 
 namespace dl::cpu {
 
 // y[out] = W[out, in] . x[in]. Rows are independent; parallel over rows for large matrices.
-void MatVec(const TensorView& w, const float* x, float* y);
+void MatVec(const WeightRef& w, const float* x, float* y);
 // Same, for `n` input vectors x[n, in] -> y[n, out].
-void MatMul(const TensorView& w, const float* x, int64_t n, float* y);
+void MatMul(const WeightRef& w, const float* x, int64_t n, float* y);
 // out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i]; out may alias x.
-void RmsNorm(const float* x, const TensorView& w, int64_t size, float eps, float* out);
-float WeightAt(const TensorView& w, int64_t i);
+void RmsNorm(const float* x, const WeightRef& w, int64_t size, float eps, float* out);
+float WeightAt(const WeightRef& w, int64_t i);
 float Silu(float x);
 float Sigmoid(float x);
 // PyTorch's softplus (beta 1, threshold 20): x above 20 is returned as is.

@@ -1,4 +1,4 @@
-#include "model/cpu_ops.h"
+#include "backend/cpu_ops.h"
 
 #include <cmath>
 
@@ -18,11 +18,11 @@ void MatVecImpl(const uint8_t* base, int64_t rows, int64_t cols, const float* x,
 
 }  // namespace
 
-float WeightAt(const TensorView& w, int64_t i) { return LoadAsFloat(w.data, w.dtype, static_cast<size_t>(i)); }
+float WeightAt(const WeightRef& w, int64_t i) { return LoadAsFloat(w.data, w.dtype, static_cast<size_t>(i)); }
 
-void MatVec(const TensorView& w, const float* x, float* y) {
-  const int64_t rows = w.shape[0];
-  const int64_t cols = w.shape.size() > 1 ? w.shape[1] : 1;
+void MatVec(const WeightRef& w, const float* x, float* y) {
+  const int64_t rows = w.rows();
+  const int64_t cols = w.cols();
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
   switch (w.dtype) {
     case DType::kF32:
@@ -48,13 +48,13 @@ void MatVec(const TensorView& w, const float* x, float* y) {
   }
 }
 
-void MatMul(const TensorView& w, const float* x, int64_t n, float* y) {
-  const int64_t rows = w.shape[0];
-  const int64_t cols = w.shape.size() > 1 ? w.shape[1] : 1;
+void MatMul(const WeightRef& w, const float* x, int64_t n, float* y) {
+  const int64_t rows = w.rows();
+  const int64_t cols = w.cols();
   for (int64_t t = 0; t < n; ++t) MatVec(w, x + t * cols, y + t * rows);
 }
 
-void RmsNorm(const float* x, const TensorView& w, int64_t size, float eps, float* out) {
+void RmsNorm(const float* x, const WeightRef& w, int64_t size, float eps, float* out) {
   float sum_sq = 0.0f;
   for (int64_t i = 0; i < size; ++i) sum_sq += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(size) + eps);

@@ -1,0 +1,703 @@
+#include "backend/cuda_runner.h"
+
+#if defined(DECODELAB_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cuda_graphs.h"
+#include "backend/cuda_weights.h"
+#include "backend/cuda_workspace.h"
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "kernels/attention/attention.h"
+#include "kernels/elementwise.h"
+#include "kernels/ops.h"
+#include "kernels/sampling.h"
+#include "kernels/timeline.h"
+#include "model/laguna_forward.h"
+#endif
+
+namespace dl {
+
+#if defined(DECODELAB_HAVE_CUDA)
+
+using kernels::bf16;
+using kernels::LateRelease;
+
+namespace {
+
+// A layer's KV pools and attention kernel. Each pool has one page more than the cache hands out: the
+// page padding rows write (GraphCache).
+struct LayerCache {
+  cuda::DeviceBuffer k_pool, v_pool;
+  kernels::AttentionKernel attn;
+  int32_t trash_page = 0;
+  bool sliding = false;
+};
+
+const bf16* Data(const WeightRef& w) { return static_cast<const bf16*>(w.data); }
+
+}  // namespace
+
+struct CudaRunner::Impl final : LagunaOps {
+  const ModelConfig& cfg;
+  KvCacheSpec kv;
+  KvScales scales;
+  CudaRunnerOptions opt;
+  cuda::Stream stream;
+  std::unique_ptr<CudaWeights> weights;
+  std::vector<LayerCache> layers;
+  RopeTable rope[2];
+  cuda::DeviceBuffer inv_freq[2];
+  CudaWorkspace ws;
+  GraphCache graphs;
+  std::vector<std::string> layer_presets;
+  bool fallback = false;
+  std::vector<std::string> fallback_ops;
+  std::string device_name;
+  int decode_kernel_nodes = 0;
+
+  // The forward being recorded: rows and outputs of the launch (bucketed when graphed).
+  int32_t T = 0, R = 0;
+  bool argmax_only = false;
+  int cur = 0;  // which residual buffer holds the stream
+  struct {
+    const WeightRef* weight = nullptr;
+    bool add = false;
+  } pending;  // an AddRmsNorm not yet run (folded into its consumer where that pays)
+  // The launched forward (Launch to Wait).
+  const ForwardBatch* launched = nullptr;
+
+  explicit Impl(const ModelConfig& c) : cfg(c) {}
+  cudaStream_t s() const { return stream.get(); }
+  bool Skips(std::string_view op) const {
+    return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
+  }
+  Status Init(const Checkpoint& ck);
+  Status Stage(const ForwardBatch& batch, GraphKey* key, bool* graphed);
+  Status Record(const ForwardBatch& batch);
+
+  bf16* Buffer(Act a) const {
+    switch (a) {
+      case Act::kNormed: return ws.normed;
+      case Act::kQkvg: return ws.qkvg;
+      case Act::kAttention: return ws.attn;
+      case Act::kDelta: return ws.delta;
+      case Act::kGateUp: return ws.gate_up;
+      case Act::kHidden: return ws.hidden;
+      case Act::kOutputNormed: return ws.out_normed;
+      case Act::kLogits: return ws.logits;
+    }
+    return nullptr;
+  }
+  // The pending norm as its own kernel (in place on the residual stream).
+  Status FlushNorm();
+  // The pending norm folded into its consumer: the updated stream goes to the other buffer, because
+  // the consumer's other blocks still read this one.
+  kernels::FusedInputNorm TakeFusedNorm(bf16* u_out);
+
+  // LagunaOps.
+  Status Embed(const WeightRef& table) override;
+  Status AddRmsNorm(const WeightRef& weight, bool add_delta) override;
+  Status Linear(const LinearWeights& w, Act in, Act out) override;
+  Status QkNormRopeAppend(int32_t layer, const LagunaLayerWeights& w) override;
+  Status Attention(int32_t layer) override;
+  Status SiluMul() override;
+  Status Moe(int32_t layer, const MoeWeights& w) override;
+  Status TapHidden(int32_t tap) override;
+  Status OutputNorm(const WeightRef& weight) override;
+  Status SelectTokens() override;
+};
+
+Status CudaRunner::Impl::Init(const Checkpoint& ck) {
+  const ModelConfig& c = cfg;
+  DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(opt.device));
+  DL_ASSIGN_OR_RETURN(auto info, cuda::GetDeviceInfo(opt.device));
+  device_name = info.name;
+  DL_ASSIGN_OR_RETURN(stream, cuda::Stream::Create());
+  kernels::SetDependentLaunch(opt.tuning.dependent_launch);
+  const int64_t d = c.hidden_size, D = c.head_dim;
+  if (d % 8 != 0 || D % 8 != 0) {
+    return InvalidArgument("CUDA backend needs hidden_size and head_dim divisible by 8 ({}, {})", d, D);
+  }
+  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
+  rope[0] = ComputeRopeTable(c.rope_full, D);
+  rope[1] = ComputeRopeTable(c.rope_sliding, D);
+  for (int i = 0; i < 2; ++i) {
+    DL_ASSIGN_OR_RETURN(inv_freq[i], cuda::DeviceBuffer::Create(std::max<size_t>(1, rope[i].inv_freq.size()) * 4));
+    DL_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq[i].data(), rope[i].inv_freq.data(), rope[i].inv_freq.size() * 4,
+                                       cudaMemcpyHostToDevice));
+  }
+  const kernels::KvDtype kvd = kv.dtype == DType::kF8E4M3 ? kernels::KvDtype::kFp8 : kernels::KvDtype::kBf16;
+  layers.resize(c.num_hidden_layers);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    LayerCache& L = layers[l];
+    L.sliding = c.is_sliding(l);
+    const KvGroup g = L.sliding ? KvGroup::kSliding : KvGroup::kFull;
+    L.trash_page = kv.pages_in(g);
+    const size_t pool = kv.page_bytes() * static_cast<size_t>(kv.pages_in(g) + 1);
+    DL_ASSIGN_OR_RETURN(L.k_pool, cuda::DeviceBuffer::Create(pool));
+    DL_ASSIGN_OR_RETURN(L.v_pool, cuda::DeviceBuffer::Create(pool));
+    DL_RETURN_IF_ERROR(L.k_pool.Fill(0));
+    DL_RETURN_IF_ERROR(L.v_pool.Fill(0));
+    // The attention kernel from the preset table; a missing preset is an error unless fallback is
+    // allowed, and then every output says so.
+    kernels::AttnPresetKey key;
+    key.head_dim = static_cast<int>(D);
+    key.group = static_cast<int>(c.heads(l) / c.num_key_value_heads);
+    key.page_size = kv.page_size;
+    key.kv_dtype = kvd;
+    key.window = L.sliding ? kernels::WindowKind::kSliding : kernels::WindowKind::kGlobal;
+    auto resolved = kernels::ResolveAttention(key, opt.allow_fallback);
+    if (!resolved.ok()) return resolved.status().WithContext(fmt::format("layer {}", l));
+    L.attn = *resolved;
+    layer_presets.push_back(L.attn.name);
+    if (L.attn.fallback) {
+      fallback = true;
+      fallback_ops.push_back(fmt::format("layer {} attention ({} not built)", l, kernels::CanonicalName(key)));
+    }
+  }
+  CudaWorkspaceSizes z;
+  z.max_rows = std::max(1, opt.max_rows);
+  z.max_outputs = std::max(1, opt.max_outputs);
+  z.max_seqs = z.max_outputs + 1;  // + the padding rows' dummy sequence
+  z.max_pages = PagesNeededFull(opt.max_seq_len, kv.page_size);
+  z.max_seq_len = opt.max_seq_len;
+  DL_ASSIGN_OR_RETURN(ws, CudaWorkspace::Create(c, z));
+  // The dummy sequence's tables (the last row of each group): position 0 in the trash page. Never
+  // overwritten, so the one copy per step carries them.
+  for (int g = 0; g < 2; ++g) {
+    int32_t* row = ws.host(ws.tables) + (static_cast<size_t>(g) * z.max_seqs + z.max_seqs - 1) * z.max_pages;
+    std::fill(row, row + z.max_pages, -1);
+    row[0] = kv.pages_in(static_cast<KvGroup>(g));
+  }
+  DL_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return Status::Ok();
+}
+
+// ---- Inputs and launch -------------------------------------------------------------------------
+
+Status CudaRunner::Impl::Stage(const ForwardBatch& b, GraphKey* key, bool* graphed) {
+  const CudaWorkspaceSizes& z = ws.sizes;
+  DL_RETURN_IF_ERROR(b.Validate(cfg.vocab_size, kv.page_size));
+  const int32_t rows = b.num_rows(), outs = static_cast<int32_t>(b.outputs.size());
+  const int32_t seqs = static_cast<int32_t>(b.seqs.size());
+  if (rows > z.max_rows || outs > z.max_outputs || seqs > z.max_seqs - 1) {
+    return InvalidArgument("CUDA forward of {} rows, {} outputs, {} sequences exceeds the backend's {} / {} / {}",
+                           rows, outs, seqs, z.max_rows, z.max_outputs, z.max_seqs - 1);
+  }
+  if (!b.hidden_taps.empty() && static_cast<int32_t>(b.hidden_taps.size()) > z.max_taps) {
+    return Unimplemented("hidden-state taps on the CUDA backend (asked for {})", b.hidden_taps.size());
+  }
+  for (const BatchSequence& sq : b.seqs) {
+    if (sq.kv->length() + sq.num_rows > opt.max_seq_len) {
+      return InvalidArgument("sequence of {} tokens exceeds the CUDA backend's max_seq_len {}",
+                             sq.kv->length() + sq.num_rows, opt.max_seq_len);
+    }
+  }
+  *graphed = opt.use_graph && b.hidden_taps.empty();
+  T = *graphed ? BatchBucket(rows, z.max_rows) : rows;
+  R = outs == 0 ? 0 : (*graphed ? BatchBucket(outs, z.max_outputs) : outs);
+  argmax_only = outs == 1 && R == 1 && b.outputs[0].sampling.greedy() && b.outputs[0].sampling.adjustments.empty();
+  *key = GraphKey{b.mode, T, R, argmax_only};
+
+  int32_t* ids = ws.host(ws.ids);
+  int32_t* pos = ws.host(ws.positions);
+  int32_t* seq = ws.host(ws.token_seq);
+  int32_t* hist = ws.host(ws.history);
+  const std::vector<int32_t> positions = b.Positions();
+  for (int32_t s = 0; s < seqs; ++s) {
+    const BatchSequence& sq = b.seqs[s];
+    for (int32_t i = sq.first_row; i < sq.first_row + sq.num_rows; ++i) {
+      ids[i] = b.tokens[i];
+      pos[i] = positions[i];
+      seq[i] = s;
+      hist[i] = sq.kv->length();
+    }
+    for (int g = 0; g < 2; ++g) {
+      const auto& table = sq.kv->block_table(static_cast<KvGroup>(g));
+      if (static_cast<int32_t>(table.size()) > z.max_pages) return Internal("block table longer than {}", z.max_pages);
+      int32_t* row = ws.host(ws.tables) + (static_cast<size_t>(g) * z.max_seqs + s) * z.max_pages;
+      std::copy(table.begin(), table.end(), row);
+      std::fill(row + table.size(), row + z.max_pages, -1);
+    }
+  }
+  for (int32_t i = rows; i < T; ++i) ids[i] = 0, pos[i] = 0, seq[i] = z.max_seqs - 1, hist[i] = 0;
+  int32_t* out_rows = ws.host(ws.out_rows);
+  kernels::DeviceRowSampling* sp = ws.host(ws.sampling);
+  kernels::LogitAdjustment* adj = ws.host(ws.adjustments);
+  int32_t n_adj = 0;
+  for (int32_t r = 0; r < R; ++r) {
+    sp[r] = kernels::DeviceRowSampling{};
+    out_rows[r] = 0;
+    if (r >= outs) continue;
+    const OutputRequest& o = b.outputs[r];
+    out_rows[r] = o.row;
+    const RowSampling& rs = o.sampling;
+    sp[r].temperature = rs.temperature;
+    sp[r].top_k = rs.top_k;
+    sp[r].top_p = rs.top_p;
+    sp[r].min_p = rs.min_p;
+    sp[r].key = rs.key;
+    sp[r].step = rs.step;
+    sp[r].adj_begin = n_adj;
+    sp[r].adj_count = static_cast<int32_t>(rs.adjustments.size());
+    if (n_adj + sp[r].adj_count > z.max_adjustments) {
+      return InvalidArgument("a forward's logit adjustments exceed {}", z.max_adjustments);
+    }
+    std::copy(rs.adjustments.begin(), rs.adjustments.end(), adj + n_adj);
+    n_adj += sp[r].adj_count;
+  }
+  const size_t bytes = ws.inputs_fixed_bytes + static_cast<size_t>(n_adj) * sizeof(kernels::LogitAdjustment);
+  DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ws.ids, ws.host_inputs.as<char>(), bytes, cudaMemcpyHostToDevice, s()));
+  return Status::Ok();
+}
+
+Status CudaRunner::Impl::Record(const ForwardBatch& batch) {
+  cur = 0;
+  pending.weight = nullptr;
+  return LagunaForward(cfg, weights->refs(), batch, *this);
+}
+
+// ---- Ops ---------------------------------------------------------------------------------------
+
+Status CudaRunner::Impl::FlushNorm() {
+  if (pending.weight == nullptr) return Status::Ok();
+  const WeightRef* w = std::exchange(pending.weight, nullptr);
+  if (Skips("norm")) return Status::Ok();
+  kernels::AddRmsNormParams n;
+  n.residual = ws.residual[cur];
+  n.delta = pending.add ? ws.delta : nullptr;
+  n.weight = Data(*w);
+  n.out = ws.normed;
+  n.rows = T;
+  n.n = static_cast<int>(cfg.hidden_size);
+  n.eps = static_cast<float>(cfg.rms_norm_eps);
+  n.prefetch_residual = opt.tuning.l2_prefetch;
+  n.release_after_wait = opt.tuning.late(LateRelease::kNorm);
+  return kernels::AddRmsNorm(n, s());
+}
+
+kernels::FusedInputNorm CudaRunner::Impl::TakeFusedNorm(bf16* u_out) {
+  const WeightRef* w = std::exchange(pending.weight, nullptr);
+  kernels::FusedInputNorm n;
+  n.residual = ws.residual[cur];
+  n.delta = pending.add ? ws.delta : nullptr;
+  n.weight = Data(*w);
+  n.residual_out = pending.add ? ws.residual[cur ^ 1] : nullptr;  // no delta: the stream is unchanged
+  n.u_out = u_out;
+  n.eps = static_cast<float>(cfg.rms_norm_eps);
+  n.prefetch_residual = opt.tuning.l2_prefetch;
+  if (pending.add) cur ^= 1;
+  return n;
+}
+
+Status CudaRunner::Impl::Embed(const WeightRef& table) {
+  return kernels::EmbedLookup({Data(table), ws.ids, ws.residual[cur], T, static_cast<int>(cfg.hidden_size),
+                               static_cast<int>(cfg.vocab_size)},
+                              s());
+}
+
+Status CudaRunner::Impl::AddRmsNorm(const WeightRef& weight, bool add_delta) {
+  DL_RETURN_IF_ERROR(FlushNorm());
+  pending.weight = &weight;
+  pending.add = add_delta;
+  return Status::Ok();
+}
+
+Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
+  if (w.parts.size() != 1) return Internal("CUDA linear {}: weights must be stored fused", w.parts[0].name);
+  const WeightRef& W = w.parts[0];
+  const bool qkvg = out == Act::kQkvg, o_proj = in == Act::kAttention;
+  const bool mlp = out == Act::kGateUp || in == Act::kHidden;
+  const int rows = in == Act::kOutputNormed ? R : T;
+  kernels::GemvParams p;
+  // The dense MLP's gate/up takes the norm before it (the measured policy: only the norm before the
+  // MLP is folded, and only at batch 1 where the streaming kernel takes it); everything else runs it.
+  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty()) {
+    p.norm = TakeFusedNorm(nullptr);
+  } else {
+    DL_RETURN_IF_ERROR(FlushNorm());
+  }
+  if ((qkvg && Skips("qkvg")) || (o_proj && Skips("o_proj")) || (mlp && Skips("dense_mlp"))) return Status::Ok();
+  const kernels::Tuning& tu = opt.tuning;
+  p.w = Data(W);
+  p.x = Buffer(in);
+  p.y = Buffer(out);
+  p.out = static_cast<int>(W.rows());
+  p.in = static_cast<int>(W.cols());
+  p.num_tokens = rows;
+  p.streaming.ring_kb = tu.stream_ring_kb;
+  p.streaming.stage_kb = tu.stream_stage_kb;
+  p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
+  p.streaming.on = rows == 1 && tu.stream_gemv && kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
+  p.batch_rows = tu.batch_gemv_rows;
+  p.batch_tokens = tu.batch_gemv_tokens;
+  p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
+  return kernels::Gemv(p, s()).WithContext(W.name);
+}
+
+Status CudaRunner::Impl::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& w) {
+  DL_RETURN_IF_ERROR(FlushNorm());
+  if (Skips("rope")) return Status::Ok();
+  const LayerCache& L = layers[l];
+  const int H = static_cast<int>(cfg.heads(l)), D = static_cast<int>(cfg.head_dim);
+  const int K = static_cast<int>(cfg.num_key_value_heads);
+  const int group = L.sliding ? 1 : 0;
+  const CudaWorkspaceSizes& z = ws.sizes;
+  kernels::QkNormRopeAppendParams rp;
+  rp.q = ws.qkvg;
+  rp.k = ws.qkvg + H * D;
+  rp.v = ws.qkvg + (H + K) * D;
+  rp.qkv_stride = H * D + 2 * K * D + cfg.gate_width(l);
+  rp.q_norm_weight = Data(w.q_norm);
+  rp.k_norm_weight = Data(w.k_norm);
+  rp.inv_freq = inv_freq[group].as<float>();
+  rp.attention_factor = rope[group].attention_factor;
+  rp.rotary_dim = static_cast<int>(rope[group].rotary_dim);
+  rp.eps = static_cast<float>(cfg.rms_norm_eps);
+  rp.positions = ws.positions;
+  rp.num_tokens = T;
+  rp.num_q_heads = H;
+  rp.num_kv_heads = K;
+  rp.head_dim = D;
+  rp.q_out = ws.q;
+  rp.k_pool = L.k_pool.data();
+  rp.v_pool = L.v_pool.data();
+  rp.kv_dtype = kv.dtype == DType::kF8E4M3 ? kernels::KvDtype::kFp8 : kernels::KvDtype::kBf16;
+  rp.k_scale = scales.k[l];
+  rp.v_scale = scales.v[l];
+  rp.block_table = ws.tables + static_cast<size_t>(group) * z.max_seqs * z.max_pages;
+  rp.token_seq = ws.token_seq;
+  rp.block_table_stride = z.max_pages;
+  rp.page_size = kv.page_size;
+  rp.prefetch_constants = opt.tuning.l2_prefetch;
+  rp.block_table_entries = z.max_pages;
+  rp.release_after_wait = opt.tuning.late(LateRelease::kRope);
+  return kernels::QkNormRopeAppend(rp, s());
+}
+
+Status CudaRunner::Impl::Attention(int32_t l) {
+  DL_RETURN_IF_ERROR(FlushNorm());
+  if (Skips("attention")) return Status::Ok();
+  const LayerCache& L = layers[l];
+  const int H = static_cast<int>(cfg.heads(l)), D = static_cast<int>(cfg.head_dim);
+  const int K = static_cast<int>(cfg.num_key_value_heads);
+  const CudaWorkspaceSizes& z = ws.sizes;
+  kernels::AttentionParams ap;
+  ap.q = ws.q;
+  ap.k_pool = L.k_pool.data();
+  ap.v_pool = L.v_pool.data();
+  ap.block_table = ws.tables + static_cast<size_t>(L.sliding ? 1 : 0) * z.max_seqs * z.max_pages;
+  ap.token_seq = ws.token_seq;
+  ap.block_table_stride = z.max_pages;
+  ap.positions = ws.positions;
+  ap.history_stable = true;  // a sequence's keys before this forward come from earlier forwards
+  ap.history = ws.history;
+  ap.max_position = opt.max_seq_len - 1;
+  ap.num_tokens = T;
+  ap.num_q_heads = H;
+  ap.num_kv_heads = K;
+  ap.head_dim = D;
+  ap.page_size = kv.page_size;
+  ap.kv_dtype = kv.dtype == DType::kF8E4M3 ? kernels::KvDtype::kFp8 : kernels::KvDtype::kBf16;
+  ap.window_kind = L.sliding ? kernels::WindowKind::kSliding : kernels::WindowKind::kGlobal;
+  ap.window = static_cast<int>(cfg.sliding_window);
+  ap.k_scale = scales.k[l];
+  ap.v_scale = scales.v[l];
+  ap.gate = ws.qkvg + (H + 2 * K) * D;
+  ap.gate_stride = H * D + 2 * K * D + cfg.gate_width(l);
+  ap.gate_per_element = cfg.gating == GatingKind::kPerElement;
+  ap.out = ws.attn;
+  ap.workspace = ws.attn_ws;
+  ap.workspace_bytes = ws.attn_ws_bytes;
+  ap.counters = ws.attn_counters;
+  ap.cluster_max_chunks = opt.tuning.attention_cluster_max_chunks;
+  ap.release_after_wait = opt.tuning.late(LateRelease::kAttention);
+  return kernels::RunAttention(L.attn, ap, s()).WithContext(fmt::format("layer {}", l));
+}
+
+Status CudaRunner::Impl::SiluMul() {
+  if (Skips("dense_mlp")) return Status::Ok();
+  return kernels::SiluMul({ws.gate_up, ws.hidden, T, static_cast<int>(cfg.intermediate_size)}, s());
+}
+
+Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
+  kernels::MoeParams mp;
+  // The router takes the norm before it (every block recomputes its token's row) and writes u2 for
+  // the expert kernels.
+  if (pending.weight != nullptr && opt.skip_ops.empty()) {
+    mp.norm = TakeFusedNorm(ws.normed);
+  } else {
+    DL_RETURN_IF_ERROR(FlushNorm());
+  }
+  if (Skips("moe")) return Status::Ok();
+  const CudaWeights::ExpertTables& t = weights->experts(l);
+  mp.x = ws.normed;
+  mp.num_tokens = T;
+  mp.router_w = Data(w.router);
+  mp.router_bias = Data(w.correction_bias);
+  mp.gate_w = static_cast<const bf16* const*>(t.gate);
+  mp.up_w = static_cast<const bf16* const*>(t.up);
+  mp.down_w = static_cast<const bf16* const*>(t.down);
+  mp.shared_gate_w = Data(w.shared_gate);
+  mp.shared_up_w = Data(w.shared_up);
+  mp.shared_down_w = Data(w.shared_down);
+  mp.d = static_cast<int>(cfg.hidden_size);
+  mp.num_experts = static_cast<int>(cfg.num_experts);
+  mp.top_k = static_cast<int>(cfg.num_experts_per_tok);
+  mp.ffn = static_cast<int>(cfg.moe_intermediate_size);
+  mp.shared_ffn = static_cast<int>(cfg.shared_expert_intermediate_size);
+  mp.alpha = static_cast<float>(cfg.moe_routed_scaling_factor);
+  mp.softcap = static_cast<float>(cfg.moe_router_logit_softcapping);
+  mp.y = ws.delta;
+  mp.topk_ids = ws.topk_ids;
+  mp.topk_weights = ws.topk_weights;
+  mp.workspace = ws.moe_ws;
+  mp.counter = ws.moe_counter;
+  mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
+  mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
+  mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
+  return kernels::Moe(mp, s()).WithContext(fmt::format("layer {}", l));
+}
+
+Status CudaRunner::Impl::TapHidden(int32_t tap) {
+  DL_RETURN_IF_ERROR(FlushNorm());
+  const int64_t n = static_cast<int64_t>(T) * cfg.hidden_size;
+  return kernels::AddBf16(ws.residual[cur], ws.delta, ws.taps + tap * n, n, s());
+}
+
+Status CudaRunner::Impl::OutputNorm(const WeightRef& weight) {
+  DL_RETURN_IF_ERROR(FlushNorm());
+  kernels::AddRmsNormParams fin;
+  fin.residual = ws.residual[cur];
+  fin.delta = ws.delta;
+  fin.weight = Data(weight);
+  fin.n = static_cast<int>(cfg.hidden_size);
+  fin.eps = static_cast<float>(cfg.rms_norm_eps);
+  fin.prefetch_residual = opt.tuning.l2_prefetch;
+  if (T == 1 && R == 1) {  // batch-1 decode: the one row is the output row
+    fin.out = ws.out_normed;
+    fin.rows = 1;
+    return kernels::AddRmsNorm(fin, s());
+  }
+  fin.out = ws.normed;
+  fin.rows = T;
+  DL_RETURN_IF_ERROR(kernels::AddRmsNorm(fin, s()));
+  return kernels::GatherRows({ws.normed, ws.out_rows, ws.out_normed, R, static_cast<int>(cfg.hidden_size)}, s());
+}
+
+Status CudaRunner::Impl::SelectTokens() {
+  const int V = static_cast<int>(cfg.vocab_size);
+  if (argmax_only) {
+    kernels::ArgmaxParams am;
+    am.logits = ws.logits;
+    am.n = V;
+    am.out = ws.tokens;
+    am.nonfinite = ws.nonfinite;
+    am.workspace = ws.argmax_ws;
+    am.counter = ws.argmax_counter;
+    return kernels::Argmax(am, s());
+  }
+  kernels::SampleRowsParams sp;
+  sp.logits = ws.logits;
+  sp.rows = R;
+  sp.vocab = V;
+  sp.params = ws.sampling;
+  sp.adjustments = ws.adjustments;
+  sp.tokens = ws.tokens;
+  sp.nonfinite = ws.nonfinite;
+  sp.scratch = ws.sample_scratch;
+  return kernels::SampleRows(sp, s());
+}
+
+// ---- CudaRunner --------------------------------------------------------------------------------
+
+CudaRunner::CudaRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaRunner::~CudaRunner() = default;
+
+Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                       KvScales scales, const CudaRunnerOptions& options) {
+  std::string why;
+  if (cuda::DeviceCount(&why) <= options.device) {
+    return Unavailable("--backend cuda: no usable GPU ({})", why);
+  }
+  if (kv.dtype != DType::kBF16 && kv.dtype != DType::kF8E4M3) {
+    return InvalidArgument("--kv-dtype {} is the CPU backend's; the CUDA backend takes bf16 or fp8",
+                           DTypeName(kv.dtype));
+  }
+  const ModelConfig& c = checkpoint.config();
+  if (scales.empty()) scales = KvScales::Unit(static_cast<int>(c.num_hidden_layers));
+  auto impl = std::make_unique<Impl>(c);
+  impl->kv = kv;
+  impl->scales = std::move(scales);
+  impl->opt = options;
+  for (const std::string& op : options.skip_ops) {
+    if (std::find(std::begin(kSkippableOps), std::end(kSkippableOps), op) == std::end(kSkippableOps)) {
+      return InvalidArgument("--skip-ops: unknown op '{}' (known: {})", op, fmt::join(kSkippableOps, ", "));
+    }
+  }
+  DL_RETURN_IF_ERROR(impl->Init(checkpoint));
+  return std::unique_ptr<CudaRunner>(new CudaRunner(std::move(impl)));
+}
+
+const KvCacheSpec& CudaRunner::kv_spec() const { return impl_->kv; }
+const KvScales& CudaRunner::kv_scales() const { return impl_->scales; }
+int32_t CudaRunner::max_rows() const { return impl_->ws.sizes.max_rows; }
+int32_t CudaRunner::max_outputs() const { return impl_->ws.sizes.max_outputs; }
+int CudaRunner::kernel_nodes() const { return impl_->decode_kernel_nodes; }
+const std::vector<std::string>& CudaRunner::layer_presets() const { return impl_->layer_presets; }
+bool CudaRunner::fallback() const { return impl_->fallback; }
+
+Status CudaRunner::Launch(const ForwardBatch& batch) {
+  Impl& m = *impl_;
+  if (m.launched != nullptr) return FailedPrecondition("a forward is already in flight");
+  GraphKey key;
+  bool graphed = false;
+  DL_RETURN_IF_ERROR(m.Stage(batch, &key, &graphed));
+  cudaStream_t s = m.s();
+  const bool decode1 = batch.num_rows() == 1 && batch.outputs.size() == 1;
+  if (kernels::TimelineBuilt() && decode1) {  // diagnostic builds: keep the stamps of the latest step only
+    static const Status enabled = kernels::TimelineEnable(size_t{1} << 21);
+    DL_RETURN_IF_ERROR(enabled);
+    DL_RETURN_IF_ERROR(kernels::TimelineReset(s));
+  }
+  if (graphed) {
+    DL_ASSIGN_OR_RETURN(GraphCache::Entry * entry,
+                        m.graphs.GetOrCapture(key, s, [&] { return m.Record(batch); }));
+    if (key.rows == 1 && key.outputs == 1) m.decode_kernel_nodes = entry->kernel_nodes;
+    DL_RETURN_IF_ERROR(entry->exec.Launch(s));
+  } else {
+    DL_RETURN_IF_ERROR(m.Record(batch));
+  }
+  // What comes back: tokens and flags, logits of the rows that asked, taps.
+  const int V = static_cast<int>(m.cfg.vocab_size);
+  const int32_t outs = static_cast<int32_t>(batch.outputs.size());
+  if (outs > 0) {
+    DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.ws.host_outputs.as<int32_t>(), m.ws.tokens,
+                                            2 * sizeof(int32_t) * m.ws.sizes.max_outputs, cudaMemcpyDeviceToHost, s));
+  }
+  for (int32_t r = 0; r < outs; ++r) {
+    if (!batch.outputs[r].want_logits) continue;
+    const size_t off = static_cast<size_t>(r) * V;
+    DL_RETURN_IF_ERROR(kernels::Bf16ToF32(m.ws.logits + off, m.ws.logits_f32 + off, V, s));
+    DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.ws.host_logits.as<float>() + off, m.ws.logits_f32 + off,
+                                            sizeof(float) * V, cudaMemcpyDeviceToHost, s));
+  }
+  if (!batch.hidden_taps.empty()) {
+    const int64_t n = static_cast<int64_t>(batch.hidden_taps.size()) * m.T * m.cfg.hidden_size;
+    DL_RETURN_IF_ERROR(kernels::Bf16ToF32(m.ws.taps, m.ws.taps_f32, n, s));
+    DL_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(m.ws.host_taps.as<float>(), m.ws.taps_f32, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+  }
+  m.launched = &batch;
+  return Status::Ok();
+}
+
+Status CudaRunner::Wait(ForwardResult* result) {
+  Impl& m = *impl_;
+  if (m.launched == nullptr) return FailedPrecondition("no forward in flight");
+  const ForwardBatch& batch = *std::exchange(m.launched, nullptr);
+  DL_RETURN_IF_ERROR(m.stream.Synchronize());
+  const int V = static_cast<int>(m.cfg.vocab_size);
+  *result = ForwardResult{};
+  result->rows.resize(batch.outputs.size());
+  const int32_t* out = m.ws.host_outputs.as<int32_t>();
+  for (size_t r = 0; r < batch.outputs.size(); ++r) {
+    RowResult& row = result->rows[r];
+    row.token = batch.outputs[r].sample ? out[r] : -1;
+    row.finite = out[m.ws.sizes.max_outputs + r] == 0;
+    if (batch.outputs[r].want_logits) {
+      const float* l = m.ws.host_logits.as<float>() + r * V;
+      row.logits.assign(l, l + V);
+    }
+  }
+  const size_t tap_n = static_cast<size_t>(batch.num_rows()) * m.cfg.hidden_size;
+  for (size_t t = 0; t < batch.hidden_taps.size(); ++t) {
+    const float* h = m.ws.host_taps.as<float>() + t * static_cast<size_t>(m.T) * m.cfg.hidden_size;
+    result->hidden.emplace_back(h, h + tap_n);
+  }
+  return Status::Ok();
+}
+
+Result<std::pair<std::vector<float>, std::vector<float>>> CudaRunner::KvPoolAbsMax() {
+  if (impl_->kv.dtype != DType::kBF16) return FailedPrecondition("KvPoolAbsMax needs a BF16 cache");
+  cudaStream_t s = impl_->s();
+  DL_ASSIGN_OR_RETURN(auto scratch, cuda::DeviceBuffer::Create(sizeof(float)));
+  std::vector<float> k, v;
+  for (auto& L : impl_->layers) {
+    for (auto* which : {&L.k_pool, &L.v_pool}) {
+      // The pages the cache hands out; the last (padding) page is left out.
+      const int64_t n = static_cast<int64_t>((which->size() - impl_->kv.page_bytes()) / 2);
+      DL_RETURN_IF_ERROR(kernels::AbsMaxBf16(which->as<bf16>(), n, scratch.as<float>(), s));
+      float amax = 0;
+      DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&amax, scratch.data(), 4, cudaMemcpyDeviceToHost, s));
+      DL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+      (which == &L.k_pool ? k : v).push_back(amax);
+    }
+  }
+  return std::make_pair(k, v);
+}
+
+nlohmann::json CudaRunner::Describe() const {
+  const Impl& m = *impl_;
+  std::vector<std::string> unique = m.layer_presets;
+  std::sort(unique.begin(), unique.end());
+  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+  nlohmann::json graphs = nlohmann::json::array();
+  for (const auto& [key, nodes] : m.graphs.Captured()) graphs.push_back({{"graph", key.Name()}, {"kernel_nodes", nodes}});
+  nlohmann::json tuning = nlohmann::json::object();
+  for (const auto& [name, value] : kernels::TuningSettings(m.opt.tuning)) tuning[name] = value;
+  const int nodes = m.decode_kernel_nodes;
+  return {{"backend", "cuda"},
+          {"device", m.device_name},
+          {"kernel_presets", unique},
+          {"layer_presets", m.layer_presets},
+          {"fallback", m.fallback},
+          {"fallback_ops", m.fallback_ops},
+          {"topology",
+           {{{"rank", 0}, {"kernel_nodes", nodes}, {"collectives", 0}, {"signature", fmt::format("{}/0", nodes)}}}},
+          {"graphs", graphs},
+          {"kv_dtype", std::string(DTypeName(m.kv.dtype))},
+          {"page_size", m.kv.page_size},
+          {"graph", m.opt.use_graph},
+          {"max_rows", m.ws.sizes.max_rows},
+          {"max_outputs", m.ws.sizes.max_outputs},
+          {"dependent_launch", kernels::DependentLaunchEnabled()},
+          {"skipped_ops", m.opt.skip_ops},
+          {"tuning", tuning},
+          {"workspace_bytes", m.ws.device_bytes},
+          {"weight_bytes", m.weights->bytes()}};
+}
+
+#else  // no CUDA backend in this build
+
+struct CudaRunner::Impl {};
+CudaRunner::CudaRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaRunner::~CudaRunner() = default;
+Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint&, const KvCacheSpec&, KvScales,
+                                                       const CudaRunnerOptions&) {
+  return Unavailable("--backend cuda: this build of decodelab has no CUDA backend");
+}
+static const KvCacheSpec kNoSpec;
+static const KvScales kNoScales;
+static const std::vector<std::string> kNoPresets;
+const KvCacheSpec& CudaRunner::kv_spec() const { return kNoSpec; }
+const KvScales& CudaRunner::kv_scales() const { return kNoScales; }
+int32_t CudaRunner::max_rows() const { return 0; }
+int32_t CudaRunner::max_outputs() const { return 0; }
+Status CudaRunner::Launch(const ForwardBatch&) { return Unavailable("no CUDA backend in this build"); }
+Status CudaRunner::Wait(ForwardResult*) { return Unavailable("no CUDA backend in this build"); }
+Result<std::pair<std::vector<float>, std::vector<float>>> CudaRunner::KvPoolAbsMax() {
+  return Unavailable("no CUDA backend in this build");
+}
+nlohmann::json CudaRunner::Describe() const { return {{"backend", "cuda"}, {"available", false}}; }
+int CudaRunner::kernel_nodes() const { return 0; }
+const std::vector<std::string>& CudaRunner::layer_presets() const { return kNoPresets; }
+bool CudaRunner::fallback() const { return false; }
+
+#endif
+
+}  // namespace dl

@@ -1,0 +1,190 @@
+// SampleRows (kernels/sampling.h): one block of 1024 threads per output row. Thread i owns the row's
+// elements i, i + 1024, ...; every block-wide sum, count, max and argmax reduces the threads' partials
+// in the same tree, so a row's token depends on that row alone.
+#include <cfloat>
+#include <climits>
+
+#include "base/rng.h"
+#include "kernels/cuda/device_utils.cuh"
+#include "kernels/sampling.h"
+
+namespace dl::kernels {
+namespace dev {
+
+constexpr int kSampleThreads = 1024;
+constexpr int kSampleWarps = kSampleThreads / 32;
+
+// Monotonic map of floats to unsigned (larger float, larger key; -inf lowest of the non-NaN).
+__device__ __forceinline__ unsigned OrderedKey(float f) {
+  const unsigned b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float BlockSumF(float v) {
+  __shared__ float s[kSampleWarps];
+  v = WarpSum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < kSampleWarps; ++w) t += s[w];
+  return t;
+}
+__device__ __forceinline__ int BlockSumI(int v) {
+  __shared__ int s[kSampleWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int t = 0;
+  for (int w = 0; w < kSampleWarps; ++w) t += s[w];
+  return t;
+}
+__device__ __forceinline__ float BlockMaxF(float v) {
+  __shared__ float s[kSampleWarps];
+  v = WarpMax(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = -INFINITY;
+  for (int w = 0; w < kSampleWarps; ++w) t = fmaxf(t, s[w]);
+  return t;
+}
+// The block's (largest value, lowest index among equals); values that are NaN never win.
+__device__ __forceinline__ int BlockArgmaxIndex(float v, int i) {
+  __shared__ float s_v[kSampleWarps];
+  __shared__ int s_i[kSampleWarps];
+  auto better = [](float av, int ai, float bv, int bi) {
+    if (isnan(bv)) return !isnan(av) || ai < bi;
+    if (isnan(av)) return false;
+    return av > bv || (av == bv && ai < bi);
+  };
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(ov, oi, v, i)) v = ov, i = oi;
+  }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s_v[threadIdx.x >> 5] = v, s_i[threadIdx.x >> 5] = i;
+  __syncthreads();
+  float bv = s_v[0];
+  int bi = s_i[0];
+  for (int w = 1; w < kSampleWarps; ++w)
+    if (better(s_v[w], s_i[w], bv, bi)) bv = s_v[w], bi = s_i[w];
+  return bi;
+}
+
+__global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsParams a) {
+  DL_TIMELINE_SCOPE(kArgmax);
+  AllowDependents();
+  WaitForPrerequisites();
+  const int r = blockIdx.x, V = a.vocab;
+  const DeviceRowSampling sp = a.params[r];
+  const bf16* in = a.logits + static_cast<size_t>(r) * V;
+  float* z = a.scratch + static_cast<size_t>(r) * V;
+  bool bad = false;
+  for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+    const float x = Bf16BitsToFloat(in[i]);
+    bad = bad || !isfinite(x);
+    z[i] = x;
+  }
+  bad = __syncthreads_or(bad);
+  // 1. Adjustments (each token listed once: no two threads touch the same element).
+  for (int q = threadIdx.x; q < sp.adj_count; q += kSampleThreads) {
+    const LogitAdjustment adj = a.adjustments[sp.adj_begin + q];
+    const float x = z[adj.token];
+    z[adj.token] = (x > 0.0f ? x / adj.repetition : x * adj.repetition) + adj.add;
+  }
+  __syncthreads();
+  if (sp.temperature <= 0.0f) {  // 2. greedy
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+      if (z[i] > bv || (bi == INT_MAX && !isnan(z[i]))) bv = z[i], bi = i;
+    }
+    const int tok = BlockArgmaxIndex(bv, bi);
+    if (threadIdx.x == 0) {
+      a.tokens[r] = tok == INT_MAX ? 0 : tok;
+      a.nonfinite[r] = bad;
+    }
+    return;
+  }
+  // 3. z = l / temperature, then the filters; a removed token becomes -inf.
+  float zmax = -INFINITY;
+  for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+    z[i] = z[i] / sp.temperature;
+    zmax = fmaxf(zmax, z[i]);
+  }
+  zmax = BlockMaxF(zmax);
+  if (sp.min_p > 0.0f) {
+    const float floor = zmax + logf(sp.min_p);
+    for (int i = threadIdx.x; i < V; i += kSampleThreads)
+      if (!(z[i] >= floor)) z[i] = -INFINITY;
+    __syncthreads();
+  }
+  if (sp.top_k > 0) {
+    // The largest key K with count(key(z) >= K) >= k: the k-th largest value's key.
+    int kept = 0;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) kept += z[i] != -INFINITY;
+    if (BlockSumI(kept) > sp.top_k) {
+      unsigned K = 0;
+      for (int bit = 31; bit >= 0; --bit) {
+        const unsigned cand = K | (1u << bit);
+        int c = 0;
+        for (int i = threadIdx.x; i < V; i += kSampleThreads) c += z[i] != -INFINITY && OrderedKey(z[i]) >= cand;
+        if (BlockSumI(c) >= sp.top_k) K = cand;
+      }
+      for (int i = threadIdx.x; i < V; i += kSampleThreads)
+        if (z[i] != -INFINITY && OrderedKey(z[i]) < K) z[i] = -INFINITY;
+      __syncthreads();
+    }
+  }
+  if (sp.top_p < 1.0f) {
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) m += z[i] != -INFINITY ? expf(z[i] - zmax) : 0.0f;
+    const float target = sp.top_p * BlockSumF(m);
+    // The largest key K with mass(key(z) >= K) >= target.
+    unsigned K = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const unsigned cand = K | (1u << bit);
+      float part = 0.0f;
+      for (int i = threadIdx.x; i < V; i += kSampleThreads)
+        part += z[i] != -INFINITY && OrderedKey(z[i]) >= cand ? expf(z[i] - zmax) : 0.0f;
+      if (BlockSumF(part) >= target) K = cand;
+    }
+    for (int i = threadIdx.x; i < V; i += kSampleThreads)
+      if (z[i] != -INFINITY && OrderedKey(z[i]) < K) z[i] = -INFINITY;
+    __syncthreads();
+  }
+  // 4. Gumbel-max over the kept tokens.
+  const uint64_t row_key = SplitMix64(sp.key ^ SplitMix64(sp.step));
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+    if (z[i] == -INFINITY) continue;
+    const float g = z[i] - logf(-logf(UniformAt(row_key, static_cast<uint64_t>(i))));
+    if (bi == INT_MAX || g > bv) bv = g, bi = i;
+  }
+  const int tok = BlockArgmaxIndex(bv, bi);
+  if (threadIdx.x == 0) {
+    a.tokens[r] = tok == INT_MAX ? 0 : tok;
+    a.nonfinite[r] = bad;
+  }
+}
+
+}  // namespace dev
+
+Status SampleRows(const SampleRowsParams& p, Stream stream) {
+  if (!p.logits || !p.params || !p.tokens || !p.nonfinite || !p.scratch || (p.rows > 0 && p.vocab < 1)) {
+    return InvalidArgument("sample_rows: logits, params, tokens, nonfinite and scratch must be set");
+  }
+  if (p.rows == 0) return Status::Ok();
+  dev::LaunchDependent(dev::SampleRowsKernel, dim3(p.rows), dim3(dev::kSampleThreads),
+                       reinterpret_cast<cudaStream_t>(stream), p);
+  DL_KERNEL_LAUNCH_CHECK("sample_rows");
+  return Status::Ok();
+}
+
+}  // namespace dl::kernels

@@ -1,0 +1,129 @@
+#include "kernels/tuning.h"
+
+#include <charconv>
+
+#include <fmt/format.h>
+
+namespace dl::kernels {
+namespace {
+
+struct Setting {
+  const char* name;
+  const char* help;
+  int lo, hi;      // integer range (bools: 0..1)
+  bool is_bool;
+  int Tuning::*i;  // integer field, or
+  bool Tuning::*b; // boolean field
+};
+
+constexpr Setting kSettings[] = {
+    {"dependent_launch", "programmatic dependent launch between decode kernels (0 = off, A/B only)", 0, 1, true, nullptr, &Tuning::dependent_launch},
+    {"l2_prefetch", "warm L2 before each PDL wait with the small data read right after it", 0, 1, true, nullptr, &Tuning::l2_prefetch},
+    {"attention_cluster_max_chunks", "attention merges up to this many key chunks in a cluster (0 = never)", 0, 8, false, &Tuning::attention_cluster_max_chunks, nullptr},
+    {"stream_gemv", "batch-1 dense GEMVs stream weights through shared memory (TMA bulk copies)", 0, 1, true, nullptr, &Tuning::stream_gemv},
+    {"stream_ring_kb", "streaming GEMV: shared-memory ring size", 8, 200, false, &Tuning::stream_ring_kb, nullptr},
+    {"stream_stage_kb", "streaming GEMV: bytes per bulk copy", 1, 128, false, &Tuning::stream_stage_kb, nullptr},
+    {"stream_prefetch_kb", "streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::stream_prefetch_kb, nullptr},
+    {"oproj_prefetch_kb", "o_proj's streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::oproj_prefetch_kb, nullptr},
+    {"moe_gate_up_stream_kb", "batch-1 MoE gate/up ring size (0 = register kernel)", 0, 200, false, &Tuning::moe_gate_up_stream_kb, nullptr},
+    {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4)", 1, 4, false, &Tuning::batch_gemv_rows, nullptr},
+    {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
+};
+
+bool ParseInt(std::string_view s, int* out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && p == s.data() + s.size();
+}
+
+}  // namespace
+
+std::string LateReleaseList(unsigned bits) {
+  std::string out;
+  for (size_t k = 0; k < std::size(kLateReleaseNames); ++k) {
+    if (!((bits >> k) & 1u)) continue;
+    if (!out.empty()) out += ',';
+    out += kLateReleaseNames[k];
+  }
+  return out;
+}
+
+Status SetTuning(Tuning* t, std::string_view assignment) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string_view::npos) {
+    return InvalidArgument("--tune takes name=value (got \"{}\"); names: see --help", assignment);
+  }
+  const std::string_view name = assignment.substr(0, eq), value = assignment.substr(eq + 1);
+  if (name == "late_release") {
+    unsigned bits = 0;
+    std::string_view list = value == "none" ? std::string_view() : value;
+    while (!list.empty()) {
+      const size_t comma = list.find(',');
+      const std::string_view item = list.substr(0, comma);
+      size_t k = 0;
+      while (k < std::size(kLateReleaseNames) && item != kLateReleaseNames[k]) ++k;
+      if (k == std::size(kLateReleaseNames)) {
+        return InvalidArgument("--tune late_release: unknown kernel \"{}\" (known: {}, or none)", item,
+                               fmt::join(kLateReleaseNames, ","));
+      }
+      bits |= 1u << k;
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    }
+    t->late_release = bits;
+    return Status::Ok();
+  }
+  for (const Setting& s : kSettings) {
+    if (name != s.name) continue;
+    int v = 0;
+    if (!ParseInt(value, &v) || v < s.lo || v > s.hi) {
+      return InvalidArgument("--tune {}: \"{}\" is not an integer in [{}, {}]", name, value, s.lo, s.hi);
+    }
+    if (s.is_bool) {
+      t->*s.b = v != 0;
+    } else {
+      if (name == "batch_gemv_rows" && v == 3) return InvalidArgument("--tune batch_gemv_rows: 1, 2 or 4");
+      if (name == "batch_gemv_tokens" && v != 4 && v != 8 && v != 16) {
+        return InvalidArgument("--tune batch_gemv_tokens: 4, 8 or 16");
+      }
+      t->*s.i = v;
+    }
+    return Status::Ok();
+  }
+  return InvalidArgument("--tune: unknown setting \"{}\" (known: late_release, {})", name, [] {
+    std::string names;
+    for (const Setting& s : kSettings) names += (names.empty() ? "" : ", ") + std::string(s.name);
+    return names;
+  }());
+}
+
+std::vector<std::pair<std::string, std::string>> TuningSettings(const Tuning& t) {
+  std::vector<std::pair<std::string, std::string>> out;
+  out.emplace_back("late_release", t.late_release ? LateReleaseList(t.late_release) : "none");
+  for (const Setting& s : kSettings) {
+    out.emplace_back(s.name, s.is_bool ? (t.*s.b ? "1" : "0") : std::to_string(t.*s.i));
+  }
+  return out;
+}
+
+std::string TuningString(const Tuning& t) {
+  std::string out;
+  for (const auto& [name, value] : TuningSettings(t)) {
+    out += (out.empty() ? "" : " ") + name + "=" + value;
+  }
+  return out;
+}
+
+std::string TuningHelp() {
+  const Tuning d;
+  std::string out = "Kernel tuning, name=value (repeatable; every value gives the same bits):\n";
+  out += fmt::format("  late_release (default {}): kernels releasing their successor after their PDL wait: "
+                     "a comma list of {} or none\n",
+                     LateReleaseList(d.late_release), fmt::join(kLateReleaseNames, ","));
+  for (const auto& [name, value] : TuningSettings(d)) {
+    for (const Setting& s : kSettings) {
+      if (name == s.name) out += fmt::format("  {} (default {}): {}\n", name, value, s.help);
+    }
+  }
+  return out;
+}
+
+}  // namespace dl::kernels

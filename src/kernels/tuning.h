@@ -1,0 +1,68 @@
+// Kernel tuning: one value the CUDA backend is built with (from `--tune name=value` on the command
+// line), printed by bench, Describe and /v1/decodelab/state next to every result. Nothing below
+// apps/ reads the environment for it. Every setting changes only when and how bytes move, never the
+// arithmetic: results are bit-identical for every value (the GPU tests run the variants).
+// Measurements behind the defaults: docs/performance.md.
+#pragma once
+
+#include <cstdint>
+#include <iterator>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "base/status.h"
+
+namespace dl::kernels {
+
+// The decode kernels whose programmatic-dependent-launch release point `late_release` can move.
+enum class LateRelease : unsigned { kNorm, kQkvg, kRope, kAttention, kOProj, kRouter, kDown, kCount };
+inline constexpr const char* kLateReleaseNames[] = {"norm", "qkvg", "rope", "attention", "o_proj", "router", "down"};
+static_assert(std::size(kLateReleaseNames) == static_cast<size_t>(LateRelease::kCount));
+inline constexpr unsigned LateBit(LateRelease k) { return 1u << static_cast<unsigned>(k); }
+
+struct Tuning {
+  // Programmatic dependent launch (sm_90+): each decode kernel may start before its predecessor
+  // ends and waits inside (griddepcontrol). Off only for A/B measurements.
+  bool dependent_launch = true;
+  // Kernels that let their successor launch just after their own PDL wait instead of at their start
+  // (their successor's pre-wait loads then no longer run beside the latency-bound kernel before).
+  unsigned late_release = LateBit(LateRelease::kAttention) | LateBit(LateRelease::kOProj) |
+                          LateBit(LateRelease::kDown);
+  // Small data read right after a PDL wait is warmed in L2 before it (norm residual rows, RoPE's
+  // positions, weights, frequencies and block table).
+  bool l2_prefetch = true;
+  // Attention merges a query's key chunks through a thread-block cluster up to this many chunks
+  // (0 = never; at most 8).
+  int attention_cluster_max_chunks = 5;
+  // Batch-1 dense GEMVs stream their weights through shared memory with TMA bulk copies.
+  bool stream_gemv = true;
+  int stream_ring_kb = 128;
+  int stream_stage_kb = 32;
+  int stream_prefetch_kb = 96;  // issued before the PDL wait
+  int oproj_prefetch_kb = 128;  // o_proj's own (it streams beside attention)
+  // Batch-1 MoE gate/up streams its weights through a ring of this many KB (0 = register kernel).
+  int moe_gate_up_stream_kb = 128;
+  // Batched (T > 1) GEMV: output rows per warp (1, 2 or 4) and tokens per pass over a row (4, 8
+  // or 16). Any choice gives the batch-1 kernel's bits.
+  int batch_gemv_rows = 2;
+  int batch_gemv_tokens = 8;
+
+  bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
+};
+
+// Sets one field from "name=value" (the names of TuningSettings); InvalidArgument naming the setting
+// and its range otherwise.
+Status SetTuning(Tuning* t, std::string_view assignment);
+// Every setting as (name, value), in declaration order: what --help lists and results print.
+std::vector<std::pair<std::string, std::string>> TuningSettings(const Tuning& t);
+// "name=value name=value ..." of TuningSettings (late_release's value holds commas).
+std::string TuningString(const Tuning& t);
+// The help text of --tune: every name, its default and what it does.
+std::string TuningHelp();
+
+// The late_release list as names ("attention,o_proj,down"; "" for none).
+std::string LateReleaseList(unsigned bits);
+
+}  // namespace dl::kernels

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The batch-shaped engine in one device-machine call: build, the GPU tests (kernels and the CUDA backend,
+# the batch-invariance schedules included), then the XS.2 bench through the serving scheduler at
+# concurrency 1, 8 and 64 (in process) and the batched-kernel microbenchmarks. Logs under $OUT.
+#   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
+#     bash tools/device/batch_check.sh [--gen-len N] [--skip-tests] [--serve] [--concurrency "1 8 64"]
+#   --serve adds `decodelab bench serve` (HTTP) at concurrency 1 and 64.
+set -uo pipefail
+RESULTS=${OUT:-/tmp/out}
+OUT=/tmp/batch_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
+source tools/device/env.sh
+GEN=256; TESTS=1; SERVE=0; CONC="1 8 64"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gen-len) shift; GEN=$1 ;;
+    --skip-tests) TESTS=0 ;;
+    --serve) SERVE=1 ;;
+    --concurrency) shift; CONC=$1 ;;
+    *) echo "unknown flag $1"; exit 2 ;;
+  esac
+  shift
+done
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
+dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+if ! ninja -C build decodelab cuda_runner_test kernels_gpu_test kernels_bench > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+B=build/bin/decodelab
+if [ "$TESTS" = 1 ]; then
+  timeout 300 ./build/tests/gpu/kernels_gpu_test > "$OUT/kernels_gpu_test.log" 2>&1
+  echo "kernels_gpu_test rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/kernels_gpu_test.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/kernels_gpu_test.log" | head -20
+  grep -B1 -A6 "Failure" "$OUT/kernels_gpu_test.log" | head -60
+  timeout 420 ./build/tests/gpu/cuda_runner_test > "$OUT/cuda_runner_test.log" 2>&1
+  echo "cuda_runner_test rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_runner_test.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]" "$OUT/cuda_runner_test.log" | head -20
+  grep -B1 -A6 "Failure" "$OUT/cuda_runner_test.log" | head -60
+  echo "tests done: $(( $(date +%s) - t0 )) s"
+fi
+for c in $CONC; do
+  timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len "$GEN" --repeat 1 --kv-dtype fp8 --page-size 32 \
+    --concurrency "$c" --json-out "$OUT/bench_c$c.json" > "$OUT/bench_c$c.log" 2>&1
+  echo "bench c$c rc=$?:"; grep -E "^  (TPOT|throughput|TTFT|bytes/step|floor|kernels)" "$OUT/bench_c$c.log"
+  grep -iE "error|fail" "$OUT/bench_c$c.log" | head -5
+done
+echo "benches done: $(( $(date +%s) - t0 )) s"
+timeout 120 ./build/tests/gpu/kernels_bench gemv_batch > "$OUT/kb_gemv_batch.log" 2>&1
+timeout 120 ./build/tests/gpu/kernels_bench moe > "$OUT/kb_moe.log" 2>&1
+timeout 60 ./build/tests/gpu/kernels_bench argmax > "$OUT/kb_argmax.log" 2>&1
+tail -n 52 "$OUT/kb_gemv_batch.log"; tail -n 9 "$OUT/kb_moe.log"; tail -n 6 "$OUT/kb_argmax.log"
+if [ "$SERVE" = 1 ]; then
+  for c in 1 64; do
+    n=$([ "$c" = 1 ] && echo 4 || echo 128)
+    timeout 400 $B bench serve --shape xs2 --kv-dtype fp8 --page-size 32 --input-len 1024 --output-len "$GEN" \
+      --num-prompts "$n" --concurrency "$c" --serve-log "$OUT/serve_c$c.log" --json-out "$OUT/bench_serve_c$c.json" \
+      > "$OUT/bench_serve_c$c.out" 2>&1
+    echo "bench serve c$c rc=$?:"; grep -E "throughput|Median|P99" "$OUT/bench_serve_c$c.out" | head -12
+  done
+fi
+echo "total: $(( $(date +%s) - t0 )) s"
+tar -czf "$RESULTS/batch_check_logs.tgz" -C /tmp batch_check 2>/dev/null
