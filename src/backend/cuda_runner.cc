@@ -47,6 +47,7 @@ struct CudaRunner::Impl final : LagunaOps {
   KvScales scales;
   CudaRunnerOptions opt;
   cuda::Stream stream;
+  cuda::Event step_start, step_end;  // around each forward: ForwardResult::device_ms
   std::unique_ptr<CudaWeights> weights;
   std::vector<LayerCache> layers;
   RopeTable rope[2];
@@ -117,6 +118,8 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   DL_ASSIGN_OR_RETURN(auto info, cuda::GetDeviceInfo(opt.device));
   device_name = info.name;
   DL_ASSIGN_OR_RETURN(stream, cuda::Stream::Create());
+  DL_ASSIGN_OR_RETURN(step_start, cuda::Event::Create());
+  DL_ASSIGN_OR_RETURN(step_end, cuda::Event::Create());
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   const int64_t d = c.hidden_size, D = c.head_dim;
   if (d % 8 != 0 || D % 8 != 0) {
@@ -333,7 +336,7 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   p.streaming.stage_kb = tu.stream_stage_kb;
   p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
   p.streaming.on = rows == 1 && tu.stream_gemv && kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
-  p.batch_rows = tu.batch_gemv_rows;
+  p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
   p.batch_tokens = tu.batch_gemv_tokens;
   p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
   return kernels::Gemv(p, s()).WithContext(W.name);
@@ -568,10 +571,13 @@ Status CudaRunner::Launch(const ForwardBatch& batch) {
     DL_ASSIGN_OR_RETURN(GraphCache::Entry * entry,
                         m.graphs.GetOrCapture(key, s, [&] { return m.Record(batch); }));
     if (key.rows == 1 && key.outputs == 1) m.decode_kernel_nodes = entry->kernel_nodes;
+    DL_RETURN_IF_ERROR(m.step_start.Record(s));
     DL_RETURN_IF_ERROR(entry->exec.Launch(s));
   } else {
+    DL_RETURN_IF_ERROR(m.step_start.Record(s));
     DL_RETURN_IF_ERROR(m.Record(batch));
   }
+  DL_RETURN_IF_ERROR(m.step_end.Record(s));
   // What comes back: tokens and flags, logits of the rows that asked, taps.
   const int V = static_cast<int>(m.cfg.vocab_size);
   const int32_t outs = static_cast<int32_t>(batch.outputs.size());
@@ -603,6 +609,8 @@ Status CudaRunner::Wait(ForwardResult* result) {
   DL_RETURN_IF_ERROR(m.stream.Synchronize());
   const int V = static_cast<int>(m.cfg.vocab_size);
   *result = ForwardResult{};
+  DL_ASSIGN_OR_RETURN(float ms, cuda::Event::ElapsedMs(m.step_start, m.step_end));
+  result->device_ms = ms;
   result->rows.resize(batch.outputs.size());
   const int32_t* out = m.ws.host_outputs.as<int32_t>();
   for (size_t r = 0; r < batch.outputs.size(); ++r) {

@@ -101,7 +101,7 @@ Result<CudaWorkspace> CudaWorkspace::Create(const ModelConfig& c, const CudaWork
   plan.Add(&w.out_normed, R * d);
   plan.Add(&w.logits, R * V);
   plan.Add(&w.logits_f32, R * V);
-  plan.Add(&w.sample_scratch, R * V);
+  plan.Add(&w.sample_scratch, 2 * R * V);
   plan.Add(&w.taps, static_cast<size_t>(z.max_taps) * T * d);
   plan.Add(&w.taps_f32, static_cast<size_t>(z.max_taps) * T * d);
   plan.AddBytes(&w.attn_ws, attn_ws);

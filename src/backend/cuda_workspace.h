@@ -59,7 +59,7 @@ struct CudaWorkspace {
   bf16* out_normed = nullptr;
   bf16* logits = nullptr;   // [max_outputs, V]
   float* logits_f32 = nullptr;
-  float* sample_scratch = nullptr;  // [max_outputs, V]
+  float* sample_scratch = nullptr;  // [max_outputs, 2 * V]
   bf16* taps = nullptr;     // [max_taps, max_rows, d]
   float* taps_f32 = nullptr;
   // Kernel workspaces.

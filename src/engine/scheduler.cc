@@ -509,6 +509,9 @@ void Scheduler::Step() {
   {
     std::lock_guard slock(stats_mu_);
     ++stats_.steps_total;
+    if (options_.record_step_times && !any_prefill && stats_.decode_steps.size() < (1u << 20)) {
+      stats_.decode_steps.emplace_back(batch.num_rows(), static_cast<float>(result.device_ms));
+    }
   }
   size_t out = 0;
   for (Sequence* s : in_batch) {

@@ -135,6 +135,8 @@ struct SchedulerStats {
   uint64_t generation_tokens_total = 0;
   uint64_t cached_prompt_tokens_total = 0;
   uint64_t preemptions_total = 0;  // sequences sent back to the queue for lack of KV pages
+  // With SchedulerOptions::record_step_times: each pure decode step's rows and device time (ms).
+  std::vector<std::pair<int32_t, float>> decode_steps;
   std::map<std::string, uint64_t> finished_total;  // by finish reason
   uint64_t steps_total = 0;
   Histogram ttft, itl, e2e, queue_time;
@@ -147,6 +149,7 @@ struct SchedulerOptions {
   bool enable_prefix_caching = false;
   // Token rows of one forward (decode rows + prefill chunks); clamped to what the runner takes.
   int32_t max_tokens_per_step = 512;
+  bool record_step_times = false;  // keep SchedulerStats::decode_steps (bench)
 };
 
 class Scheduler {

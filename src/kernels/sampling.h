@@ -66,7 +66,7 @@ struct SampleRowsParams {
   const LogitAdjustment* adjustments = nullptr;
   int32_t* tokens = nullptr;                   // [rows]
   int32_t* nonfinite = nullptr;                // [rows]: 1 when the row's logits held NaN or Inf
-  float* scratch = nullptr;                    // [rows, vocab] FP32 work space
+  float* scratch = nullptr;                    // [rows, 2 * vocab] FP32 work space
 };
 Status SampleRows(const SampleRowsParams& p, Stream stream);
 

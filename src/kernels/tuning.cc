@@ -26,7 +26,7 @@ constexpr Setting kSettings[] = {
     {"stream_prefetch_kb", "streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::stream_prefetch_kb, nullptr},
     {"oproj_prefetch_kb", "o_proj's streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::oproj_prefetch_kb, nullptr},
     {"moe_gate_up_stream_kb", "batch-1 MoE gate/up ring size (0 = register kernel)", 0, 200, false, &Tuning::moe_gate_up_stream_kb, nullptr},
-    {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4)", 1, 4, false, &Tuning::batch_gemv_rows, nullptr},
+    {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4; 0 = by token count)", 0, 4, false, &Tuning::batch_gemv_rows, nullptr},
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
 };
 
@@ -80,7 +80,7 @@ Status SetTuning(Tuning* t, std::string_view assignment) {
     if (s.is_bool) {
       t->*s.b = v != 0;
     } else {
-      if (name == "batch_gemv_rows" && v == 3) return InvalidArgument("--tune batch_gemv_rows: 1, 2 or 4");
+      if (name == "batch_gemv_rows" && v == 3) return InvalidArgument("--tune batch_gemv_rows: 0, 1, 2 or 4");
       if (name == "batch_gemv_tokens" && v != 4 && v != 8 && v != 16) {
         return InvalidArgument("--tune batch_gemv_tokens: 4, 8 or 16");
       }

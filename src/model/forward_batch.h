@@ -73,6 +73,7 @@ struct RowResult {
 struct ForwardResult {
   std::vector<RowResult> rows;               // parallel to ForwardBatch::outputs
   std::vector<std::vector<float>> hidden;    // per tap: [T, d] floats
+  double device_ms = 0;  // the forward's time on the device (CUDA events; 0 where not measured)
 };
 
 }  // namespace dl

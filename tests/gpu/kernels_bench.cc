@@ -342,7 +342,7 @@ int main(int argc, char** argv) {
       for (bool greedy : {true, false}) {
         auto many = Random(size_t(R) * 100352, 91, 3.0f);
         auto params = Alloc(sizeof(DeviceRowSampling) * R), toks = Alloc(4 * R), bad = Alloc(4 * R);
-        auto scratch = Alloc(size_t(R) * 100352 * 4);
+        auto scratch = Alloc(size_t(R) * 2 * 100352 * 4);
         std::vector<DeviceRowSampling> hp(R);
         for (auto& sp : hp) {
           if (!greedy) sp.temperature = 0.8f, sp.top_k = 50, sp.top_p = 0.9f, sp.key = 7;

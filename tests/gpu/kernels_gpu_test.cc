@@ -912,7 +912,7 @@ TEST(SampleRowsGpu, MatchesTheReferenceRuleAndIsBatchInvariant) {
   }
   auto run = [&](const std::vector<bf16>& rows, const std::vector<DeviceRowSampling>& params, int n) {
     auto d_l = Upload(rows), d_p = Upload(params), d_a = Upload(adj);
-    auto d_t = Alloc(4 * n), d_bad = Alloc(4 * n), d_s = Alloc(static_cast<size_t>(n) * V * 4);
+    auto d_t = Alloc(4 * n), d_bad = Alloc(4 * n), d_s = Alloc(static_cast<size_t>(n) * 2 * V * 4);
     SampleRowsParams p;
     p.logits = d_l.as<bf16>(), p.rows = n, p.vocab = V, p.params = d_p.as<DeviceRowSampling>();
     p.adjustments = d_a.as<LogitAdjustment>(), p.tokens = d_t.as<int32_t>(), p.nonfinite = d_bad.as<int32_t>();

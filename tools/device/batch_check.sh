@@ -40,9 +40,10 @@ if [ "$TESTS" = 1 ]; then
   echo "tests done: $(( $(date +%s) - t0 )) s"
 fi
 for c in $CONC; do
-  timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len "$GEN" --repeat 1 --kv-dtype fp8 --page-size 32 \
+  g=$([ "$c" = 1 ] && echo 1024 || echo "$GEN")  # concurrency 1: the standard 1024 + 1024 TPOT
+  timeout 300 $B bench --shape xs2 --prompt-len 1024 --gen-len "$g" --repeat 1 --kv-dtype fp8 --page-size 32 \
     --concurrency "$c" --json-out "$OUT/bench_c$c.json" > "$OUT/bench_c$c.log" 2>&1
-  echo "bench c$c rc=$?:"; grep -E "^  (TPOT|throughput|TTFT|bytes/step|floor|kernels)" "$OUT/bench_c$c.log"
+  echo "bench c$c rc=$?:"; grep -E "^  (TPOT|throughput|TTFT|device step|bytes/step|floor|kernels)" "$OUT/bench_c$c.log"
   grep -iE "error|fail" "$OUT/bench_c$c.log" | head -5
 done
 echo "benches done: $(( $(date +%s) - t0 )) s"

@@ -482,18 +482,23 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
 // to it. After the router (per token, as above):
 //   1. MoeGroupKernel (one block) lists, from topk_ids [T, k], the experts selected at least once
 //      (ascending id) and, per expert, its (token, slot) pairs t * k + j in ascending order;
-//   2. MoeGroupGateUpKernel, grid (ceil(Fmax / 8), min(E, T k) + 1): block row 0 is the shared expert
-//      over all T tokens, row 1 + a the a-th listed expert (rows past the list return at once);
-//      warp w computes gate and up row f = 8 bx + w for the expert's tokens kGroupTokens at a time,
-//      with MoeGateUpKernel's lane order and roundings: h(t, j)[f] in token t's workspace;
-//   3. MoeGroupDownKernel, grid (ceil(d / 8), min(E, T k) + 1), likewise per output row i:
-//      bf16(bf16(o) * w(t, j)) into routed [T k, d] (BF16), the shared expert's bf16(o) into
-//      shared [T, d];
+//   2. MoeGroupGateUpKernel, grid (ceil(Fmax / kGroupRows), min(E, T k) + 1, ceil(T / kGroupSplit)):
+//      block row 0 is the shared expert over all T tokens, row 1 + a the a-th listed expert (rows past
+//      the list return at once); blockIdx.z takes kGroupSplit of the expert's tokens (the shared
+//      expert's T tokens spread over more blocks at prefill). The block stages its (token, slot) list
+//      in shared memory once; warp w computes gate and up rows f = kGroupRows bx + w, + 8, ... for those
+//      tokens kGroupTokens at a time, with MoeGateUpKernel's lane order and roundings: h(t, j)[f] in
+//      token t's workspace;
+//   3. MoeGroupDownKernel, grid (ceil(d / kGroupRows), min(E, T k) + 1, ceil(T / kGroupSplit)),
+//      likewise per output row i: bf16(bf16(o) * w(t, j)) into routed [T k, d] (BF16), the shared
+//      expert's bf16(o) into shared [T, d];
 //   4. MoeCombineKernel: y[t, i] = bf16(bf16(alpha * bf16(sum_j routed[t k + j, i])) + shared[t, i]),
 //      slots in ascending order: MoeDownKernel's sum and roundings.
 // The per-(token, row) arithmetic is MoeGateUpKernel's and MoeDownKernel's, so it does not depend on
 // which other tokens share an expert: the grouped path gives the batch-1 kernels' bits.
-constexpr int kGroupTokens = 8;  // tokens per pass over a warp's rows
+constexpr int kGroupTokens = 8;   // tokens per pass over a warp's row
+constexpr int kGroupRows = 64;    // rows per block (8 per warp): the block's set-up is paid once for them
+constexpr int kGroupSplit = 64;   // tokens per block of one expert
 
 struct MoeGroupLayoutT {
   size_t active_count, active, begin, count, pairs, routed, shared, bytes;
@@ -668,40 +673,56 @@ __device__ __forceinline__ void GroupLaneDots(const bf16* const (&rows)[NR], con
   }
 }
 
+// The block's share of its expert's (token, slot) pairs, staged in shared memory: false when the block
+// has none (a row past the list, or a token split past the expert's count).
+struct BlockPairs {
+  int expert = -1;  // -1: the shared expert
+  int n = 0;
+  int tok[kGroupSplit];
+  int slot[kGroupSplit];
+};
+__device__ __forceinline__ bool StageBlockPairs(const MoeParams& a, const MoeGroupWs& g, BlockPairs* bp) {
+  GroupRows gr;
+  const bool any = GroupRowOf(a, g, blockIdx.y, &gr);  // the same answer in every thread
+  const int first = blockIdx.z * kGroupSplit;
+  if (!any || first >= gr.count) return false;
+  const int n = min(kGroupSplit, gr.count - first);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) PairOf(a, g, gr, first + i, &bp->tok[i], &bp->slot[i]);
+  if (threadIdx.x == 0) bp->expert = gr.expert, bp->n = n;
+  __syncthreads();
+  return true;
+}
+
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
-  GroupRows gr;
-  if (!GroupRowOf(a, g, blockIdx.y, &gr)) return;
+  __shared__ BlockPairs bp;
+  if (!StageBlockPairs(a, g, &bp)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool shared = gr.expert < 0;
+  const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
-  const int f = blockIdx.x * kMoeWarps + warp;
-  if (f >= F) return;
-  const bf16* rows[2] = {(shared ? a.shared_gate_w : a.gate_w[gr.expert]) + static_cast<size_t>(f) * a.d,
-                         (shared ? a.shared_up_w : a.up_w[gr.expert]) + static_cast<size_t>(f) * a.d};
-  for (int i0 = 0; i0 < gr.count; i0 += kGroupTokens) {
-    const int nt = min(kGroupTokens, gr.count - i0);
-    const bf16* xs[kGroupTokens];
-    int tok[kGroupTokens], slot[kGroupTokens];
+  const bf16* gate = shared ? a.shared_gate_w : a.gate_w[bp.expert];
+  const bf16* up = shared ? a.shared_up_w : a.up_w[bp.expert];
+  for (int f = blockIdx.x * kGroupRows + warp; f < min(F, (blockIdx.x + 1) * kGroupRows); f += kMoeWarps) {
+    const bf16* rows[2] = {gate + static_cast<size_t>(f) * a.d, up + static_cast<size_t>(f) * a.d};
+    for (int i0 = 0; i0 < bp.n; i0 += kGroupTokens) {
+      const int nt = min(kGroupTokens, bp.n - i0);
+      const bf16* xs[kGroupTokens];
 #pragma unroll
-    for (int tt = 0; tt < kGroupTokens; ++tt) {
-      tok[tt] = 0, slot[tt] = 0;
-      if (tt < nt) PairOf(a, g, gr, i0 + tt, &tok[tt], &slot[tt]);
-      xs[tt] = a.x + static_cast<size_t>(tok[tt]) * a.d;
-    }
-    float acc[2][kGroupTokens];
-    GroupLaneDots<2, kGateUpChunks>(rows, xs, nt, a.d / 8, lane, acc);
+      for (int tt = 0; tt < kGroupTokens; ++tt) xs[tt] = a.x + static_cast<size_t>(tt < nt ? bp.tok[i0 + tt] : 0) * a.d;
+      float acc[2][kGroupTokens];
+      GroupLaneDots<2, kGateUpChunks>(rows, xs, nt, a.d / 8, lane, acc);
 #pragma unroll
-    for (int tt = 0; tt < kGroupTokens; ++tt) {
-      const float gv = RoundBf16(WarpSum(acc[0][tt]));
-      const float uv = RoundBf16(WarpSum(acc[1][tt]));
-      if (lane == 0 && tt < nt) {
-        const float act = RoundBf16(gv / (1.0f + expf(-gv)));
-        const MoeWs ws = MoeWorkspace(a, tok[tt]);
-        ws.h[static_cast<size_t>(slot[tt]) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+      for (int tt = 0; tt < kGroupTokens; ++tt) {
+        const float gv = RoundBf16(WarpSum(acc[0][tt]));
+        const float uv = RoundBf16(WarpSum(acc[1][tt]));
+        if (lane == 0 && tt < nt) {
+          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+          const MoeWs ws = MoeWorkspace(a, bp.tok[i0 + tt]);
+          ws.h[static_cast<size_t>(bp.slot[i0 + tt]) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+        }
       }
     }
   }
@@ -712,36 +733,36 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
-  GroupRows gr;
-  if (!GroupRowOf(a, g, blockIdx.y, &gr)) return;
+  __shared__ BlockPairs bp;
+  if (!StageBlockPairs(a, g, &bp)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool shared = gr.expert < 0;
+  const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
-  const int i = blockIdx.x * kMoeWarps + warp;
-  if (i >= a.d) return;
-  const bf16* rows[1] = {(shared ? a.shared_down_w : a.down_w[gr.expert]) + static_cast<size_t>(i) * F};
-  for (int i0 = 0; i0 < gr.count; i0 += kGroupTokens) {
-    const int nt = min(kGroupTokens, gr.count - i0);
-    const bf16* xs[kGroupTokens];
-    int tok[kGroupTokens], slot[kGroupTokens];
+  const bf16* down = shared ? a.shared_down_w : a.down_w[bp.expert];
+  for (int i = blockIdx.x * kGroupRows + warp; i < min(a.d, (blockIdx.x + 1) * kGroupRows); i += kMoeWarps) {
+    const bf16* rows[1] = {down + static_cast<size_t>(i) * F};
+    for (int i0 = 0; i0 < bp.n; i0 += kGroupTokens) {
+      const int nt = min(kGroupTokens, bp.n - i0);
+      const bf16* xs[kGroupTokens];
 #pragma unroll
-    for (int tt = 0; tt < kGroupTokens; ++tt) {
-      tok[tt] = 0, slot[tt] = 0;
-      if (tt < nt) PairOf(a, g, gr, i0 + tt, &tok[tt], &slot[tt]);
-      const MoeWs ws = MoeWorkspace(a, tok[tt]);
-      xs[tt] = reinterpret_cast<const bf16*>(ws.h) + static_cast<size_t>(slot[tt]) * ws.h_stride;
-    }
-    float acc[1][kGroupTokens];
-    GroupLaneDots<1, 2>(rows, xs, nt, F / 8, lane, acc);
+      for (int tt = 0; tt < kGroupTokens; ++tt) {
+        const int q = tt < nt ? i0 + tt : i0;
+        const MoeWs ws = MoeWorkspace(a, bp.tok[q]);
+        xs[tt] = reinterpret_cast<const bf16*>(ws.h) + static_cast<size_t>(bp.slot[q]) * ws.h_stride;
+      }
+      float acc[1][kGroupTokens];
+      GroupLaneDots<1, 2>(rows, xs, nt, F / 8, lane, acc);
 #pragma unroll
-    for (int tt = 0; tt < kGroupTokens; ++tt) {
-      const float o = RoundBf16(WarpSum(acc[0][tt]));
-      if (lane == 0 && tt < nt) {
-        if (shared) {
-          g.shared[static_cast<size_t>(tok[tt]) * a.d + i] = FloatToBf16Bits(o);
-        } else {
-          const float w = __ldcg(&MoeWorkspace(a, tok[tt]).weights[slot[tt]]);
-          g.routed[(static_cast<size_t>(tok[tt]) * a.top_k + slot[tt]) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+      for (int tt = 0; tt < kGroupTokens; ++tt) {
+        const float o = RoundBf16(WarpSum(acc[0][tt]));
+        if (lane == 0 && tt < nt) {
+          const int t = bp.tok[i0 + tt], j = bp.slot[i0 + tt];
+          if (shared) {
+            g.shared[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(o);
+          } else {
+            const float w = __ldcg(&MoeWorkspace(a, t).weights[j]);
+            g.routed[(static_cast<size_t>(t) * a.top_k + j) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+          }
         }
       }
     }
@@ -812,10 +833,11 @@ Status Moe(const MoeParams& p, Stream stream) {
     dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     const int fmax = std::max(p.ffn, p.shared_ffn);
-    dev::LaunchDependent(dev::MoeGroupGateUpKernel, dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, listed),
-                         dim3(threads), s, p);
+    const int splits = (T + dev::kGroupSplit - 1) / dev::kGroupSplit;
+    dev::LaunchDependent(dev::MoeGroupGateUpKernel,
+                         dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits), dim3(threads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up");
-    dev::LaunchDependent(dev::MoeGroupDownKernel, dim3((p.d + dev::kMoeWarps - 1) / dev::kMoeWarps, listed),
+    dev::LaunchDependent(dev::MoeGroupDownKernel, dim3((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
                          dim3(threads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group_down");
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);

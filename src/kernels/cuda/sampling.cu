@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
   const int r = blockIdx.x, V = a.vocab;
   const DeviceRowSampling sp = a.params[r];
   const bf16* in = a.logits + static_cast<size_t>(r) * V;
-  float* z = a.scratch + static_cast<size_t>(r) * V;
+  float* z = a.scratch + static_cast<size_t>(r) * 2 * V;  // z, then (top-p) each token's mass
   bool bad = false;
   for (int i = threadIdx.x; i < V; i += kSampleThreads) {
     const float x = Bf16BitsToFloat(in[i]);
@@ -142,16 +142,20 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
     }
   }
   if (sp.top_p < 1.0f) {
+    // Each kept token's unnormalised probability once (the bisection below sums them 32 times).
+    float* mass = z + V;
     float m = 0.0f;
-    for (int i = threadIdx.x; i < V; i += kSampleThreads) m += z[i] != -INFINITY ? expf(z[i] - zmax) : 0.0f;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) {
+      mass[i] = z[i] != -INFINITY ? expf(z[i] - zmax) : 0.0f;
+      m += mass[i];
+    }
     const float target = sp.top_p * BlockSumF(m);
     // The largest key K with mass(key(z) >= K) >= target.
     unsigned K = 0;
     for (int bit = 31; bit >= 0; --bit) {
       const unsigned cand = K | (1u << bit);
       float part = 0.0f;
-      for (int i = threadIdx.x; i < V; i += kSampleThreads)
-        part += z[i] != -INFINITY && OrderedKey(z[i]) >= cand ? expf(z[i] - zmax) : 0.0f;
+      for (int i = threadIdx.x; i < V; i += kSampleThreads) part += OrderedKey(z[i]) >= cand ? mass[i] : 0.0f;
       if (BlockSumF(part) >= target) K = cand;
     }
     for (int i = threadIdx.x; i < V; i += kSampleThreads)
