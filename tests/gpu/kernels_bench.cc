@@ -291,9 +291,9 @@ int main(int argc, char** argv) {
       biases.push_back(Random(E, 60 + l, 0.05f));
       shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
     }
-    auto xs = Random(size_t(64) * d, 80, 1.0f);
-    auto yv = Alloc(size_t(64) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 64)), counter = Alloc(64 * 4);
-    auto ids = Alloc(size_t(64) * k * 4);
+    auto xs = Random(size_t(512) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(512) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 512)), counter = Alloc(512 * 4);
+    auto ids = Alloc(size_t(512) * k * 4);
     CHECK_OK(counter.Fill(0));
     // Launch i of a timed graph: layer i % layers, input row i % 16 (batch 1) or rows [0, T).
     auto moe_params = [&](int i, int top_k, int T) {
@@ -319,9 +319,9 @@ int main(int argc, char** argv) {
     }
     // The grouped path (T > 1): bytes = the router, the experts uniform routing touches (expected
     // E (1 - (1 - k/E)^T)) and the shared expert.
-    for (int T : {2, 8, 32, 64}) {
+    for (int T : {2, 8, 32, 64, 512}) {
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
-      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, 50);
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, T > 64 ? 10 : 50);
       rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
     }

@@ -47,6 +47,14 @@ for c in $CONC; do
   grep -iE "error|fail" "$OUT/bench_c$c.log" | head -5
 done
 echo "benches done: $(( $(date +%s) - t0 )) s"
+if [ -n "${PREFILL_SKIPS:-}" ]; then  # where a 1,024-token prefill goes: TTFT with each op family left out
+  for s in none $PREFILL_SKIPS; do
+    skip=(); [ "$s" = none ] || skip=(--skip-ops "$s")
+    ttft=$(timeout 120 $B bench --shape xs2 --prompt-len 1024 --gen-len 2 --repeat 1 --kv-dtype fp8 --page-size 32 \
+      "${skip[@]}" 2>&1 | sed -n 's/^  TTFT *median \([0-9.]*\) ms.*/\1/p')
+    echo "prefill 1024 skip=$s: TTFT ${ttft:-FAILED} ms"
+  done
+fi
 timeout 120 ./build/tests/gpu/kernels_bench gemv_batch > "$OUT/kb_gemv_batch.log" 2>&1
 timeout 120 ./build/tests/gpu/kernels_bench moe > "$OUT/kb_moe.log" 2>&1
 timeout 60 ./build/tests/gpu/kernels_bench argmax > "$OUT/kb_argmax.log" 2>&1
