@@ -373,7 +373,8 @@ Status CudaRunner::Impl::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& w
   rp.k_scale = scales.k[l];
   rp.v_scale = scales.v[l];
   rp.block_table = ws.tables + static_cast<size_t>(group) * z.max_seqs * z.max_pages;
-  rp.token_seq = ws.token_seq;
+  // One row is one sequence, the first: no per-row table lookup (a dependent load on the critical path).
+  rp.token_seq = T > 1 ? ws.token_seq : nullptr;
   rp.block_table_stride = z.max_pages;
   rp.page_size = kv.page_size;
   rp.prefetch_constants = opt.tuning.l2_prefetch;
@@ -394,11 +395,13 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.k_pool = L.k_pool.data();
   ap.v_pool = L.v_pool.data();
   ap.block_table = ws.tables + static_cast<size_t>(L.sliding ? 1 : 0) * z.max_seqs * z.max_pages;
-  ap.token_seq = ws.token_seq;
-  ap.block_table_stride = z.max_pages;
   ap.positions = ws.positions;
   ap.history_stable = true;  // a sequence's keys before this forward come from earlier forwards
-  ap.history = ws.history;
+  // One row (decode of one sequence): its table is the first and its history its position, so the
+  // kernel needs neither per-row array (each would be one more dependent load before the keys').
+  ap.token_seq = T > 1 ? ws.token_seq : nullptr;
+  ap.block_table_stride = z.max_pages;
+  ap.history = T > 1 ? ws.history : nullptr;
   ap.max_position = opt.max_seq_len - 1;
   ap.num_tokens = T;
   ap.num_q_heads = H;

@@ -486,19 +486,21 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
 //      block row 0 is the shared expert over all T tokens, row 1 + a the a-th listed expert (rows past
 //      the list return at once); blockIdx.z takes kGroupSplit of the expert's tokens (the shared
 //      expert's T tokens spread over more blocks at prefill). The block stages its (token, slot) list
-//      in shared memory once; warp w computes gate and up rows f = kGroupRows bx + w, + 8, ... for those
-//      tokens kGroupTokens at a time, with MoeGateUpKernel's lane order and roundings: h(t, j)[f] in
-//      token t's workspace;
+//      in shared memory once, and then their x rows kGuTokens at a time; warp w computes gate and up rows
+//      f = kGroupRows bx + w, + 8, ... for the staged tokens, with MoeGateUpKernel's lane order and
+//      roundings: h(t, j)[f] in token t's workspace;
 //   3. MoeGroupDownKernel, grid (ceil(d / kGroupRows), min(E, T k) + 1, ceil(T / kGroupSplit)),
-//      likewise per output row i: bf16(bf16(o) * w(t, j)) into routed [T k, d] (BF16), the shared
-//      expert's bf16(o) into shared [T, d];
+//      likewise per output row i over the pairs' h vectors (kDownTokens at a time): bf16(bf16(o) *
+//      w(t, j)) into routed [T k, d] (BF16), the shared expert's bf16(o) into shared [T, d];
 //   4. MoeCombineKernel: y[t, i] = bf16(bf16(alpha * bf16(sum_j routed[t k + j, i])) + shared[t, i]),
 //      slots in ascending order: MoeDownKernel's sum and roundings.
 // The per-(token, row) arithmetic is MoeGateUpKernel's and MoeDownKernel's, so it does not depend on
 // which other tokens share an expert: the grouped path gives the batch-1 kernels' bits.
-constexpr int kGroupTokens = 8;   // tokens per pass over a warp's row
+constexpr int kGuTokens = 16;     // gate/up: x rows staged per pass (16 x d BF16 of shared memory)
+constexpr int kDownTokens = 32;   // down: h vectors staged per pass
 constexpr int kGroupRows = 64;    // rows per block (8 per warp): the block's set-up is paid once for them
 constexpr int kGroupSplit = 64;   // tokens per block of one expert
+constexpr size_t kGroupSmemBudget = 160 * 1024;
 
 struct MoeGroupLayoutT {
   size_t active_count, active, begin, count, pairs, routed, shared, bytes;
@@ -635,15 +637,17 @@ __device__ __forceinline__ void PairOf(const MoeParams& a, const MoeGroupWs& g, 
   }
 }
 
-// NR rows of n8 chunks each (the same n8 for all) dotted with up to kGroupTokens vectors xs[tt] (nt
-// of them): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending).
-template <int NR, int U>
-__device__ __forceinline__ void GroupLaneDots(const bf16* const (&rows)[NR], const bf16* const (&xs)[kGroupTokens],
-                                              int nt, int n8, int lane, float (&acc)[NR][kGroupTokens]) {
+// NR rows of n8 chunks each dotted with nt <= TT vectors staged in shared memory (xs: [nt][n8] 16-byte
+// chunks): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending, the 8
+// elements of a chunk in order). U chunks of each row are loaded at once; the vectors come from shared
+// memory, so no token's load waits behind another's.
+template <int NR, int TT, int U>
+__device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], const uint4* xs, int nt, int n8, int lane,
+                                             float (&acc)[NR][TT]) {
 #pragma unroll
   for (int r = 0; r < NR; ++r)
 #pragma unroll
-    for (int tt = 0; tt < kGroupTokens; ++tt) acc[r][tt] = 0.0f;
+    for (int tt = 0; tt < TT; ++tt) acc[r][tt] = 0.0f;
   for (int base = 0; base < n8; base += 32 * U) {
     const int c0 = base + lane;
     uint4 rv[NR][U];
@@ -660,10 +664,10 @@ __device__ __forceinline__ void GroupLaneDots(const bf16* const (&rows)[NR], con
 #pragma unroll
       for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rv[r][u], rf[r]);
 #pragma unroll
-      for (int tt = 0; tt < kGroupTokens; ++tt) {
+      for (int tt = 0; tt < TT; ++tt) {
         if (tt >= nt) break;
         float xf[8];
-        Bf16x8ToFloat(__ldcg(reinterpret_cast<const uint4*>(xs[tt]) + c), xf);
+        Bf16x8ToFloat(xs[tt * n8 + c], xf);
 #pragma unroll
         for (int r = 0; r < NR; ++r)
 #pragma unroll
@@ -671,6 +675,19 @@ __device__ __forceinline__ void GroupLaneDots(const bf16* const (&rows)[NR], con
       }
     }
   }
+}
+
+// Copies the vectors of pairs [i0, i0 + nt) of the block into shared memory (every thread), between
+// two barriers. vec(i) is pair i's vector ([n8] 16-byte chunks, written by an earlier kernel: read
+// from L2).
+template <typename Vec>
+__device__ __forceinline__ void StageVectors(uint4* dst, int i0, int nt, int n8, Vec&& vec) {
+  __syncthreads();  // the previous tile is consumed
+  for (int idx = threadIdx.x; idx < nt * n8; idx += blockDim.x) {
+    const int tt = idx / n8, c = idx % n8;
+    dst[idx] = __ldcg(vec(i0 + tt) + c);
+  }
+  __syncthreads();
 }
 
 // The block's share of its expert's (token, slot) pairs, staged in shared memory: false when the block
@@ -693,32 +710,34 @@ __device__ __forceinline__ bool StageBlockPairs(const MoeParams& a, const MoeGro
   return true;
 }
 
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams a) {
+// Dynamic shared memory: [tile][d / 8] 16-byte chunks, the x rows of `tile` <= kGuTokens tokens.
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams a, int tile) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
   __shared__ BlockPairs bp;
   if (!StageBlockPairs(a, g, &bp)) return;
+  extern __shared__ uint4 s_vec[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
+  const int n8 = a.d / 8;
   const bf16* gate = shared ? a.shared_gate_w : a.gate_w[bp.expert];
   const bf16* up = shared ? a.shared_up_w : a.up_w[bp.expert];
-  for (int f = blockIdx.x * kGroupRows + warp; f < min(F, (blockIdx.x + 1) * kGroupRows); f += kMoeWarps) {
-    const bf16* rows[2] = {gate + static_cast<size_t>(f) * a.d, up + static_cast<size_t>(f) * a.d};
-    for (int i0 = 0; i0 < bp.n; i0 += kGroupTokens) {
-      const int nt = min(kGroupTokens, bp.n - i0);
-      const bf16* xs[kGroupTokens];
+  for (int i0 = 0; i0 < bp.n; i0 += tile) {
+    const int nt = min(tile, bp.n - i0);
+    StageVectors(s_vec, i0, nt, n8, [&](int i) { return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(bp.tok[i]) * a.d); });
+    for (int f = blockIdx.x * kGroupRows + warp; f < min(F, (blockIdx.x + 1) * kGroupRows); f += kMoeWarps) {
+      const bf16* rows[2] = {gate + static_cast<size_t>(f) * a.d, up + static_cast<size_t>(f) * a.d};
+      float acc[2][kGuTokens];
+      SmemLaneDots<2, kGuTokens, kGateUpChunks>(rows, s_vec, nt, n8, lane, acc);
 #pragma unroll
-      for (int tt = 0; tt < kGroupTokens; ++tt) xs[tt] = a.x + static_cast<size_t>(tt < nt ? bp.tok[i0 + tt] : 0) * a.d;
-      float acc[2][kGroupTokens];
-      GroupLaneDots<2, kGateUpChunks>(rows, xs, nt, a.d / 8, lane, acc);
-#pragma unroll
-      for (int tt = 0; tt < kGroupTokens; ++tt) {
+      for (int tt = 0; tt < kGuTokens; ++tt) {
+        if (tt >= nt) break;
         const float gv = RoundBf16(WarpSum(acc[0][tt]));
         const float uv = RoundBf16(WarpSum(acc[1][tt]));
-        if (lane == 0 && tt < nt) {
+        if (lane == 0) {
           const float act = RoundBf16(gv / (1.0f + expf(-gv)));
           const MoeWs ws = MoeWorkspace(a, bp.tok[i0 + tt]);
           ws.h[static_cast<size_t>(bp.slot[i0 + tt]) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
@@ -728,34 +747,35 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams
   }
 }
 
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a) {
+// Dynamic shared memory: [tile][F / 8] 16-byte chunks, the h vectors of `tile` <= kDownTokens pairs.
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a, int tile) {
   DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
   __shared__ BlockPairs bp;
   if (!StageBlockPairs(a, g, &bp)) return;
+  extern __shared__ uint4 s_vec[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
+  const int n8 = F / 8;
   const bf16* down = shared ? a.shared_down_w : a.down_w[bp.expert];
-  for (int i = blockIdx.x * kGroupRows + warp; i < min(a.d, (blockIdx.x + 1) * kGroupRows); i += kMoeWarps) {
-    const bf16* rows[1] = {down + static_cast<size_t>(i) * F};
-    for (int i0 = 0; i0 < bp.n; i0 += kGroupTokens) {
-      const int nt = min(kGroupTokens, bp.n - i0);
-      const bf16* xs[kGroupTokens];
+  for (int i0 = 0; i0 < bp.n; i0 += tile) {
+    const int nt = min(tile, bp.n - i0);
+    StageVectors(s_vec, i0, nt, n8, [&](int i) {
+      const MoeWs ws = MoeWorkspace(a, bp.tok[i]);
+      return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(bp.slot[i]) * ws.h_stride);
+    });
+    for (int i = blockIdx.x * kGroupRows + warp; i < min(a.d, (blockIdx.x + 1) * kGroupRows); i += kMoeWarps) {
+      const bf16* rows[1] = {down + static_cast<size_t>(i) * F};
+      float acc[1][kDownTokens];
+      SmemLaneDots<1, kDownTokens, 2>(rows, s_vec, nt, n8, lane, acc);
 #pragma unroll
-      for (int tt = 0; tt < kGroupTokens; ++tt) {
-        const int q = tt < nt ? i0 + tt : i0;
-        const MoeWs ws = MoeWorkspace(a, bp.tok[q]);
-        xs[tt] = reinterpret_cast<const bf16*>(ws.h) + static_cast<size_t>(bp.slot[q]) * ws.h_stride;
-      }
-      float acc[1][kGroupTokens];
-      GroupLaneDots<1, 2>(rows, xs, nt, F / 8, lane, acc);
-#pragma unroll
-      for (int tt = 0; tt < kGroupTokens; ++tt) {
+      for (int tt = 0; tt < kDownTokens; ++tt) {
+        if (tt >= nt) break;
         const float o = RoundBf16(WarpSum(acc[0][tt]));
-        if (lane == 0 && tt < nt) {
+        if (lane == 0) {
           const int t = bp.tok[i0 + tt], j = bp.slot[i0 + tt];
           if (shared) {
             g.shared[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(o);
@@ -834,11 +854,16 @@ Status Moe(const MoeParams& p, Stream stream) {
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     const int fmax = std::max(p.ffn, p.shared_ffn);
     const int splits = (T + dev::kGroupSplit - 1) / dev::kGroupSplit;
-    dev::LaunchDependent(dev::MoeGroupGateUpKernel,
-                         dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits), dim3(threads), s, p);
+    // Tokens staged per pass: as many as fit the budget, at most the kernel's register tile.
+    auto tile_for = [](int width, int most) {
+      return std::max(1, std::min<int>(most, static_cast<int>(dev::kGroupSmemBudget / (static_cast<size_t>(width) * 2))));
+    };
+    const int gu_tile = tile_for(p.d, dev::kGuTokens), dn_tile = tile_for(std::max(p.ffn, p.shared_ffn), dev::kDownTokens);
+    dev::LaunchDependentSmem(dev::MoeGroupGateUpKernel, dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
+                             dim3(threads), static_cast<size_t>(gu_tile) * p.d * 2, s, p, gu_tile);
     DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up");
-    dev::LaunchDependent(dev::MoeGroupDownKernel, dim3((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
-                         dim3(threads), s, p);
+    dev::LaunchDependentSmem(dev::MoeGroupDownKernel, dim3((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
+                             dim3(threads), static_cast<size_t>(dn_tile) * std::max(p.ffn, p.shared_ffn) * 2, s, p, dn_tile);
     DL_KERNEL_LAUNCH_CHECK("moe_group_down");
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_combine");
