@@ -497,7 +497,8 @@ __global__ void __launch_bounds__((kMoeWarps + 1) * 32, 1) MoeGateUpStreamKernel
 // The per-(token, row) arithmetic is MoeGateUpKernel's and MoeDownKernel's, so it does not depend on
 // which other tokens share an expert: the grouped path gives the batch-1 kernels' bits.
 constexpr int kGuTokens = 16;     // gate/up: x rows staged per pass (16 x d BF16 of shared memory)
-constexpr int kDownTokens = 32;   // down: h vectors staged per pass
+constexpr int kDownTokens = 8;    // down: h vectors staged per pass
+constexpr int kDownRows = 4;      // down: rows per warp at once
 constexpr int kGroupRows = 64;    // rows per block (8 per warp): the block's set-up is paid once for them
 constexpr int kGroupSplit = 64;   // tokens per block of one expert
 constexpr size_t kGroupSmemBudget = 160 * 1024;
@@ -637,8 +638,8 @@ __device__ __forceinline__ void PairOf(const MoeParams& a, const MoeGroupWs& g, 
   }
 }
 
-// NR rows of n8 chunks each dotted with nt <= TT vectors staged in shared memory (xs: [nt][n8] 16-byte
-// chunks): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending, the 8
+// NR rows of n8 chunks each (a null row is skipped: its sums are garbage-free zeros) dotted with nt <= TT
+// vectors staged in shared memory (xs: [nt][n8] 16-byte chunks): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending, the 8
 // elements of a chunk in order). U chunks of each row are loaded at once; the vectors come from shared
 // memory, so no token's load waits behind another's.
 template <int NR, int TT, int U>
@@ -655,14 +656,14 @@ __device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], cons
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < NR; ++r)
-        if (c0 + 32 * u < n8) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
+        if (rows[r] && c0 + 32 * u < n8) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c >= n8) break;
       float rf[NR][8];
 #pragma unroll
-      for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rv[r][u], rf[r]);
+      for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rows[r] ? rv[r][u] : make_uint4(0, 0, 0, 0), rf[r]);
 #pragma unroll
       for (int tt = 0; tt < TT; ++tt) {
         if (tt >= nt) break;
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernel(MoeParams
 }
 
 // Dynamic shared memory: [tile][F / 8] 16-byte chunks, the h vectors of `tile` <= kDownTokens pairs.
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a, int tile) {
+__global__ void __launch_bounds__(kMoeWarps * 32, 2) MoeGroupDownKernel(MoeParams a, int tile) {
   DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
   WaitForPrerequisites();
@@ -761,27 +762,39 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupDownKernel(MoeParams a
   const int F = shared ? a.shared_ffn : a.ffn;
   const int n8 = F / 8;
   const bf16* down = shared ? a.shared_down_w : a.down_w[bp.expert];
-  for (int i0 = 0; i0 < bp.n; i0 += tile) {
-    const int nt = min(tile, bp.n - i0);
-    StageVectors(s_vec, i0, nt, n8, [&](int i) {
+  for (int i0_pair = 0; i0_pair < bp.n; i0_pair += tile) {
+    const int nt = min(tile, bp.n - i0_pair);
+    StageVectors(s_vec, i0_pair, nt, n8, [&](int i) {
       const MoeWs ws = MoeWorkspace(a, bp.tok[i]);
       return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(bp.slot[i]) * ws.h_stride);
     });
-    for (int i = blockIdx.x * kGroupRows + warp; i < min(a.d, (blockIdx.x + 1) * kGroupRows); i += kMoeWarps) {
-      const bf16* rows[1] = {down + static_cast<size_t>(i) * F};
-      float acc[1][kDownTokens];
-      SmemLaneDots<1, kDownTokens, 2>(rows, s_vec, nt, n8, lane, acc);
+    // kDownRows rows per warp at once (i, i + 8, ...): each row is only F * 2 bytes, so one at a time
+    // would leave too few loads in flight.
+    const int end = min(a.d, (blockIdx.x + 1) * kGroupRows);
+    for (int i0 = blockIdx.x * kGroupRows + warp; i0 < end; i0 += kDownRows * kMoeWarps) {
+      const bf16* rows[kDownRows];
 #pragma unroll
-      for (int tt = 0; tt < kDownTokens; ++tt) {
-        if (tt >= nt) break;
-        const float o = RoundBf16(WarpSum(acc[0][tt]));
-        if (lane == 0) {
-          const int t = bp.tok[i0 + tt], j = bp.slot[i0 + tt];
-          if (shared) {
-            g.shared[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(o);
-          } else {
-            const float w = __ldcg(&MoeWorkspace(a, t).weights[j]);
-            g.routed[(static_cast<size_t>(t) * a.top_k + j) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+      for (int r = 0; r < kDownRows; ++r) {
+        const int i = i0 + r * kMoeWarps;
+        rows[r] = i < end ? down + static_cast<size_t>(i) * F : nullptr;
+      }
+      float acc[kDownRows][kDownTokens];
+      SmemLaneDots<kDownRows, kDownTokens, 2>(rows, s_vec, nt, n8, lane, acc);
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        const int i = i0 + r * kMoeWarps;
+#pragma unroll
+        for (int tt = 0; tt < kDownTokens; ++tt) {
+          if (tt >= nt) break;
+          const float o = RoundBf16(WarpSum(acc[r][tt]));
+          if (lane == 0 && i < end) {
+            const int t = bp.tok[i0_pair + tt], j = bp.slot[i0_pair + tt];
+            if (shared) {
+              g.shared[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(o);
+            } else {
+              const float w = __ldcg(&MoeWorkspace(a, t).weights[j]);
+              g.routed[(static_cast<size_t>(t) * a.top_k + j) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+            }
           }
         }
       }
