@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "base/file_util.h"
 #include "base/sha256.h"
 
 namespace dl::lab {
@@ -31,11 +32,7 @@ std::vector<int> Suite::Ms() const {
 }
 
 Result<std::string> ReadTextFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("{}: cannot open", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return ReadRegularFile(path, kMaxJsonSidecarBytes);
 }
 
 Result<JsonFile> ReadJsonFile(const std::string& path) {

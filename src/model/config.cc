@@ -1,8 +1,8 @@
 #include "model/config.h"
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
+
+#include "base/file_util.h"
 
 namespace dl {
 namespace {
@@ -437,13 +437,10 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
 }
 
 Result<ModelConfig> ModelConfig::FromFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, kMaxConfigFileBytes));
   json j;
   try {
-    j = json::parse(ss.str());
+    j = json::parse(text);
   } catch (const std::exception& e) {
     return InvalidArgument("{}: not valid JSON: {}", path, e.what());
   }

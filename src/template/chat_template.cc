@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "base/file_util.h"
 #include "template/jinja_eval.h"
 #include "template/jinja_parser.h"
 
@@ -19,12 +20,7 @@ Status FromJinjaError(const jinja::JinjaError& e, const std::string& name) {
 }
 
 Result<std::string> ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return DataLoss("error reading {}", path.string());
-  return ss.str();
+  return ReadRegularFile(path.string(), kMaxJsonSidecarBytes);
 }
 
 Result<nlohmann::ordered_json> ReadJson(const std::filesystem::path& path) {
