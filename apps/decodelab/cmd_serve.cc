@@ -1,10 +1,14 @@
 // decodelab serve: the OpenAI-compatible HTTP endpoint (src/server) over the continuous-batching
 // scheduler (src/engine/scheduler.h).
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include <pthread.h>
@@ -29,6 +33,10 @@ struct ServeFlags {
   size_t max_body_bytes = 16u << 20;
   std::string served_model_name;
   int http_threads = 160;
+  int max_connections = 0;
+  double header_timeout_s = 10;
+  double body_timeout_s = 60;
+  double shutdown_timeout_s = 10;
 };
 
 int RunServe(const ServeFlags& f) {
@@ -115,6 +123,9 @@ int RunServe(const ServeFlags& f) {
   sopts.api_key = f.api_key;
   sopts.max_body_bytes = f.max_body_bytes;
   sopts.http_threads = f.http_threads;
+  sopts.max_connections = f.max_connections;
+  sopts.header_timeout_s = f.header_timeout_s;
+  sopts.body_timeout_s = f.body_timeout_s;
   sopts.served_model_name = !f.served_model_name.empty() ? f.served_model_name
                             : !opts->model_dir.empty()   ? opts->model_dir
                                                          : opts->shape;
@@ -124,6 +135,8 @@ int RunServe(const ServeFlags& f) {
   if (Status st = server.Bind(); !st.ok()) return ReportError(st);
 
   std::atomic<bool> finished{false};
+  std::mutex done_mu;
+  std::condition_variable done_cv;
   std::thread signal_thread([&] {
     timespec ts{0, 200'000'000};
     while (!finished.load()) {
@@ -132,6 +145,16 @@ int RunServe(const ServeFlags& f) {
         std::fprintf(stderr, "\ndecodelab serve: %s received, stopping (in-flight requests end "
                              "with an error)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
         server.Stop();
+        // The stop is bounded by design; should anything still hold the process (a handler stuck
+        // in a native call), exit anyway rather than ignore the signal.
+        std::unique_lock lock(done_mu);
+        if (!done_cv.wait_for(lock, std::chrono::duration<double>(f.shutdown_timeout_s),
+                              [&] { return finished.load(); })) {
+          std::fprintf(stderr, "decodelab serve: still not stopped after %.0f s: exiting now\n",
+                       f.shutdown_timeout_s);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }
         return;
       }
     }
@@ -142,7 +165,11 @@ int RunServe(const ServeFlags& f) {
   std::fflush(stdout);
   Status st = server.Run();
   server.Stop();
-  finished.store(true);
+  {
+    std::lock_guard lock(done_mu);
+    finished.store(true);
+  }
+  done_cv.notify_all();
   signal_thread.join();
   if (!st.ok()) return ReportError(st);
   std::fprintf(stderr, "decodelab serve: stopped\n");
@@ -181,9 +208,25 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
   cmd->add_option("--served-model-name", flags->served_model_name,
                   "Model id in /v1/models and responses (default: the --model path or shape)");
   cmd->add_option("--http-threads", flags->http_threads,
-                  "HTTP worker threads; each open stream holds one")
+                  "HTTP worker threads; each open connection holds one")
       ->default_val(160)
       ->check(CLI::Range(4, 4096));
+  cmd->add_option("--max-connections", flags->max_connections,
+                  "Connections served at once (0 = --http-threads); more get HTTP 503 at once")
+      ->default_val(0)
+      ->check(CLI::Range(0, 4096));
+  cmd->add_option("--request-header-timeout", flags->header_timeout_s,
+                  "Seconds a request line and its headers may take to arrive (HTTP 408)")
+      ->default_val(10)
+      ->check(CLI::Range(0.1, 3600.0));
+  cmd->add_option("--request-body-timeout", flags->body_timeout_s,
+                  "Seconds a request body may take to arrive after its headers (HTTP 408)")
+      ->default_val(60)
+      ->check(CLI::Range(0.1, 3600.0));
+  cmd->add_option("--shutdown-timeout", flags->shutdown_timeout_s,
+                  "After SIGINT/SIGTERM, exit at the latest after this many seconds")
+      ->default_val(10)
+      ->check(CLI::Range(1.0, 3600.0));
   cmd->callback([flags, &ctx] { ctx.exit_code = RunServe(*flags); });
 }
 
