@@ -84,8 +84,13 @@ Result<std::string> ChatTemplate::Render(const nlohmann::ordered_json& context) 
     return InvalidArgument("{}: render context must be a JSON object", source_name_);
   }
   try {
-    jinja::Evaluator ev;
-    return ev.Render(*tmpl_, jinja::Value::FromJson(context));
+    // One budget for the context and the render: cycles a template makes through the request's
+    // own lists are emptied when the budget ends, after the context and the evaluator.
+    const jinja::RenderLimits limits;
+    jinja::RenderBudget budget(limits);
+    const jinja::Value ctx = jinja::Value::FromJson(context);
+    jinja::Evaluator ev(limits);
+    return ev.Render(*tmpl_, ctx);
   } catch (const jinja::JinjaError& e) {
     return FromJinjaError(e, source_name_);
   } catch (const std::bad_alloc&) {

@@ -167,6 +167,71 @@ TEST(ServerRobustnessTest, DeeplyNestedRequestJsonIsA400NamingTheLimit) {
 }
 
 
+// ---- item 3: hostile chat templates (the model's own file) ----
+
+// One template, many attacks: chat_template_kwargs.attack picks the branch.
+constexpr const char* kHostileTemplate = R"TPL(
+{%- if attack == 'selfref' -%}{% set ns = namespace() %}{% set ns.a = ns %}{{ ns }}
+{%- elif attack == 'selflist' -%}{% set l = [] %}{% set _ = l.append(l) %}{{ l|tojson }}
+{%- elif attack == 'deepvalue' -%}{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}
+{%- elif attack == 'floordiv' -%}{{ (-9223372036854775807 - 1) // -1 }}
+{%- elif attack == 'mod' -%}{{ (-9223372036854775807 - 1) % -1 }}{{ (-9223372036854775807 - 1) is divisibleby(-1) }}
+{%- elif attack == 'strdouble' -%}{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}
+{%- elif attack == 'listdouble' -%}{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|length }}
+{%- elif attack == 'unique' -%}{{ range(1000000)|unique|length }}
+{%- else -%}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>
+{%- endif -%})TPL";
+
+TEST(ServerRobustnessTest, HostileChatTemplatesFailTheRequestNotTheServer) {
+  ServeProcessOptions o;
+  o.model_dir = TinyModelCopy(kHostileTemplate);
+  ASSERT_FALSE(o.model_dir.empty());
+  auto server = ServeProcess::Start(o);
+  ASSERT_NE(server, nullptr);
+  auto cli = server->Client(60);
+  const json messages = {{{"role", "user"}, {"content", "hi"}}};
+  for (const char* attack : {"selfref", "selflist", "deepvalue", "floordiv", "strdouble",
+                             "listdouble", "unique"}) {
+    const auto t0 = Clock::now();
+    auto r = PostJson(cli, "/v1/chat/completions",
+                      {{"messages", messages},
+                       {"max_tokens", 2},
+                       {"chat_template_kwargs", {{"attack", attack}}}});
+    EXPECT_EQ(r.status, 400) << attack << ": " << r.body.substr(0, 300);
+    EXPECT_LT(SecondsSince(t0), 10.0) << attack;
+    ASSERT_TRUE(server->Alive()) << attack << " took the server down:\n" << server->Log();
+  }
+  // x % -1 is 0, not a trap.
+  auto mod = PostJson(cli, "/v1/chat/completions",
+                      {{"messages", messages}, {"max_tokens", 2},
+                       {"chat_template_kwargs", {{"attack", "mod"}}}});
+  EXPECT_EQ(mod.status, 200) << mod.body;
+  auto plain = PostJson(cli, "/v1/chat/completions", {{"messages", messages}, {"max_tokens", 2}});
+  EXPECT_EQ(plain.status, 200) << plain.body;
+  EXPECT_TRUE(server->Answers()) << server->Log();
+}
+
+TEST(ServerRobustnessTest, TemplatesTooDeepToParseAreRefusedAtLoad) {
+  std::string chain = "{{ messages";
+  for (int i = 0; i < 100000; ++i) chain += "|string";
+  chain += " }}";
+  std::string nested = "{{ " + std::string(100000, '[') + std::string(100000, ']') + " }}";
+  for (const std::string& tmpl : {chain, nested}) {
+    ServeProcessOptions o;
+    o.model_dir = TinyModelCopy(tmpl);
+    ASSERT_FALSE(o.model_dir.empty());
+    auto server = ServeProcess::Start(o);
+    ASSERT_NE(server, nullptr);
+    EXPECT_NE(server->Log().find("nested"), std::string::npos) << server->Log();
+    auto cli = server->Client();
+    auto r = PostJson(cli, "/v1/chat/completions",
+                      {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}});
+    EXPECT_EQ(r.status, 400) << r.body;
+    EXPECT_NE(r.body.find("chat template"), std::string::npos) << r.body;
+    EXPECT_TRUE(server->Answers()) << server->Log();
+  }
+}
+
 // ---- item 8: loaders read regular files of bounded size only ----
 
 // Runs `decodelab serve` on `model_dir` and expects it to fail fast; returns its output.
