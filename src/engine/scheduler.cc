@@ -403,6 +403,7 @@ Status Scheduler::Step(Sequence& s) {
     DL_RETURN_IF_ERROR(kv.Commit(s.kv, 1));
   }
   const SamplingParams& p = s.req.sampling;
+  DL_RETURN_IF_ERROR(CheckFiniteLogits(s.logits, fmt::format("token {}", s.generated)));
   TokenEvent ev;
   ev.token = SampleToken(s.logits, p, s.key, static_cast<uint64_t>(s.generated));
   if (p.logprobs >= 0) ComputeLogprobs(s.logits, ev.token, p.logprobs, &ev);

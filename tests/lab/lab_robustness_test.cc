@@ -175,5 +175,31 @@ TEST_F(LabRobustness, FilesystemErrorsAreMessagesNotAborts) {
   EXPECT_NE(report.out.find("error:"), std::string::npos) << report.out;
 }
 
+
+TEST_F(LabRobustness, AMissingTeacherNamedByTheSuiteIsAnError) {
+  // The default model records its own teacher when none is cached; a teacher the suite names must
+  // exist instead of being recorded from the binary under test (which would pass any run).
+  const fs::path missing = root_ / "no-such-teacher.json";
+  json suite = json::parse(*ReadTextFile(suite_f32_.string()));
+  suite["teacher"] = missing.string();
+  const fs::path path = root_ / "suite-missing-teacher.json";
+  ASSERT_TRUE(WriteTextFile(path.string(), suite.dump(1)).ok());
+  CmdRun r = Decodelab({"lab", "screen", "--backend", "cpu", "--suite", path.string(), "--cache-dir",
+                        (root_ / "cache-missing").string(), "--runs-dir",
+                        (root_ / "runs-missing").string()},
+                       Log("missing-teacher"));
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("does not exist"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(missing)) << "the missing teacher was recorded";
+  // Likewise with --teacher.
+  CmdRun t = Decodelab({"lab", "screen", "--backend", "cpu", "--suite", suite_f32_.string(),
+                        "--teacher", missing.string(), "--cache-dir",
+                        (root_ / "cache-missing").string(), "--runs-dir",
+                        (root_ / "runs-missing").string()},
+                       Log("missing-teacher-flag"));
+  EXPECT_NE(t.rc, 0) << t.out;
+  EXPECT_FALSE(fs::exists(missing));
+}
+
 }  // namespace
 }  // namespace dl::lab

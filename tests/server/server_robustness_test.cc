@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -21,6 +22,7 @@
 #include <zlib.h>
 #endif
 
+#include "model/safetensors.h"
 #include "tests/server/server_test_util.h"
 
 namespace dl::test {
@@ -230,6 +232,80 @@ TEST(ServerRobustnessTest, TemplatesTooDeepToParseAreRefusedAtLoad) {
     EXPECT_NE(r.body.find("chat template"), std::string::npos) << r.body;
     EXPECT_TRUE(server->Answers()) << server->Log();
   }
+}
+
+// ---- item 10: non-finite logits are an error, not a token ----
+
+// A copy of the tiny model whose final norm weight is NaN: every logit comes out NaN.
+std::string NanModel() {
+  const std::string dir = TinyModelCopy("");
+  if (dir.empty()) return "";
+  const std::string path = dir + "/model.safetensors";
+  auto file = SafetensorsFile::Open(path);
+  if (!file.ok()) {
+    ADD_FAILURE() << file.status().message();
+    return "";
+  }
+  const SafetensorsEntry* norm = nullptr;
+  for (const auto& t : file->tensors()) {
+    if (t.name == "model.norm.weight") norm = &t;
+  }
+  if (!norm) {
+    ADD_FAILURE() << "no model.norm.weight in " << path;
+    return "";
+  }
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t header = 0;
+  f.read(reinterpret_cast<char*>(&header), 8);
+  std::string nan;
+  const float nf = std::numeric_limits<float>::quiet_NaN();
+  for (uint64_t i = 0; i < norm->nbytes() / DTypeSize(norm->dtype); ++i) {
+    if (norm->dtype == DType::kF32) {
+      nan.append(reinterpret_cast<const char*>(&nf), 4);
+    } else {
+      nan += std::string("\xc0\x7f", 2);  // BF16 / F16-compatible quiet NaN bits
+    }
+  }
+  f.seekp(static_cast<std::streamoff>(8 + header + norm->begin));
+  f.write(nan.data(), static_cast<std::streamsize>(nan.size()));
+  return f.good() ? dir : "";
+}
+
+TEST(ServerRobustnessTest, NonFiniteLogitsAreAnErrorInServeAndGenerate) {
+  const std::string dir = NanModel();
+  ASSERT_FALSE(dir.empty());
+  // generate: an error exit, no tokens.
+  {
+    comm::SpawnSpec spec;
+    spec.exe = DecodelabBinary();
+    spec.argv = {spec.exe, "generate", "--model", dir, "--backend", "cpu", "--prompt-ids",
+                 "5,6,7", "--max-tokens", "4"};
+    spec.env = comm::EnvironmentWith({});
+    spec.output_path = dir + "/../generate.log";
+    auto exit = comm::RunToCompletion(spec, 60);
+    ASSERT_TRUE(exit.ok()) << exit.status().message();
+    std::ifstream in(spec.output_path);
+    const std::string log(std::istreambuf_iterator<char>(in), {});
+    EXPECT_TRUE(exit->exited && exit->code != 0) << exit->ToString() << "\n" << log;
+    EXPECT_NE(log.find("non-finite"), std::string::npos) << log;
+  }
+  // serve: the request fails (500, or an error event in a stream); the server lives on.
+  ServeProcessOptions o;
+  o.model_dir = dir;
+  auto server = ServeProcess::Start(o);
+  ASSERT_NE(server, nullptr);
+  auto cli = server->Client();
+  for (const double temperature : {0.0, 0.8}) {
+    auto r = PostJson(cli, "/v1/completions",
+                      {{"prompt", {5, 6, 7}}, {"max_tokens", 3}, {"temperature", temperature}});
+    EXPECT_EQ(r.status, 500) << r.body;
+    EXPECT_NE(r.body.find("non-finite"), std::string::npos) << r.body;
+  }
+  auto s = PostStream(cli, "/v1/completions",
+                      {{"prompt", {5, 6, 7}}, {"max_tokens", 3}, {"stream", true}});
+  ASSERT_GE(s.data.size(), 2u) << s.raw;
+  EXPECT_NE(s.data[s.data.size() - 2].find("non-finite"), std::string::npos) << s.raw;
+  EXPECT_TRUE(server->Alive()) << server->Log();
 }
 
 // ---- item 8: loaders read regular files of bounded size only ----
