@@ -325,7 +325,12 @@ int RunLock(const LabFlags& f) {
 }
 
 int RunRuns(const LabFlags& f) {
+  const auto incomplete = lab::ListIncompleteRuns(f.runs_dir);
   auto runs = lab::LedgerList(f.runs_dir);
+  // Only killed runs so far: no ledger yet, but they are listed.
+  if (!runs.ok() && runs.status().code() == StatusCode::kNotFound && !incomplete.empty()) {
+    runs = std::vector<lab::LedgerRun>{};
+  }
   if (!runs.ok()) return ReportError(runs.status());
   std::printf("%-48s %-7s %-8s %-7s %12s %12s\n", "run id", "mode", "verdict", "exact",
               "conv tok/s", "hist tok/s");
@@ -336,6 +341,11 @@ int RunRuns(const LabFlags& f) {
     std::printf("%-48s %-7s %-8s %3d/%-3d %12s %12s\n", r.run_id.c_str(), r.mode.c_str(),
                 r.verdict.c_str(), r.exact, r.prompts, num(r.conventional).c_str(),
                 num(r.historical).c_str());
+  }
+  // Killed runs have a directory but no ledger row.
+  for (const auto& r : incomplete) {
+    std::printf("%-48s %-7s %-8s %7s %12s %12s  (no result: the run was killed or stopped; %s)\n",
+                r.run_id.c_str(), r.mode.c_str(), "INCOMPLETE", "-", "-", "-", r.dir.c_str());
   }
   return 0;
 }

@@ -16,6 +16,7 @@
 
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
+#include "base/file_util.h"
 #include "server/server.h"
 #include "tokenizer/tokenizer_writer.h"
 
@@ -27,6 +28,7 @@ struct ServeFlags {
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
+  std::string api_key_file;
   int max_batch = 8;
   int max_waiting = 1024;
   bool prefix_caching = false;
@@ -38,6 +40,35 @@ struct ServeFlags {
   double body_timeout_s = 60;
   double shutdown_timeout_s = 10;
 };
+
+// The API key from --api-key, --api-key-file or $DECODELAB_API_KEY (at most one of them): a key in
+// a file or the environment does not show in `ps`.
+Result<std::string> ResolveApiKey(const ServeFlags& f) {
+  const char* env = std::getenv("DECODELAB_API_KEY");
+  const bool from_env = env != nullptr && *env != '\0';
+  const int sources = !f.api_key.empty() + !f.api_key_file.empty() + from_env;
+  if (sources > 1) {
+    return InvalidArgument(
+        "give the API key once: --api-key, --api-key-file and $DECODELAB_API_KEY are exclusive");
+  }
+  if (!f.api_key_file.empty()) {
+    DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(f.api_key_file, 64 << 10));
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) {
+      text.pop_back();
+    }
+    if (text.empty()) return InvalidArgument("--api-key-file {}: the file is empty", f.api_key_file);
+    if (text.find_first_of("\r\n") != std::string::npos) {
+      return InvalidArgument("--api-key-file {}: the key must be one line", f.api_key_file);
+    }
+    return text;
+  }
+  if (from_env) return std::string(env);
+  return f.api_key;
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
 
 int RunServe(const ServeFlags& f) {
   // Signals go to one waiting thread (below), never to a worker in the middle of a step: block them
@@ -51,6 +82,15 @@ int RunServe(const ServeFlags& f) {
 
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
+  auto api_key = ResolveApiKey(f);
+  if (!api_key.ok()) return ReportError(api_key.status());
+  if (api_key->empty() && !IsLoopbackHost(f.host)) {
+    std::fprintf(stderr,
+                 "warning: --host %s accepts connections from other machines and no API key is "
+                 "set: anyone who can reach this port can use the model (set --api-key-file or "
+                 "$DECODELAB_API_KEY)\n",
+                 f.host.c_str());
+  }
   if (f.max_batch < 1) return ReportError(InvalidArgument("--max-batch must be at least 1"));
   if (f.max_waiting < 0) return ReportError(InvalidArgument("--max-waiting must be >= 0"));
   // Pools for max_batch full-length sequences; with prefix caching, as much again for cached pages.
@@ -120,7 +160,7 @@ int RunServe(const ServeFlags& f) {
   ServerOptions sopts;
   sopts.host = f.host;
   sopts.port = f.port;
-  sopts.api_key = f.api_key;
+  sopts.api_key = *api_key;
   sopts.max_body_bytes = f.max_body_bytes;
   sopts.http_threads = f.http_threads;
   sopts.max_connections = f.max_connections;
@@ -191,7 +231,10 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
       ->default_val(8000)
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", flags->api_key,
-                  "Require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)");
+                  "Require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open); "
+                  "visible in `ps`: prefer --api-key-file or $DECODELAB_API_KEY");
+  cmd->add_option("--api-key-file", flags->api_key_file,
+                  "Read the API key from this file (one line)");
   cmd->add_option("--max-batch", flags->max_batch,
                   "Sequences decoded together (continuous batching); the rest wait")
       ->default_val(8)

@@ -244,6 +244,14 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   if (ec) return Internal("{}: cannot create the run directory: {}", dir.string(), ec.message());
   out.dir = dir.string();
   const std::string started = UtcStamp(std::time(nullptr), "%Y-%m-%dT%H:%M:%SZ");
+  // Removed only after the ledger row is written: a killed run leaves it behind, and `lab runs`
+  // and the report list the directory as incomplete.
+  DL_RETURN_IF_ERROR(WriteJson(dir / kIncompleteMarker,
+                               {{"run_id", out.run_id},
+                                {"mode", o.mode},
+                                {"label", o.label},
+                                {"started_utc", started},
+                                {"pid", static_cast<int>(::getpid())}}));
   const int m = o.mode == "suite" ? o.suite.suite_tokens : o.suite.screen_tokens;
   Progress(o, fmt::format("run {} ({} x {} tokens) in {}", out.run_id, o.suite.prompts.size(), m,
                           out.dir));
@@ -484,6 +492,7 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   lr.exact = exact;
   lr.prompts = static_cast<int>(o.suite.prompts.size());
   DL_RETURN_IF_ERROR(LedgerRecord(o.runs_dir, lr, rows, metrics));
+  fs::remove(dir / kIncompleteMarker, ec);
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -199,6 +200,52 @@ TEST_F(LabRobustness, AMissingTeacherNamedByTheSuiteIsAnError) {
                        Log("missing-teacher-flag"));
   EXPECT_NE(t.rc, 0) << t.out;
   EXPECT_FALSE(fs::exists(missing));
+}
+
+
+TEST_F(LabRobustness, AKilledRunIsListedAsIncomplete) {
+  // A run whose server never becomes ready is killed (-9) while it waits: the partial directory
+  // must say so, and `lab runs` and the report must show it.
+  const fs::path teacher = root_ / "empty-teacher.json";
+  ASSERT_TRUE(WriteTextFile(teacher.string(),
+                            json{{"format", "decodelab-teacher"}, {"prompts", json::array()}}.dump())
+                  .ok());
+  const fs::path runs = root_ / "runs-killed";
+  comm::SpawnSpec spec;
+  spec.exe = DECODELAB_EXE;
+  spec.argv = {spec.exe,       "lab",           "screen",          "--backend", "cpu",
+               "--binary",     hang_.string(),  "--suite",         suite_f32_.string(),
+               "--teacher",    teacher.string(), "--runs-dir",     runs.string(),
+               "--label",      "killed",        "--cache-dir",     (root_ / "cache-killed").string()};
+  spec.env = comm::EnvironmentWith({});
+  spec.output_path = Log("killed");
+  auto child = comm::ChildProcess::Spawn(spec);
+  ASSERT_TRUE(child.ok()) << child.status().message();
+  // Wait until the run directory exists, then kill the lab without warning.
+  const auto t0 = Clock::now();
+  bool started = false;
+  while (!started && std::chrono::duration<double>(Clock::now() - t0).count() < 60) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(runs, ec)) {
+      if (e.path().filename().string().rfind("killed-", 0) == 0) started = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(started);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  child->KillAndReap();
+
+  CmdRun list = Decodelab({"lab", "runs", "--runs-dir", runs.string()}, Log("killed-runs"));
+  EXPECT_EQ(list.rc, 0) << list.out;
+  EXPECT_NE(list.out.find("INCOMPLETE"), std::string::npos) << list.out;
+  EXPECT_NE(list.out.find("killed-"), std::string::npos) << list.out;
+  const fs::path html = root_ / "killed-report.html";
+  CmdRun report = Decodelab({"lab", "report", "--runs-dir", runs.string(), "--out", html.string()},
+                            Log("killed-report"));
+  ASSERT_EQ(report.rc, 0) << report.out;
+  const std::string text = *ReadTextFile(html.string());
+  EXPECT_NE(text.find("id=\"incomplete-runs\""), std::string::npos);
+  EXPECT_NE(text.find("killed-"), std::string::npos);
 }
 
 }  // namespace

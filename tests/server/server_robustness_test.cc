@@ -639,5 +639,55 @@ TEST(ServerRobustnessTest, DroppedNonStreamingRequestsAreCancelled) {
   EXPECT_TRUE(server->Answers()) << server->Log();
 }
 
+
+// ---- item 11: exposure warning and API keys that do not show in `ps` ----
+
+TEST(ServerRobustnessTest, ApiKeyFromFileOrEnvironmentAndAWarningForOpenHosts) {
+  const json body = {{"prompt", {5, 6, 7}}, {"max_tokens", 1}};
+  {
+    ServeProcessOptions o;
+    o.extra_args = {"--host", "0.0.0.0"};
+    auto server = ServeProcess::Start(o);
+    ASSERT_NE(server, nullptr);
+    EXPECT_NE(server->Log().find("warning: --host 0.0.0.0"), std::string::npos) << server->Log();
+  }
+  {
+    ServeProcessOptions o;
+    o.extra_args = {"--host", "0.0.0.0"};
+    o.env = {"DECODELAB_API_KEY=env-sekrit"};
+    auto server = ServeProcess::Start(o);
+    ASSERT_NE(server, nullptr);
+    EXPECT_EQ(server->Log().find("warning: --host"), std::string::npos) << server->Log();
+    auto cli = server->Client();
+    EXPECT_EQ(PostJson(cli, "/v1/completions", body).status, 401);
+    EXPECT_EQ(PostJson(cli, "/v1/completions", body, "env-sekrit").status, 200);
+  }
+  {
+    const std::string dir = TinyModelCopy("");
+    const std::string key_file = dir + "/../api.key";
+    std::ofstream(key_file) << "file-sekrit\n";
+    ServeProcessOptions o;
+    o.extra_args = {"--api-key-file", key_file};
+    auto server = ServeProcess::Start(o);
+    ASSERT_NE(server, nullptr);
+    auto cli = server->Client();
+    EXPECT_EQ(PostJson(cli, "/v1/completions", body).status, 401);
+    EXPECT_EQ(PostJson(cli, "/v1/completions", body, "file-sekrit").status, 200);
+    // The key is not on the command line.
+    std::ifstream in("/proc/" + std::to_string(server->pid()) + "/cmdline", std::ios::binary);
+    const std::string cmdline(std::istreambuf_iterator<char>(in), {});
+    EXPECT_EQ(cmdline.find("file-sekrit"), std::string::npos);
+  }
+  // Two sources at once are refused.
+  comm::SpawnSpec spec;
+  spec.exe = DecodelabBinary();
+  spec.argv = {spec.exe, "serve", "--model", TinyModelDir(), "--backend", "cpu", "--port", "0",
+               "--api-key", "a"};
+  spec.env = comm::EnvironmentWith({"DECODELAB_API_KEY=b"});
+  auto exit = comm::RunToCompletion(spec, 30);
+  ASSERT_TRUE(exit.ok());
+  EXPECT_TRUE(exit->exited && exit->code == 2) << exit->ToString();
+}
+
 }  // namespace
 }  // namespace dl::test

@@ -289,11 +289,13 @@ std::unique_ptr<ServeProcess> ServeProcess::Start(const ServeProcessOptions& o) 
   const std::string model = o.model_dir.empty() ? TinyModelDir() : o.model_dir;
   comm::SpawnSpec spec;
   spec.exe = DecodelabBinary();
-  spec.argv = {spec.exe, "serve", "--model", model, "--backend", "cpu", "--host", "127.0.0.1",
-               "--port", "0"};
+  spec.argv = {spec.exe, "serve", "--model", model, "--backend", "cpu", "--port", "0"};
   // Defaults the test did not set itself.
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
-           {"--max-seq-len", "512"}, {"--prefill-chunk", "16"}, {"--max-batch", "4"}}) {
+           {"--host", "127.0.0.1"},
+           {"--max-seq-len", "512"},
+           {"--prefill-chunk", "16"},
+           {"--max-batch", "4"}}) {
     if (std::find(o.extra_args.begin(), o.extra_args.end(), flag) == o.extra_args.end()) {
       spec.argv.insert(spec.argv.end(), {flag, value});
     }
@@ -316,12 +318,14 @@ std::unique_ptr<ServeProcess> ServeProcess::Start(const ServeProcessOptions& o) 
                     << sp->Log();
       return nullptr;
     }
+    // "ready at http://HOST:PORT": the port follows the URL's last ':' (the host may be 0.0.0.0).
     const std::string log = sp->Log();
-    const size_t at = log.find("ready at http://127.0.0.1:");
+    const size_t at = log.find("ready at http://");
     if (at != std::string::npos) {
       const size_t end = log.find('\n', at);
       if (end != std::string::npos) {
-        sp->port_ = std::atoi(log.c_str() + at + std::strlen("ready at http://127.0.0.1:"));
+        const size_t colon = log.rfind(':', end);
+        if (colon != std::string::npos && colon > at) sp->port_ = std::atoi(log.c_str() + colon + 1);
         break;
       }
     }
