@@ -459,7 +459,13 @@ bool GuardedServer::process_and_close_socket(socket_t sock) {
        --left) {
     conn.BeginRequest();
     bool connection_closed = false;
-    ret = process_request(conn, left == 1, connection_closed, nullptr);
+    try {
+      ret = process_request(conn, left == 1, connection_closed, nullptr);
+    } catch (...) {
+      // cpp-httplib writes responses (and calls the error handler and stream providers) outside
+      // its own try block; whatever escapes ends this connection, never the process.
+      ret = false;
+    }
     if (!ret || connection_closed || conn.rejected() || conn.close_requested) break;
   }
   t_connection = nullptr;

@@ -180,6 +180,27 @@ bool PollChoice(Job& job, size_t i, std::chrono::milliseconds wait, std::vector<
   return true;
 }
 
+// The streaming provider runs while cpp-httplib writes the response, outside its try block: an
+// exception there would end the process. Anything it throws ends the stream with an error event.
+httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
+                                                    httplib::ContentProviderWithoutLength p) {
+  return [job, p = std::move(p)](size_t offset, httplib::DataSink& sink) -> bool {
+    try {
+      return p(offset, sink);
+    } catch (...) {
+      job->CancelAll();
+      try {
+        json body = api::ErrorBody(api::FromStatus(Internal("internal error while streaming")));
+        body["error"]["code"] = 500;
+        const std::string tail = Sse(body) + "data: [DONE]\n\n";
+        if (sink.write(tail.data(), tail.size())) sink.done();
+      } catch (...) {
+      }
+      return false;
+    }
+  };
+}
+
 std::string MetricsText(const SchedulerStats& s, const std::string& model) {
   std::string out;
   const std::string label = fmt::format("model_name=\"{}\"", model);
@@ -556,7 +577,7 @@ void Server::Routes() {
       res.set_header("X-Accel-Buffering", "no");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [job](size_t, httplib::DataSink& sink) -> bool {
+          GuardedStream(job, [job](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
             auto write = [&](const std::string& s) {
               if (!sink.write(s.data(), s.size())) {
@@ -614,7 +635,7 @@ void Server::Routes() {
             if (!write("data: [DONE]\n\n")) return false;
             sink.done();
             return true;
-          },
+          }),
           [job](bool) { job->CancelAll(); });
     };
   };
