@@ -5,14 +5,18 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
-#include <sys/wait.h>
+#include <unistd.h>
 
 #include "apps/decodelab/commands.h"
 #include "base/build_info.h"
+#include "base/file_util.h"
 #include "base/sha256.h"
+#include "comm/process.h"
 #include "cuda/device.h"
 #include "cuda/nvml.h"
 #include "kernels/elementwise.h"
@@ -41,12 +45,19 @@ struct LabFlags {
   uint64_t seed = 0;
   int num_layers = 0;
   int repeats = 2;
+  double start_timeout_s = 300;   // serve must answer /health within this
+  double step_timeout_s = 3600;   // any child (calibrate, probe) and any one HTTP request
   bool accept_identity = false;
   std::vector<std::string> serve_flags;
   std::vector<std::string> compare;
 };
 
 constexpr uint64_t kTinySeed = 11;
+
+bool Exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(path, ec);
+}
 
 std::string CacheDir(const LabFlags& f) {
   if (!f.cache_dir.empty()) return f.cache_dir;
@@ -59,7 +70,7 @@ std::string CacheDir(const LabFlags& f) {
 // The embedded default tiny model: generated once into the cache with the make-model writer.
 Result<std::string> EnsureTinyModel(const std::string& cache) {
   const std::string dir = cache + "/models/tiny-seed11";
-  if (fs::exists(fs::path(dir) / "config.json") && fs::exists(fs::path(dir) / "tokenizer.json")) {
+  if (Exists(dir + "/config.json") && Exists(dir + "/tokenizer.json")) {
     return dir;
   }
   std::fprintf(stderr, "lab: generating the default tiny model in %s\n", dir.c_str());
@@ -73,7 +84,7 @@ Result<std::string> EnsureTinyModel(const std::string& cache) {
   o.seed = kTinySeed;
   o.out_dir = tmp;
   DL_RETURN_IF_ERROR(WriteSyntheticModel(o).status());
-  if (!fs::exists(fs::path(tmp) / "tokenizer.json")) {
+  if (!Exists(tmp + "/tokenizer.json")) {
     DL_RETURN_IF_ERROR(WriteSmallTokenizer(tmp, static_cast<int32_t>(cfg.vocab_size)));
   }
   fs::remove_all(dir, ec);
@@ -87,11 +98,20 @@ std::string ResolveBackend(const std::string& b) {
   return cuda::DeviceCount() > 0 ? "cuda" : "cpu";
 }
 
-int RunCommand(const std::string& exe, const std::vector<std::string>& args) {
-  std::string cmd = "'" + exe + "'";
-  for (const auto& a : args) cmd += " '" + a + "'";
-  cmd += " 1>&2";  // its report is progress here, not the lab's result
-  return std::system(cmd.c_str());
+// Runs `exe args...` without a shell (no argument is ever interpreted), its output on our stderr
+// (progress here, not the lab's result), killed after `timeout_s`.
+Status RunChild(const std::string& exe, const std::vector<std::string>& args, double timeout_s) {
+  comm::SpawnSpec spec;
+  spec.exe = exe;
+  spec.argv = {exe};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.env = comm::EnvironmentWith({});
+  spec.output_fd = STDERR_FILENO;
+  DL_ASSIGN_OR_RETURN(comm::ExitInfo exit, comm::RunToCompletion(spec, timeout_s));
+  if (!exit.exited || exit.code != 0) {
+    return Internal("`{} {}` failed: {}", exe, args.empty() ? "" : args[0], exit.ToString());
+  }
+  return Status::Ok();
 }
 
 // Builds LabOptions from the flags: model arguments, suite, calibration, teacher, lock.
@@ -104,7 +124,16 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
     auto real = fs::read_symlink("/proc/self/exe", ec);
     if (!ec) o.binary = real.string();
   }
-  if (!fs::exists(o.binary)) return NotFound("--binary {}: no such file", o.binary);
+  if (!Exists(o.binary)) return NotFound("--binary {}: no such file", o.binary);
+  if (f.label.size() > 100) {
+    return InvalidArgument("--label is {} characters; at most 100 (it names the run directory)",
+                           f.label.size());
+  }
+  if (!(f.start_timeout_s > 0) || !(f.step_timeout_s > 0)) {
+    return InvalidArgument("--start-timeout and --step-timeout must be positive");
+  }
+  o.server_start_timeout_s = f.start_timeout_s;
+  o.request_timeout_s = f.step_timeout_s;
   o.endpoint = f.endpoint;
   o.hash_binary = f.endpoint.empty() || !f.binary.empty();
   o.runs_dir = f.runs_dir;
@@ -160,7 +189,7 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
   o.sliding_window = cfg.sliding_window;
   o.vocab_limit = static_cast<int>(cfg.vocab_size);
   const std::string model_dir = o.model_args[0] == "--model" ? o.model_args[1] : "";
-  if (!model_dir.empty() && fs::exists(fs::path(model_dir) / "tokenizer.json")) {
+  if (!model_dir.empty() && Exists(model_dir + "/tokenizer.json")) {
     auto t = Tokenizer::FromFile(model_dir);
     if (t.ok()) {
       auto tok = std::make_shared<Tokenizer>(std::move(t).value());
@@ -183,23 +212,30 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
     const std::string backend_arg = o.model_args.back();
     const std::string cal = fmt::format("{}/calibration/{}.json", cache,
                                         Sha256Hex(model_key + "|" + backend_arg).substr(0, 16));
-    if (!fs::exists(cal)) {
+    if (!Exists(cal)) {
       std::fprintf(stderr, "lab: calibrating KV scales into %s\n", cal.c_str());
       std::vector<std::string> args = {"calibrate"};
       args.insert(args.end(), o.model_args.begin(), o.model_args.end() - 2);  // minus --backend
       args.insert(args.end(), {"--backend", backend_arg, "--out", cal});
       std::error_code ec;
       fs::create_directories(fs::path(cal).parent_path(), ec);
-      if (RunCommand(o.binary, args) != 0) {
-        return Internal("`decodelab calibrate` failed for {} (output above)", model_key);
+      if (Status st = RunChild(o.binary, args, f.step_timeout_s); !st.ok()) {
+        return Internal("`decodelab calibrate` failed for {} (output above): {}", model_key,
+                        st.message());
       }
     }
     o.suite.calibration = cal;
   }
 
   // Teacher: --teacher, else the suite's, else (default model only) cached per backend, KV dtype
-  // and binary identity.
+  // and binary identity. A teacher named by the user or the suite must exist (except as the output
+  // of `lab teacher`): recording a missing one from the binary under test would pass any run.
   o.teacher_path = !f.teacher.empty() ? f.teacher : o.suite.teacher;
+  if (!o.teacher_path.empty() && mode != "teacher" && !Exists(o.teacher_path)) {
+    return NotFound("teacher {} (named by {}) does not exist; record it with `decodelab lab "
+                    "teacher`",
+                    o.teacher_path, !f.teacher.empty() ? "--teacher" : o.suite.path);
+  }
   if (o.teacher_path.empty() && (default_model || mode == "teacher")) {
     DL_ASSIGN_OR_RETURN(std::string bin_sha, Sha256File(o.binary));
     o.teacher_path =
@@ -212,12 +248,12 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
   }
   o.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   if (!o.endpoint.empty() && mode != "teacher" &&
-      (o.teacher_path.empty() || !fs::exists(o.teacher_path))) {
+      (o.teacher_path.empty() || !Exists(o.teacher_path))) {
     return InvalidArgument(
         "--endpoint needs an existing teacher (--teacher FILE): a teacher is never recorded from "
         "the server under test");
   }
-  if (default_model && mode != "teacher" && !fs::exists(o.teacher_path)) {
+  if (default_model && mode != "teacher" && !Exists(o.teacher_path)) {
     std::fprintf(stderr, "lab: recording the default model's teacher on %s into %s\n",
                  backend.c_str(), o.teacher_path.c_str());
     lab::LabOptions t = o;
@@ -289,7 +325,12 @@ int RunLock(const LabFlags& f) {
 }
 
 int RunRuns(const LabFlags& f) {
+  const auto incomplete = lab::ListIncompleteRuns(f.runs_dir);
   auto runs = lab::LedgerList(f.runs_dir);
+  // Only killed runs so far: no ledger yet, but they are listed.
+  if (!runs.ok() && runs.status().code() == StatusCode::kNotFound && !incomplete.empty()) {
+    runs = std::vector<lab::LedgerRun>{};
+  }
   if (!runs.ok()) return ReportError(runs.status());
   std::printf("%-48s %-7s %-8s %-7s %12s %12s\n", "run id", "mode", "verdict", "exact",
               "conv tok/s", "hist tok/s");
@@ -300,6 +341,11 @@ int RunRuns(const LabFlags& f) {
     std::printf("%-48s %-7s %-8s %3d/%-3d %12s %12s\n", r.run_id.c_str(), r.mode.c_str(),
                 r.verdict.c_str(), r.exact, r.prompts, num(r.conventional).c_str(),
                 num(r.historical).c_str());
+  }
+  // Killed runs have a directory but no ledger row.
+  for (const auto& r : incomplete) {
+    std::printf("%-48s %-7s %-8s %7s %12s %12s  (no result: the run was killed or stopped; %s)\n",
+                r.run_id.c_str(), r.mode.c_str(), "INCOMPLETE", "-", "-", "-", r.dir.c_str());
   }
   return 0;
 }
@@ -343,20 +389,26 @@ LabFlags SideFlags(const GateContext& g, const lab::GateSide& side, const std::s
   return f;
 }
 
-// Captures a command's combined output and exit status.
-std::pair<int, std::string> Capture(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return {-1, "cannot run: " + cmd};
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
-std::string Quote(const std::string& s) {
-  return "'" + s + "'";
+// Runs `exe args...` without a shell and returns its exit code (-1 when it did not exit on its own
+// within `timeout_s`, or could not start) and its combined output.
+std::pair<int, std::string> Capture(const std::string& exe, const std::vector<std::string>& args,
+                                    double timeout_s) {
+  char tmpl[] = "/tmp/decodelab-capture-XXXXXX";
+  const int fd = ::mkstemp(tmpl);
+  if (fd < 0) return {-1, "cannot create a temporary file for the output of " + exe};
+  ::close(fd);
+  comm::SpawnSpec spec;
+  spec.exe = exe;
+  spec.argv = {exe};
+  spec.argv.insert(spec.argv.end(), args.begin(), args.end());
+  spec.env = comm::EnvironmentWith({});
+  spec.output_path = tmpl;
+  auto exit = comm::RunToCompletion(spec, timeout_s);
+  auto text = ReadRegularFile(tmpl, kMaxJsonSidecarBytes);
+  ::unlink(tmpl);
+  std::string out = text.ok() ? *text : "";
+  if (!exit.ok()) return {-1, out + exit.status().message()};
+  return {exit->exited ? exit->code : -1, out};
 }
 
 lab::GateStep GatePreflight(const GateContext& g) {
@@ -374,7 +426,12 @@ lab::GateStep GatePreflight(const GateContext& g) {
                                    nvml.ok() ? *nvml : "unknown: " + nvml.status().message(),
                                    cuda::DriverVersionString(), boot);
   // Idleness first: our own smoke test below creates a CUDA context that nvidia-smi would list.
-  auto [rc, out] = Capture("nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader");
+  const std::string smi = comm::FindExecutable("nvidia-smi");
+  auto [rc, out] = smi.empty() ? std::pair<int, std::string>{-1, ""}
+                               : Capture(smi,
+                                         {"--query-compute-apps=pid,used_memory",
+                                          "--format=csv,noheader"},
+                                         60);
   if (rc == 0) {
     std::string apps;
     for (char c : out) apps += c == '\n' ? ';' : c;
@@ -410,8 +467,10 @@ lab::GateStep GateProbe(const GateContext& g) {
                     : gpu                  ? std::max(1, cuda::DeviceCount())
                                            : 2;
   const std::string bin = g.plan.control.binary.empty() ? SelfBinary() : g.plan.control.binary;
-  auto [rc, out] = Capture(fmt::format("{} probe --transport {} --ranks {} --log-dir {}",
-                                       Quote(bin), transport, ranks, Quote(g.dir + "/probe")));
+  auto [rc, out] = Capture(bin,
+                           {"probe", "--transport", transport, "--ranks", std::to_string(ranks),
+                            "--log-dir", g.dir + "/probe"},
+                           g.base.step_timeout_s);
   const size_t at = out.rfind("PROBE_RESULT=");
   if (at == std::string::npos) {
     return {"probe", "FAIL", fmt::format("no PROBE_RESULT line (exit {})", rc), {}};
@@ -426,7 +485,7 @@ lab::GateStep GateProbe(const GateContext& g) {
 
 lab::GateStep GateTeacher(GateContext& g) {
   if (!g.plan.teacher.empty()) {
-    if (!fs::exists(g.plan.teacher)) {
+    if (!Exists(g.plan.teacher)) {
       return {"teacher", "FAIL", g.plan.teacher + ": the plan's teacher does not exist", {}};
     }
     g.record.extra["teacher"] = g.plan.teacher;
@@ -486,7 +545,7 @@ int RunGate(const LabFlags& f, const std::string& plan_path, bool resume) {
     std::vector<std::string> ids;
     std::error_code ec;
     for (const auto& e : fs::directory_iterator(gates, ec)) {
-      if (fs::exists(e.path() / "gate.json")) ids.push_back(e.path().filename().string());
+      if (Exists((e.path() / "gate.json").string())) ids.push_back(e.path().filename().string());
     }
     if (ids.empty()) return ReportError(NotFound("{}: no gate to resume", gates));
     std::sort(ids.begin(), ids.end());
@@ -513,7 +572,7 @@ int RunGate(const LabFlags& f, const std::string& plan_path, bool resume) {
   } else {
     std::time_t now = std::time(nullptr);
     g.record.gate_id = lab::MakeRunId("gate", BuildCommit(), now);
-    while (fs::exists(gates + "/" + g.record.gate_id)) {
+    while (Exists(gates + "/" + g.record.gate_id)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       g.record.gate_id = lab::MakeRunId("gate", BuildCommit(), std::time(nullptr));
     }
@@ -643,6 +702,27 @@ int RunReport(const LabFlags& f) {
   return 0;
 }
 
+void AddTimeoutFlags(CLI::App* cmd, LabFlags& f) {
+  cmd->add_option("--start-timeout", f.start_timeout_s,
+                  "Seconds the served binary may take to answer /health")
+      ->default_val(300);
+  cmd->add_option("--step-timeout", f.step_timeout_s,
+                  "Seconds any child the lab runs (calibrate, probe) or any one request may take")
+      ->default_val(3600);
+}
+
+// Every lab command returns an exit code; nothing it meets (a filesystem error, a malformed file)
+// may abort the process instead.
+std::function<void()> Guarded(CommandContext& ctx, std::function<int()> run) {
+  return [&ctx, run = std::move(run)] {
+    try {
+      ctx.exit_code = run();
+    } catch (const std::exception& e) {
+      ctx.exit_code = ReportError(Internal("{}", e.what()));
+    }
+  };
+}
+
 void AddRunFlags(CLI::App* cmd, LabFlags& f) {
   cmd->add_option("--model", f.model_dir, "Model directory (default: the embedded tiny model)");
   cmd->add_option("--shape", f.shape, "Random-weight shape instead of --model: tiny, xs2, s21");
@@ -664,6 +744,7 @@ void AddRunFlags(CLI::App* cmd, LabFlags& f) {
   cmd->add_option("--cache-dir", f.cache_dir,
                   "Cache for the default model, calibration, suite and teachers (default "
                   "$DECODELAB_CACHE, $XDG_CACHE_HOME/decodelab or ~/.cache/decodelab)");
+  AddTimeoutFlags(cmd, f);
   cmd->add_option("serve_flags", f.serve_flags, "Flags after -- go to `decodelab serve`");
 }
 
@@ -681,20 +762,20 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
       "Short run (M = the suite's screen_tokens, 128 by default): every check of "
       "docs/lab.md, speed statistics, run directory and ledger row");
   AddRunFlags(screen, *f);
-  screen->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "screen"); });
+  screen->callback(Guarded(ctx, [f] { return RunLab(*f, "screen"); }));
   CLI::App* suite = lab->add_subcommand(
       "suite",
       "Full run (M = suite_tokens, 512 by default), repeated (twice by default) with a "
       "comparison line between the repeats");
   AddRunFlags(suite, *f);
   suite->add_option("--repeats", f->repeats, "How many runs")->default_val(2);
-  suite->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "suite"); });
+  suite->callback(Guarded(ctx, [f] { return RunLab(*f, "suite"); }));
   CLI::App* teacher = lab->add_subcommand(
       "teacher",
       "Record a teacher transcript from the control configuration (every prompt's "
       "tokens up to the largest M, and the re-prefilled token M+1 for every M)");
   AddRunFlags(teacher, *f);
-  teacher->callback([f, &ctx] { ctx.exit_code = RunLab(*f, "teacher"); });
+  teacher->callback(Guarded(ctx, [f] { return RunLab(*f, "teacher"); }));
   auto plan = std::make_shared<std::string>();
   auto resume = std::make_shared<bool>(false);
   CLI::App* gate = lab->add_subcommand(
@@ -714,7 +795,8 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
       ->default_val("runs");
   gate->add_option("--cache-dir", f->cache_dir, "Cache directory (as for screen)");
   gate->add_flag("--accept-identity", f->accept_identity, "Accept lock mismatches (recorded)");
-  gate->callback([f, plan, resume, &ctx] { ctx.exit_code = RunGate(*f, *plan, *resume); });
+  AddTimeoutFlags(gate, *f);
+  gate->callback(Guarded(ctx, [f, plan, resume] { return RunGate(*f, *plan, *resume); }));
   auto repro_file = std::make_shared<std::string>();
   CLI::App* repro = lab->add_subcommand(
       "repro",
@@ -732,7 +814,8 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
   repro->add_option("--endpoint", f->endpoint, "Use a running server instead (http://HOST:PORT)");
   repro->add_option("--cache-dir", f->cache_dir, "Cache directory (as for screen)");
   repro->add_option("serve_flags", f->serve_flags, "Flags after -- go to `decodelab serve`");
-  repro->callback([f, repro_file, &ctx] { ctx.exit_code = RunReproCommand(*f, *repro_file); });
+  AddTimeoutFlags(repro, *f);
+  repro->callback(Guarded(ctx, [f, repro_file] { return RunReproCommand(*f, *repro_file); }));
   CLI::App* report = lab->add_subcommand(
       "report", "Write one self-contained HTML report over the ledger (opens without a network)");
   report->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
@@ -740,21 +823,21 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
   report->add_option("--bundles", f->bundles,
                      "Folder with vega.min.js, vega-lite.min.js, vega-embed.min.js (default "
                      "<bin>/../share/decodelab/report, filled at build time by npm)");
-  report->callback([f, &ctx] { ctx.exit_code = RunReport(*f); });
+  report->callback(Guarded(ctx, [f] { return RunReport(*f); }));
   CLI::App* lock = lab->add_subcommand("lock", "Write an identity lock file (binary SHA-256)");
   lock->add_option("--binary", f->binary, "Binary to lock (default: this decodelab)");
   lock->add_option("--out", f->out, "Lock file to write")->required();
-  lock->callback([f, &ctx] { ctx.exit_code = RunLock(*f); });
+  lock->callback(Guarded(ctx, [f] { return RunLock(*f); }));
   CLI::App* runs = lab->add_subcommand("runs", "List the runs in the ledger");
   runs->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
-  runs->callback([f, &ctx] { ctx.exit_code = RunRuns(*f); });
+  runs->callback(Guarded(ctx, [f] { return RunRuns(*f); }));
   CLI::App* compare = lab->add_subcommand(
       "compare",
       "Compare two runs or labels: both medians, their repeat spread, and whether the "
       "difference exceeds it");
   compare->add_option("runs", f->compare, "Two run ids or labels")->expected(2)->required();
   compare->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
-  compare->callback([f, &ctx] { ctx.exit_code = RunCompare(*f); });
+  compare->callback(Guarded(ctx, [f] { return RunCompare(*f); }));
 }
 
 }  // namespace dl::app

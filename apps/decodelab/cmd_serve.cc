@@ -1,10 +1,14 @@
 // decodelab serve: the OpenAI-compatible HTTP endpoint (src/server) over the continuous-batching
 // scheduler (src/engine/scheduler.h).
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include <pthread.h>
@@ -12,6 +16,7 @@
 
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
+#include "base/file_util.h"
 #include "server/server.h"
 #include "tokenizer/tokenizer_writer.h"
 
@@ -23,6 +28,7 @@ struct ServeFlags {
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
+  std::string api_key_file;
   int max_batch = 8;
   int max_num_batched_tokens = 0;  // 0: max(prefill chunk, max batch)
   int max_waiting = 1024;
@@ -30,7 +36,40 @@ struct ServeFlags {
   size_t max_body_bytes = 16u << 20;
   std::string served_model_name;
   int http_threads = 160;
+  int max_connections = 0;
+  double header_timeout_s = 10;
+  double body_timeout_s = 60;
+  double shutdown_timeout_s = 10;
 };
+
+// The API key from --api-key, --api-key-file or $DECODELAB_API_KEY (at most one of them): a key in
+// a file or the environment does not show in `ps`.
+Result<std::string> ResolveApiKey(const ServeFlags& f) {
+  const char* env = std::getenv("DECODELAB_API_KEY");
+  const bool from_env = env != nullptr && *env != '\0';
+  const int sources = !f.api_key.empty() + !f.api_key_file.empty() + from_env;
+  if (sources > 1) {
+    return InvalidArgument(
+        "give the API key once: --api-key, --api-key-file and $DECODELAB_API_KEY are exclusive");
+  }
+  if (!f.api_key_file.empty()) {
+    DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(f.api_key_file, 64 << 10));
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) {
+      text.pop_back();
+    }
+    if (text.empty()) return InvalidArgument("--api-key-file {}: the file is empty", f.api_key_file);
+    if (text.find_first_of("\r\n") != std::string::npos) {
+      return InvalidArgument("--api-key-file {}: the key must be one line", f.api_key_file);
+    }
+    return text;
+  }
+  if (from_env) return std::string(env);
+  return f.api_key;
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
 
 int RunServe(const ServeFlags& f) {
   // Signals go to one waiting thread (below), never to a worker in the middle of a step: block them
@@ -44,6 +83,15 @@ int RunServe(const ServeFlags& f) {
 
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
+  auto api_key = ResolveApiKey(f);
+  if (!api_key.ok()) return ReportError(api_key.status());
+  if (api_key->empty() && !IsLoopbackHost(f.host)) {
+    std::fprintf(stderr,
+                 "warning: --host %s accepts connections from other machines and no API key is "
+                 "set: anyone who can reach this port can use the model (set --api-key-file or "
+                 "$DECODELAB_API_KEY)\n",
+                 f.host.c_str());
+  }
   if (f.max_batch < 1) return ReportError(InvalidArgument("--max-batch must be at least 1"));
   if (f.max_waiting < 0) return ReportError(InvalidArgument("--max-waiting must be >= 0"));
   // Pools for max_batch full-length sequences; with prefix caching, as much again for cached pages.
@@ -115,9 +163,12 @@ int RunServe(const ServeFlags& f) {
   ServerOptions sopts;
   sopts.host = f.host;
   sopts.port = f.port;
-  sopts.api_key = f.api_key;
+  sopts.api_key = *api_key;
   sopts.max_body_bytes = f.max_body_bytes;
   sopts.http_threads = f.http_threads;
+  sopts.max_connections = f.max_connections;
+  sopts.header_timeout_s = f.header_timeout_s;
+  sopts.body_timeout_s = f.body_timeout_s;
   sopts.served_model_name = !f.served_model_name.empty() ? f.served_model_name
                             : !opts->model_dir.empty()   ? opts->model_dir
                                                          : opts->shape;
@@ -127,6 +178,8 @@ int RunServe(const ServeFlags& f) {
   if (Status st = server.Bind(); !st.ok()) return ReportError(st);
 
   std::atomic<bool> finished{false};
+  std::mutex done_mu;
+  std::condition_variable done_cv;
   std::thread signal_thread([&] {
     timespec ts{0, 200'000'000};
     while (!finished.load()) {
@@ -135,6 +188,16 @@ int RunServe(const ServeFlags& f) {
         std::fprintf(stderr, "\ndecodelab serve: %s received, stopping (in-flight requests end "
                              "with an error)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
         server.Stop();
+        // The stop is bounded by design; should anything still hold the process (a handler stuck
+        // in a native call), exit anyway rather than ignore the signal.
+        std::unique_lock lock(done_mu);
+        if (!done_cv.wait_for(lock, std::chrono::duration<double>(f.shutdown_timeout_s),
+                              [&] { return finished.load(); })) {
+          std::fprintf(stderr, "decodelab serve: still not stopped after %.0f s: exiting now\n",
+                       f.shutdown_timeout_s);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }
         return;
       }
     }
@@ -145,7 +208,11 @@ int RunServe(const ServeFlags& f) {
   std::fflush(stdout);
   Status st = server.Run();
   server.Stop();
-  finished.store(true);
+  {
+    std::lock_guard lock(done_mu);
+    finished.store(true);
+  }
+  done_cv.notify_all();
   signal_thread.join();
   if (!st.ok()) return ReportError(st);
   std::fprintf(stderr, "decodelab serve: stopped\n");
@@ -167,7 +234,10 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
       ->default_val(8000)
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", flags->api_key,
-                  "Require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open)");
+                  "Require 'Authorization: Bearer KEY' on /v1/* (health and metrics stay open); "
+                  "visible in `ps`: prefer --api-key-file or $DECODELAB_API_KEY");
+  cmd->add_option("--api-key-file", flags->api_key_file,
+                  "Read the API key from this file (one line)");
   cmd->add_option("--max-batch", flags->max_batch,
                   "Sequences decoded together (continuous batching); the rest wait")
       ->default_val(8)
@@ -187,9 +257,25 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
   cmd->add_option("--served-model-name", flags->served_model_name,
                   "Model id in /v1/models and responses (default: the --model path or shape)");
   cmd->add_option("--http-threads", flags->http_threads,
-                  "HTTP worker threads; each open stream holds one")
+                  "HTTP worker threads; each open connection holds one")
       ->default_val(160)
       ->check(CLI::Range(4, 4096));
+  cmd->add_option("--max-connections", flags->max_connections,
+                  "Connections served at once (0 = --http-threads); more get HTTP 503 at once")
+      ->default_val(0)
+      ->check(CLI::Range(0, 4096));
+  cmd->add_option("--request-header-timeout", flags->header_timeout_s,
+                  "Seconds a request line and its headers may take to arrive (HTTP 408)")
+      ->default_val(10)
+      ->check(CLI::Range(0.1, 3600.0));
+  cmd->add_option("--request-body-timeout", flags->body_timeout_s,
+                  "Seconds a request body may take to arrive after its headers (HTTP 408)")
+      ->default_val(60)
+      ->check(CLI::Range(0.1, 3600.0));
+  cmd->add_option("--shutdown-timeout", flags->shutdown_timeout_s,
+                  "After SIGINT/SIGTERM, exit at the latest after this many seconds")
+      ->default_val(10)
+      ->check(CLI::Range(1.0, 3600.0));
   cmd->callback([flags, &ctx] { ctx.exit_code = RunServe(*flags); });
 }
 

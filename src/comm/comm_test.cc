@@ -287,6 +287,25 @@ TEST_F(ProcessTest, MissingExecutableIsAnExitNotACrash) {
   EXPECT_NE(Read("exec.log").find("execve failed"), std::string::npos);
 }
 
+TEST_F(ProcessTest, RunToCompletionIsBoundedAndFindExecutableSearchesThePath) {
+  SpawnSpec spec;
+  spec.exe = FindExecutable("sleep");
+  ASSERT_FALSE(spec.exe.empty());
+  spec.argv = {"sleep", "30"};
+  spec.env = EnvironmentWith({});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = RunToCompletion(spec, 0.3);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
+  spec.argv = {"sleep", "0"};
+  auto quick = RunToCompletion(spec, 10);
+  ASSERT_TRUE(quick.ok()) << quick.status().message();
+  EXPECT_TRUE(quick->exited && quick->code == 0);
+  EXPECT_EQ(FindExecutable("no-such-program-decodelab"), "");
+  EXPECT_EQ(FindExecutable("/x/y"), "/x/y");
+}
+
 TEST(NcclApi, MissingLibraryIsAClearError) {
   auto r = FindNcclLibrary({"/nonexistent/dir/libnccl.so.2", "libnccl-does-not-exist.so.9"});
   ASSERT_FALSE(r.ok());

@@ -3,11 +3,15 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -45,9 +49,12 @@ Result<ChildProcess> ChildProcess::Spawn(const SpawnSpec& spec) {
   envp.push_back(nullptr);
 
   const char* out_path = spec.output_path.empty() ? "/dev/null" : spec.output_path.c_str();
-  int out_fd = ::open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  int out_fd = spec.output_fd >= 0
+                   ? ::fcntl(spec.output_fd, F_DUPFD_CLOEXEC, 0)
+                   : ::open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
   if (out_fd < 0) {
-    return Unavailable("cannot open {} for the output of {}: {}", out_path, spec.exe,
+    return Unavailable("cannot open {} for the output of {}: {}",
+                       spec.output_fd >= 0 ? "the output descriptor" : out_path, spec.exe,
                        std::strerror(errno));
   }
   int in_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -132,6 +139,43 @@ void ChildProcess::KillAndReap() {
   KillGroup();
   while (!Poll()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   KillGroup();  // any group member that outlived the leader
+}
+
+Result<ExitInfo> RunToCompletion(const SpawnSpec& spec, double timeout_s) {
+  DL_ASSIGN_OR_RETURN(ChildProcess child, ChildProcess::Spawn(spec));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  while (!child.Poll()) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      child.KillAndReap();
+      return Status(StatusCode::kDeadlineExceeded,
+                    fmt::format("{} did not finish within {} s (killed)", spec.exe, timeout_s));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return child.exit_info();
+}
+
+std::string FindExecutable(const std::string& name) {
+  if (name.empty()) return "";
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path && *path ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    // An empty entry means the current directory, as for execvp.
+    std::string candidate = end > start ? dirs.substr(start, end - start) : std::string(1, '.');
+    candidate += '/';
+    candidate += name;
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+        ::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+    start = end + 1;
+  }
+  return "";
 }
 
 std::vector<std::string> EnvironmentWith(const std::vector<std::string>& overrides) {

@@ -18,6 +18,7 @@ struct SpawnSpec {
   std::vector<std::string> argv;  // argv[0] included
   std::vector<std::string> env;   // "NAME=value"; the child's whole environment
   std::string output_path;        // stdout and stderr go here (truncated); /dev/null when empty
+  int output_fd = -1;             // when >= 0, stdout and stderr go to this descriptor instead
   int pass_fd = -1;               // when >= 0, this descriptor is passed to the child as kPassedFd
 };
 
@@ -63,6 +64,14 @@ class ChildProcess {
   bool reaped_ = false;
   ExitInfo exit_;
 };
+
+// Runs `spec` to its end. After `timeout_s` its process group is killed and the result is
+// DeadlineExceeded naming the executable; a spawn failure is the spawn's error.
+Result<ExitInfo> RunToCompletion(const SpawnSpec& spec, double timeout_s);
+
+// `name` resolved on $PATH as execvp would (a name containing '/' is returned unchanged); empty
+// when no executable of that name is found.
+std::string FindExecutable(const std::string& name);
 
 // The current environment with `overrides` ("NAME=value") replacing or adding variables.
 std::vector<std::string> EnvironmentWith(const std::vector<std::string>& overrides);

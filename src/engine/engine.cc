@@ -38,6 +38,16 @@ std::pair<int32_t, float> ArgmaxWithMargin(std::span<const float> logits) {
   return {best, logits[best] - second};
 }
 
+Status CheckFiniteLogits(std::span<const float> logits, std::string_view context) {
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (!std::isfinite(logits[i])) {
+      return DataLoss("{}: logit {} of {} is {} (the model produced non-finite values)", context, i,
+                      logits.size(), logits[i]);
+    }
+  }
+  return Status::Ok();
+}
+
 std::vector<std::vector<int32_t>> BuiltinCalibrationPrompts(int64_t vocab_size) {
   const uint64_t key = StreamKey(0, "decodelab-calibration-v1");
   std::vector<std::vector<int32_t>> prompts;
@@ -285,7 +295,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     DL_RETURN_IF_ERROR(kv.Commit(seq, n));
     if (output) {
       if (!result.rows[0].finite) {
-        return DataLoss("the model produced NaN or Inf logits at position {}", seq.length() - 1);
+        return DataLoss("position {}: the model produced non-finite logits (NaN or Inf)", seq.length() - 1);
       }
       logits = std::move(result.rows[0].logits);
       device_token = result.rows[0].token;
@@ -303,6 +313,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     r.last_prompt_logits = logits;
     r.finish_reason = "length";
     for (int32_t step = 0; step < opts.max_tokens; ++step) {
+      DL_RETURN_IF_ERROR(CheckFiniteLogits(logits, fmt::format("generation step {}", step)));
       auto [tok, margin] = ArgmaxWithMargin(logits);
       if (tok != device_token) {
         return Internal("the backend's greedy token {} is not the argmax {} of its logits", device_token, tok);

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -94,5 +95,9 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
 
 // Index of the largest logit (lowest index on ties) and the top-1 minus top-2 margin.
 std::pair<int32_t, float> ArgmaxWithMargin(std::span<const float> logits);
+
+// DataLoss naming `context` and the first offending index when a logit is NaN or infinite: a
+// broken model or kernel must not turn into a plausible token (argmax over NaN picks index 0).
+Status CheckFiniteLogits(std::span<const float> logits, std::string_view context);
 
 }  // namespace dl

@@ -532,9 +532,16 @@ void Scheduler::Step() {
 void Scheduler::Emit(Sequence& s, const RowResult& row) {
   const SamplingParams& p = s.req.sampling;
   if (!row.finite) {
+    // The backend checked the row's logits (on the device for CUDA): none came back to check here.
     FinishSequence(s, FinishReason::kError,
-                   DataLoss("the model produced NaN or Inf logits at position {}", s.computed() - 1));
+                   DataLoss("token {}: the model produced non-finite logits (NaN or Inf)", s.generated));
     return;
+  }
+  if (!row.logits.empty()) {
+    if (Status st = CheckFiniteLogits(row.logits, fmt::format("token {}", s.generated)); !st.ok()) {
+      FinishSequence(s, FinishReason::kError, st);
+      return;
+    }
   }
   TokenEvent ev;
   ev.token = row.token;

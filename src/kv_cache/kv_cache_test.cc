@@ -146,6 +146,11 @@ TEST(KvScalesTest, FileRoundTripIsBitExactAndBadFilesAreRejected) {
   EXPECT_TRUE(back->BitwiseEqual(s));
   EXPECT_FALSE(ReadKvScalesFile(path, 4).ok());
   EXPECT_FALSE(ReadKvScalesFile(::testing::TempDir() + "/missing.json", 3).ok());
+  // A scales "file" that is a device is refused by its type, not read without end.
+  auto dev = ReadKvScalesFile("/dev/zero", 3);
+  ASSERT_FALSE(dev.ok());
+  EXPECT_NE(dev.status().message().find("not a regular file"), std::string::npos)
+      << dev.status().message();
   {
     FILE* f = std::fopen(path.c_str(), "w");
     std::fputs("{\"format\": \"decodelab-kv-scales\", \"layers\": [{\"layer\": 0, \"k_scale\": -1, "

@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "base/file_util.h"
+
 namespace dl {
 
 std::string FloatBitsHex(float f) {
@@ -49,11 +51,11 @@ bool KvScales::BitwiseEqual(const KvScales& o) const {
 }
 
 Result<KvScales> ReadKvScalesFile(const std::string& path, int num_layers) {
-  std::ifstream in(path);
-  if (!in) return NotFound("cannot open KV scales file {}", path);
+  auto text = ReadRegularFile(path, kMaxJsonSidecarBytes);
+  if (!text.ok()) return text.status().WithContext("KV scales file");
   nlohmann::json j;
   try {
-    in >> j;
+    j = nlohmann::json::parse(*text);
   } catch (const std::exception& e) {
     return InvalidArgument("KV scales file {} is not valid JSON: {}", path, e.what());
   }

@@ -69,6 +69,8 @@ Status StreamCompletion(const Endpoint& ep, const json& body, PromptResult* r, R
   std::string buffer, error, status_body;
   int http_status = 0;
   bool done = false;
+  bool timed_out = false;
+  const double deadline = MonotonicSeconds() + timeout_s;
   httplib::Request req;
   req.method = "POST";
   req.path = "/v1/completions";
@@ -81,7 +83,12 @@ Status StreamCompletion(const Endpoint& ep, const json& body, PromptResult* r, R
   };
   req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
     const double now = MonotonicSeconds();
+    if (now > deadline) {
+      timed_out = true;
+      return false;
+    }
     if (http_status != 200) {
+      if (status_body.size() > (1u << 20)) return false;
       status_body.append(data, len);
       return true;
     }
@@ -128,6 +135,11 @@ Status StreamCompletion(const Endpoint& ep, const json& body, PromptResult* r, R
   httplib::Response res;
   httplib::Error err = httplib::Error::Success;
   const bool ok = cli.send(req, res, err);
+  if (timed_out) {
+    return Status(StatusCode::kDeadlineExceeded,
+                  fmt::format("{}: request for {} did not finish within {} s",
+                              Where(ep, "/v1/completions"), r->name, timeout_s));
+  }
   if (!ok) {
     return Unavailable("{}: request for {} failed: {}", Where(ep, "/v1/completions"), r->name,
                        httplib::to_string(err));
@@ -145,20 +157,44 @@ Status StreamCompletion(const Endpoint& ep, const json& body, PromptResult* r, R
   return Status::Ok();
 }
 
-Result<int32_t> NextToken(const Endpoint& ep, const std::vector<int32_t>& prompt) {
-  httplib::Client cli = MakeClient(ep, 600);
-  auto res =
-      cli.Post("/v1/completions", CompletionBody(prompt, 1, false).dump(), "application/json");
-  if (!res) {
-    return Unavailable("{}: next request failed: {}", Where(ep, "/v1/completions"),
-                       httplib::to_string(res.error()));
+Result<int32_t> NextToken(const Endpoint& ep, const std::vector<int32_t>& prompt,
+                          double timeout_s) {
+  httplib::Client cli = MakeClient(ep, timeout_s);
+  const double deadline = MonotonicSeconds() + timeout_s;
+  bool timed_out = false;
+  std::string body;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = CompletionBody(prompt, 1, false).dump();
+  req.content_receiver = [&](const char* data, size_t len, uint64_t, uint64_t) {
+    if (MonotonicSeconds() > deadline || body.size() > (16u << 20)) {
+      timed_out = true;
+      return false;
+    }
+    body.append(data, len);
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  const bool ok = cli.send(req, res, err);
+  if (timed_out) {
+    return Status(StatusCode::kDeadlineExceeded,
+                  fmt::format("{}: next request did not finish within {} s (or answered more "
+                              "than 16 MiB)",
+                              Where(ep, "/v1/completions"), timeout_s));
   }
-  if (res->status != 200) {
-    return Internal("{}: next request got HTTP {}: {}", Where(ep, "/v1/completions"), res->status,
-                    res->body.substr(0, 300));
+  if (!ok) {
+    return Unavailable("{}: next request failed: {}", Where(ep, "/v1/completions"),
+                       httplib::to_string(err));
+  }
+  if (res.status != 200) {
+    return Internal("{}: next request got HTTP {}: {}", Where(ep, "/v1/completions"), res.status,
+                    body.substr(0, 300));
   }
   try {
-    json j = json::parse(res->body);
+    json j = json::parse(body);
     const auto& ids = j.at("choices").at(0).at("token_ids");
     if (ids.size() != 1) {
       return DataLoss("{}: next request returned {} tokens, expected 1",

@@ -28,10 +28,12 @@ Result<Endpoint> ParseEndpoint(const std::string& url);
 nlohmann::json CompletionBody(const std::vector<int32_t>& prompt, int max_tokens, bool stream);
 
 // Streams one completion; fills result tokens/finish/cached and the timing of every token event.
+// The whole request must end within `timeout_s` (a server trickling bytes cannot hold it longer).
 Status StreamCompletion(const Endpoint& ep, const nlohmann::json& body, PromptResult* result,
                         RequestTiming* timing, double timeout_s = 600);
-// Non-streamed completion with max_tokens 1: the "next" token after prompt.
-Result<int32_t> NextToken(const Endpoint& ep, const std::vector<int32_t>& prompt);
+// Non-streamed completion with max_tokens 1: the "next" token after prompt, within `timeout_s`.
+Result<int32_t> NextToken(const Endpoint& ep, const std::vector<int32_t>& prompt,
+                          double timeout_s = 600);
 Result<nlohmann::json> GetState(const Endpoint& ep);
 // True once GET /health answers 200.
 bool Healthy(const Endpoint& ep);

@@ -34,12 +34,16 @@ Result<GatePlan> ParseGatePlan(const json& j, const std::string& path) {
     if (j.value("format", "") != "decodelab-lab-plan") {
       return InvalidArgument("{}: \"format\" must be \"decodelab-lab-plan\"", path);
     }
+    DL_RETURN_IF_ERROR(CheckVersion(j, path));
     if (j.contains("model")) {
       const json& m = j.at("model");
       p.model_dir = Resolve(m.value("dir", ""), path);
       p.shape = m.value("shape", "");
-      p.seed = m.value("seed", uint64_t{0});
-      p.num_layers = m.value("num_layers", 0);
+      DL_ASSIGN_OR_RETURN(int64_t seed, JsonIntField(m, "seed", 0, 0, INT64_MAX, path + ": model"));
+      p.seed = static_cast<uint64_t>(seed);
+      DL_ASSIGN_OR_RETURN(int64_t layers,
+                          JsonIntField(m, "num_layers", 0, 0, 1000, path + ": model"));
+      p.num_layers = static_cast<int>(layers);
       if (!p.model_dir.empty() && !p.shape.empty()) {
         return InvalidArgument("{}: model: give \"dir\" or \"shape\", not both", path);
       }
@@ -51,7 +55,10 @@ Result<GatePlan> ParseGatePlan(const json& j, const std::string& path) {
                         ParseSide(j.value("candidate", json::object()), path, "candidate"));
     if (j.contains("probe")) {
       p.probe_transport = j.at("probe").value("transport", "");
-      p.probe_ranks = j.at("probe").value("ranks", 0);
+      // 0: the GPU count (2 with sim).
+      DL_ASSIGN_OR_RETURN(int64_t ranks,
+                          JsonIntField(j.at("probe"), "ranks", 0, 0, 1024, path + ": probe"));
+      p.probe_ranks = static_cast<int>(ranks);
       if (!p.probe_transport.empty() && p.probe_transport != "nccl" && p.probe_transport != "sim") {
         return InvalidArgument("{}: probe.transport must be nccl or sim", path);
       }

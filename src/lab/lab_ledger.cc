@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "lab/lab_stats.h"
+#include "lab/lab_suite.h"
 
 namespace dl::lab {
 
@@ -75,6 +76,39 @@ std::string Text(sqlite3_stmt* st, int col) {
 }
 
 }  // namespace
+
+std::vector<IncompleteRun> ListIncompleteRuns(const std::string& runs_dir) {
+  namespace fs = std::filesystem;
+  std::vector<IncompleteRun> out;
+  std::error_code ec;
+  if (!fs::is_directory(runs_dir, ec)) return out;
+  std::vector<std::string> recorded;
+  if (fs::exists(LedgerPath(runs_dir), ec)) {
+    if (auto rows = LedgerList(runs_dir); rows.ok()) {
+      for (const auto& r : *rows) recorded.push_back(r.run_id);
+    }
+  }
+  for (fs::directory_iterator it(runs_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path marker = it->path() / kIncompleteMarker;
+    if (!fs::is_regular_file(marker, ec)) continue;
+    IncompleteRun r;
+    r.run_id = it->path().filename().string();
+    if (std::find(recorded.begin(), recorded.end(), r.run_id) != recorded.end()) continue;
+    r.dir = it->path().string();
+    if (auto text = ReadTextFile(marker.string()); text.ok()) {
+      const auto j = nlohmann::json::parse(*text, nullptr, false);
+      if (j.is_object()) {
+        r.mode = j.value("mode", "");
+        r.label = j.value("label", "");
+        r.started_utc = j.value("started_utc", "");
+      }
+    }
+    out.push_back(std::move(r));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const IncompleteRun& a, const IncompleteRun& b) { return a.run_id < b.run_id; });
+  return out;
+}
 
 std::string LedgerPath(const std::string& runs_dir) {
   return (std::filesystem::path(runs_dir) / "ledger.sqlite").string();

@@ -23,6 +23,15 @@ struct LedgerRun {
 };
 
 std::string LedgerPath(const std::string& runs_dir);  // <runs_dir>/ledger.sqlite
+
+// A run directory whose run never finished (killed, or stopped by an error before its ledger row
+// was written): the lab writes this marker when it creates the directory and removes it last.
+inline constexpr const char* kIncompleteMarker = "INCOMPLETE";
+struct IncompleteRun {
+  std::string run_id, dir, mode, label, started_utc;
+};
+// The run directories of `runs_dir` that still hold the marker and have no ledger row, by run id.
+std::vector<IncompleteRun> ListIncompleteRuns(const std::string& runs_dir);
 // Inserts (or replaces) a run with its checks and metrics.
 Status LedgerRecord(const std::string& runs_dir, const LedgerRun& run,
                     const std::vector<CheckRow>& checks,

@@ -426,7 +426,12 @@ constexpr const char* kEmbedScript = R"JS(
 }  // namespace
 
 Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOptions& opts) {
-  DL_ASSIGN_OR_RETURN(std::vector<LedgerRun> runs, LedgerList(runs_dir));
+  auto listed = LedgerList(runs_dir);
+  if (!listed.ok() && listed.status().code() == StatusCode::kNotFound &&
+      !ListIncompleteRuns(runs_dir).empty()) {
+    listed = std::vector<LedgerRun>{};  // only killed runs so far: the report lists them
+  }
+  DL_ASSIGN_OR_RETURN(std::vector<LedgerRun> runs, std::move(listed));
   const ReportBundles bundles = LoadReportBundles(opts.bundles_dir);
   std::string h =
       "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>decodelab lab report</title>"
@@ -456,6 +461,18 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
         HtmlEscape(r.verdict), r.exact, r.prompts, num(r.conventional), num(r.historical));
   }
   h += "</table>";
+  if (const auto incomplete = ListIncompleteRuns(runs_dir); !incomplete.empty()) {
+    h += "<h2>Incomplete runs</h2><p class=\"note\">Run directories without a result (the run "
+         "was killed or stopped before its ledger row); their partial files are not results.</p>"
+         "<table id=\"incomplete-runs\"><tr><th>run id</th><th>label</th><th>mode</th>"
+         "<th>started</th><th>directory</th></tr>";
+    for (const auto& r : incomplete) {
+      h += fmt::format(
+          "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", HtmlEscape(r.run_id),
+          HtmlEscape(r.label), HtmlEscape(r.mode), HtmlEscape(r.started_utc), HtmlEscape(r.dir));
+    }
+    h += "</table>";
+  }
   if (!bundles.found) {
     h +=
         "<p class=\"missing\" id=\"charts-missing\">charts missing: Vega-Lite bundles not found (" +

@@ -12,8 +12,9 @@ namespace {
 
 Result<ReproRequest> ParseRequest(const json& j, const std::string& what) {
   ReproRequest r;
-  r.token_ids = j.at("token_ids").get<std::vector<int32_t>>();
-  r.max_tokens = j.value("max_tokens", 1);
+  DL_ASSIGN_OR_RETURN(r.token_ids, JsonTokenIds(j.at("token_ids"), what + ": token_ids"));
+  DL_ASSIGN_OR_RETURN(int64_t max_tokens, JsonIntField(j, "max_tokens", 1, 0, 1 << 24, what));
+  r.max_tokens = static_cast<int>(max_tokens);
   if (r.token_ids.empty()) return InvalidArgument("{}: token_ids is empty", what);
   if (r.max_tokens < 1) return InvalidArgument("{}: max_tokens must be at least 1", what);
   return r;
@@ -28,6 +29,7 @@ Result<Repro> ParseRepro(const json& j, const std::string& path) {
     if (j.value("format", "") != "decodelab-lab-repro") {
       return InvalidArgument("{}: \"format\" must be \"decodelab-lab-repro\"", path);
     }
+    DL_RETURN_IF_ERROR(CheckVersion(j, path));
     r.name = j.value("name", std::filesystem::path(path).stem().string());
     r.description = j.value("description", "");
     r.kv_dtype = j.value("kv_dtype", "fp8");
@@ -45,7 +47,8 @@ Result<Repro> ParseRepro(const json& j, const std::string& path) {
       }
     }
     DL_ASSIGN_OR_RETURN(r.target, ParseRequest(j.at("target"), path + ": target"));
-    r.expected = j.at("target").at("expected").get<std::vector<int32_t>>();
+    DL_ASSIGN_OR_RETURN(r.expected,
+                        JsonTokenIds(j.at("target").at("expected"), path + ": target.expected"));
     if (static_cast<int>(r.expected.size()) != r.target.max_tokens) {
       return InvalidArgument("{}: target.expected has {} tokens, max_tokens is {}", path,
                              r.expected.size(), r.target.max_tokens);

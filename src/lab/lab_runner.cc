@@ -232,7 +232,8 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   RunOutcome out;
   std::time_t now = std::time(nullptr);
   out.run_id = MakeRunId(o.label, BuildCommit(), now);
-  while (fs::exists(fs::path(o.runs_dir) / out.run_id)) {
+  std::error_code exists_ec;
+  while (fs::exists(fs::path(o.runs_dir) / out.run_id, exists_ec)) {
     // Two runs in one second would share a directory: wait for the next second.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     out.run_id = MakeRunId(o.label, BuildCommit(), std::time(nullptr));
@@ -243,6 +244,14 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   if (ec) return Internal("{}: cannot create the run directory: {}", dir.string(), ec.message());
   out.dir = dir.string();
   const std::string started = UtcStamp(std::time(nullptr), "%Y-%m-%dT%H:%M:%SZ");
+  // Removed only after the ledger row is written: a killed run leaves it behind, and `lab runs`
+  // and the report list the directory as incomplete.
+  DL_RETURN_IF_ERROR(WriteJson(dir / kIncompleteMarker,
+                               {{"run_id", out.run_id},
+                                {"mode", o.mode},
+                                {"label", o.label},
+                                {"started_utc", started},
+                                {"pid", static_cast<int>(::getpid())}}));
   const int m = o.mode == "suite" ? o.suite.suite_tokens : o.suite.screen_tokens;
   Progress(o, fmt::format("run {} ({} x {} tokens) in {}", out.run_id, o.suite.prompts.size(), m,
                           out.dir));
@@ -325,7 +334,7 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
         RequestTiming t;
         const json body = CompletionBody(p.ids, m, true);
         requests << json{{"name", p.name}, {"kind", "generate"}, {"body", body}}.dump() << "\n";
-        Status st = StreamCompletion(server.endpoint(), body, &r, &t);
+        Status st = StreamCompletion(server.endpoint(), body, &r, &t, o.request_timeout_s);
         if (st.ok() && o.suite.HasCheck("boundary")) {
           std::vector<int32_t> next_prompt = p.ids;
           next_prompt.insert(next_prompt.end(), r.tokens.begin(), r.tokens.end());
@@ -334,7 +343,7 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
                            {"body", CompletionBody(next_prompt, 1, false)}}
                           .dump()
                    << "\n";
-          auto nt = NextToken(server.endpoint(), next_prompt);
+          auto nt = NextToken(server.endpoint(), next_prompt, o.request_timeout_s);
           if (nt.ok()) {
             r.next = *nt;
           } else {
@@ -483,6 +492,7 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   lr.exact = exact;
   lr.prompts = static_cast<int>(o.suite.prompts.size());
   DL_RETURN_IF_ERROR(LedgerRecord(o.runs_dir, lr, rows, metrics));
+  fs::remove(dir / kIncompleteMarker, ec);
   return out;
 }
 
@@ -562,7 +572,8 @@ Status RecordTeacher(const LabOptions& o) {
     r.name = p.name;
     RequestTiming timing;
     DL_RETURN_IF_ERROR(
-        StreamCompletion(server.endpoint(), CompletionBody(p.ids, max_m, true), &r, &timing));
+        StreamCompletion(server.endpoint(), CompletionBody(p.ids, max_m, true), &r, &timing,
+                         o.request_timeout_s));
     if (static_cast<int>(r.tokens.size()) != max_m) {
       return DataLoss("teacher: {} returned {} tokens, expected {} (finish_reason {})", p.name,
                       r.tokens.size(), max_m, r.finish_reason);
@@ -571,7 +582,7 @@ Status RecordTeacher(const LabOptions& o) {
     for (int m : ms) {
       std::vector<int32_t> next_prompt = p.ids;
       next_prompt.insert(next_prompt.end(), r.tokens.begin(), r.tokens.begin() + m);
-      DL_ASSIGN_OR_RETURN(tp.next[m], NextToken(server.endpoint(), next_prompt));
+      DL_ASSIGN_OR_RETURN(tp.next[m], NextToken(server.endpoint(), next_prompt, o.request_timeout_s));
     }
     Progress(o, fmt::format("  teacher {}: {} prompt tokens, {} generated", p.name, p.ids.size(),
                             max_m));
@@ -598,7 +609,8 @@ Result<CheckRow> RunRepro(const LabOptions& o, const Repro& repro) {
     RequestTiming t;
     const auto& q = repro.precursors[i];
     DL_RETURN_IF_ERROR(StreamCompletion(server.endpoint(),
-                                        CompletionBody(q.token_ids, q.max_tokens, true), &r, &t));
+                                        CompletionBody(q.token_ids, q.max_tokens, true), &r, &t,
+                                        o.request_timeout_s));
     Progress(o, fmt::format("  precursor {}: {} prompt tokens, {} generated", i, q.token_ids.size(),
                             r.tokens.size()));
   }
@@ -607,7 +619,7 @@ Result<CheckRow> RunRepro(const LabOptions& o, const Repro& repro) {
   RequestTiming t;
   DL_RETURN_IF_ERROR(StreamCompletion(
       server.endpoint(), CompletionBody(repro.target.token_ids, repro.target.max_tokens, true), &r,
-      &t));
+      &t, o.request_timeout_s));
   server.Stop();
   std::error_code ec;
   std::filesystem::remove_all(tmp, ec);

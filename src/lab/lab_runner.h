@@ -41,6 +41,7 @@ struct LabOptions {
   int sliding_window = 0;  // for computed rollover prompts (0: page size only)
   int vocab_limit = 512;   // synthetic ids stay below this
   double server_start_timeout_s = 300;
+  double request_timeout_s = 600;  // one HTTP request to the server, start to end
   // Turns a text prompt into token ids (the model's tokenizer); null: text prompts are an error.
   std::function<Result<std::vector<int32_t>>(const std::string&)> tokenize;
   std::function<void(const std::string&)> progress;  // progress lines (stderr)

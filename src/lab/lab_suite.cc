@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "base/file_util.h"
 #include "base/sha256.h"
 
 namespace dl::lab {
@@ -31,11 +32,7 @@ std::vector<int> Suite::Ms() const {
 }
 
 Result<std::string> ReadTextFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("{}: cannot open", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return ReadRegularFile(path, kMaxJsonSidecarBytes);
 }
 
 Result<JsonFile> ReadJsonFile(const std::string& path) {
@@ -65,6 +62,51 @@ Status WriteTextFile(const std::string& path, const std::string& text) {
   return Status::Ok();
 }
 
+Result<int64_t> JsonInt(const json& v, int64_t lo, int64_t hi, const std::string& what) {
+  int64_t x = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(INT64_MAX)) {
+      return InvalidArgument("{}: {} is outside [{}, {}]", what, u, lo, hi);
+    }
+    x = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    x = v.get<int64_t>();
+  } else {
+    return InvalidArgument("{}: expected an integer, got {}", what, v.dump());
+  }
+  if (x < lo || x > hi) return InvalidArgument("{}: {} is outside [{}, {}]", what, x, lo, hi);
+  return x;
+}
+
+Result<int64_t> JsonIntField(const json& j, const char* key, int64_t def, int64_t lo, int64_t hi,
+                             const std::string& what) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  return JsonInt(*it, lo, hi, what + ": \"" + key + "\"");
+}
+
+Result<std::vector<int32_t>> JsonTokenIds(const json& v, const std::string& what) {
+  if (!v.is_array()) return InvalidArgument("{}: expected an array of token ids", what);
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    DL_ASSIGN_OR_RETURN(int64_t id,
+                        JsonInt(v[i], 0, INT32_MAX, fmt::format("{}[{}]: token id", what, i)));
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return ids;
+}
+
+Status CheckVersion(const json& j, const std::string& what) {
+  if (!j.is_object() || !j.contains("version")) return Status::Ok();
+  DL_ASSIGN_OR_RETURN(int64_t v, JsonInt(j["version"], 0, INT32_MAX, what + ": \"version\""));
+  if (v != 1) {
+    return InvalidArgument("{}: version {} is not supported (this lab reads version 1)", what, v);
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 std::string Resolve(const std::string& p, const std::string& suite_path) {
@@ -83,9 +125,12 @@ Result<Suite> ParseSuite(const json& j, const std::string& path, const std::stri
     if (j.value("format", "") != "decodelab-lab-suite") {
       return InvalidArgument("{}: \"format\" must be \"decodelab-lab-suite\"", path);
     }
+    DL_RETURN_IF_ERROR(CheckVersion(j, path));
     s.name = j.value("name", fs::path(path).stem().string());
-    s.screen_tokens = j.value("screen_tokens", 128);
-    s.suite_tokens = j.value("suite_tokens", 512);
+    DL_ASSIGN_OR_RETURN(int64_t screen, JsonIntField(j, "screen_tokens", 128, 0, 1 << 24, path));
+    DL_ASSIGN_OR_RETURN(int64_t suite, JsonIntField(j, "suite_tokens", 512, 0, 1 << 24, path));
+    s.screen_tokens = static_cast<int>(screen);
+    s.suite_tokens = static_cast<int>(suite);
     if (s.screen_tokens < 2 || s.suite_tokens < 2) {
       return InvalidArgument("{}: screen_tokens and suite_tokens must be at least 2", path);
     }
@@ -125,7 +170,11 @@ Result<Suite> ParseSuite(const json& j, const std::string& path, const std::stri
                                path, p.name, p.kind);
       }
       p.computed = pj.value("computed", false);
-      if (pj.contains("token_ids")) p.token_ids = pj.at("token_ids").get<std::vector<int32_t>>();
+      if (pj.contains("token_ids")) {
+        DL_ASSIGN_OR_RETURN(p.token_ids,
+                            JsonTokenIds(pj.at("token_ids"),
+                                         fmt::format("{}: prompt {}: token_ids", path, p.name)));
+      }
       if (pj.contains("text")) p.text = pj.at("text").get<std::string>();
       if (!p.computed && p.token_ids.empty() && p.text.empty()) {
         return InvalidArgument("{}: prompt {} has neither token_ids nor text", path, p.name);
@@ -227,6 +276,7 @@ Result<Teacher> ParseTeacher(const json& j, const std::string& what) {
     if (j.value("format", "") != "decodelab-teacher") {
       return InvalidArgument("{}: \"format\" must be \"decodelab-teacher\"", what);
     }
+    DL_RETURN_IF_ERROR(CheckVersion(j, what));
     t.suite_sha256 = j.value("suite_sha256", "");
     t.control_identity = j.value("control_identity", "");
     t.backend = j.value("backend", "");
@@ -236,9 +286,16 @@ Result<Teacher> ParseTeacher(const json& j, const std::string& what) {
     for (const auto& pj : j.at("prompts")) {
       TeacherPrompt p;
       p.name = pj.at("name").get<std::string>();
-      p.prompt = pj.at("prompt").get<std::vector<int32_t>>();
-      p.tokens = pj.at("tokens").get<std::vector<int32_t>>();
-      for (const auto& [m, tok] : pj.at("next").items()) p.next[std::stoi(m)] = tok.get<int32_t>();
+      const std::string where = fmt::format("{}: prompt {}", what, p.name);
+      DL_ASSIGN_OR_RETURN(p.prompt, JsonTokenIds(pj.at("prompt"), where + ": prompt"));
+      DL_ASSIGN_OR_RETURN(p.tokens, JsonTokenIds(pj.at("tokens"), where + ": tokens"));
+      for (const auto& [m, tok] : pj.at("next").items()) {
+        const bool digits = !m.empty() && m.size() <= 8 &&
+                            std::all_of(m.begin(), m.end(), [](char c) { return c >= '0' && c <= '9'; });
+        if (!digits) return InvalidArgument("{}: next: key \"{}\" is not a token count", where, m);
+        DL_ASSIGN_OR_RETURN(int64_t id, JsonInt(tok, 0, INT32_MAX, where + ": next[" + m + "]"));
+        p.next[std::stoi(m)] = static_cast<int32_t>(id);
+      }
       t.prompts.push_back(std::move(p));
     }
   } catch (const std::exception& e) {

@@ -98,4 +98,15 @@ struct JsonFile {
 Result<JsonFile> ReadJsonFile(const std::string& path);
 Status WriteTextFile(const std::string& path, const std::string& text);
 
+// Checked readers for the lab's JSON files: a value that is not an integer (1.5), or is outside
+// [lo, hi], is an error naming `what`, never truncated or wrapped.
+Result<int64_t> JsonInt(const nlohmann::json& v, int64_t lo, int64_t hi, const std::string& what);
+// j[key] when present and not null, else `def`.
+Result<int64_t> JsonIntField(const nlohmann::json& j, const char* key, int64_t def, int64_t lo,
+                             int64_t hi, const std::string& what);
+// An array of token ids (integers in [0, 2^31)).
+Result<std::vector<int32_t>> JsonTokenIds(const nlohmann::json& v, const std::string& what);
+// The file format version this lab reads: a "version" field, when present, must be 1.
+Status CheckVersion(const nlohmann::json& j, const std::string& what);
+
 }  // namespace dl::lab

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/file_util.h"
 #include "model/safetensors.h"
 #include "model/synthetic.h"
 
@@ -210,12 +211,9 @@ class CheckpointBuilder {
 namespace {
 
 Result<nlohmann::json> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, kMaxJsonSidecarBytes));
   try {
-    return nlohmann::json::parse(ss.str());
+    return nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     return DataLoss("{}: not valid JSON: {}", path, e.what());
   }

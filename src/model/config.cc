@@ -1,8 +1,8 @@
 #include "model/config.h"
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
+
+#include "base/file_util.h"
 
 namespace dl {
 namespace {
@@ -17,21 +17,38 @@ std::string Show(const json& v) {
 
 // Typed readers: a missing key keeps *out (the transformers 5.17.0 default); a present key of the
 // wrong type is an error naming the key.
-Status ReadInt(const json& j, const char* key, int64_t* out) {
+//
+// Integers are range-checked where they are read: every size, count and id is used as a 32-bit int
+// downstream (kernels, the KV cache, the lab), so a value outside [lo, hi] is an error naming the
+// key instead of being wrapped (sliding_window 2^32 + 8 used to become 8).
+constexpr int64_t kInt32Max = 2147483647;
+
+Status CheckedInt(const json& v, const std::string& key, int64_t lo, int64_t hi, int64_t* out) {
+  int64_t x = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi)) {
+      return InvalidArgument("key '{}' is {}, outside [{}, {}]", key, u, lo, hi);
+    }
+    x = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    x = v.get<int64_t>();
+  } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
+             std::fabs(v.get<double>()) < 9e15) {
+    x = static_cast<int64_t>(v.get<double>());
+  } else {
+    return InvalidArgument("key '{}' must be an integer, got {}", key, Show(v));
+  }
+  if (x < lo || x > hi) return InvalidArgument("key '{}' is {}, outside [{}, {}]", key, x, lo, hi);
+  *out = x;
+  return Status::Ok();
+}
+
+Status ReadInt(const json& j, const char* key, int64_t* out, int64_t lo = 0,
+               int64_t hi = kInt32Max) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::Ok();
-  if (it->is_number_integer() || it->is_number_unsigned()) {
-    *out = it->get<int64_t>();
-    return Status::Ok();
-  }
-  if (it->is_number_float()) {
-    const double d = it->get<double>();
-    if (std::floor(d) == d && std::fabs(d) < 9e15) {
-      *out = static_cast<int64_t>(d);
-      return Status::Ok();
-    }
-  }
-  return InvalidArgument("key '{}' must be an integer, got {}", key, Show(*it));
+  return CheckedInt(*it, key, lo, hi, out);
 }
 
 Status ReadDouble(const json& j, const char* key, double* out) {
@@ -192,8 +209,8 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   DL_RETURN_IF_ERROR(ReadInt(j, "shared_expert_intermediate_size", &c->shared_expert_intermediate_size));
   DL_RETURN_IF_ERROR(ReadDouble(j, "moe_routed_scaling_factor", &c->moe_routed_scaling_factor));
   DL_RETURN_IF_ERROR(ReadDouble(j, "moe_router_logit_softcapping", &c->moe_router_logit_softcapping));
-  DL_RETURN_IF_ERROR(ReadInt(j, "bos_token_id", &c->bos_token_id));
-  DL_RETURN_IF_ERROR(ReadInt(j, "pad_token_id", &c->pad_token_id));
+  DL_RETURN_IF_ERROR(ReadInt(j, "bos_token_id", &c->bos_token_id, -1));
+  DL_RETURN_IF_ERROR(ReadInt(j, "pad_token_id", &c->pad_token_id, -1));
   if (!j.contains("moe_routed_scaling_factor")) {
     c->warnings.push_back("moe_routed_scaling_factor absent: using the transformers default 1.0");
   }
@@ -224,11 +241,15 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   c->eos_token_ids.clear();
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
     if (it->is_number_integer()) {
-      c->eos_token_ids.push_back(it->get<int64_t>());
+      int64_t id = 0;
+      DL_RETURN_IF_ERROR(CheckedInt(*it, "eos_token_id", 0, kInt32Max, &id));
+      c->eos_token_ids.push_back(id);
     } else if (it->is_array()) {
       for (const auto& v : *it) {
         if (!v.is_number_integer()) return InvalidArgument("eos_token_id entries must be integers, got {}", Show(v));
-        c->eos_token_ids.push_back(v.get<int64_t>());
+        int64_t id = 0;
+        DL_RETURN_IF_ERROR(CheckedInt(v, "eos_token_id", 0, kInt32Max, &id));
+        c->eos_token_ids.push_back(id);
       }
     } else {
       return InvalidArgument("eos_token_id must be an integer or a list, got {}", Show(*it));
@@ -253,10 +274,11 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
     }
     for (int64_t l = 0; l < L; ++l) {
       const json& v = (*it)[l];
-      if (!v.is_number_integer() || v.get<int64_t>() <= 0) {
+      if (!v.is_number_integer()) {
         return InvalidArgument("num_attention_heads_per_layer[{}] must be a positive integer, got {}", l, Show(v));
       }
-      c->num_attention_heads_per_layer[l] = v.get<int64_t>();
+      DL_RETURN_IF_ERROR(CheckedInt(v, fmt::format("num_attention_heads_per_layer[{}]", l), 1,
+                                    kInt32Max, &c->num_attention_heads_per_layer[l]));
     }
   } else {
     c->warnings.push_back(fmt::format(
@@ -437,13 +459,10 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
 }
 
 Result<ModelConfig> ModelConfig::FromFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, kMaxConfigFileBytes));
   json j;
   try {
-    j = json::parse(ss.str());
+    j = json::parse(text);
   } catch (const std::exception& e) {
     return InvalidArgument("{}: not valid JSON: {}", path, e.what());
   }

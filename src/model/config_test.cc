@@ -316,3 +316,48 @@ TEST(RopeTest, S21OneMillionAnd256K) {
 
 }  // namespace
 }  // namespace dl
+
+namespace dl {
+namespace {
+
+// Sizes, counts and ids are 32-bit downstream: out-of-range values are errors naming the key, never
+// wrapped (issue 21 item 10).
+TEST(ConfigTest, IntegersOutOfRangeAreErrorsNamingTheKey) {
+  auto expect_error = [](json j, const std::string& key) {
+    auto c = ModelConfig::FromJson(j);
+    ASSERT_FALSE(c.ok()) << j.dump().substr(0, 80);
+    EXPECT_NE(c.status().message().find(key), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("outside"), std::string::npos) << c.status().message();
+  };
+  json j = Tiny();
+  j["sliding_window"] = (int64_t{1} << 32) + 8;  // used to become 8
+  expect_error(j, "sliding_window");
+  j = Tiny();
+  j["sliding_window"] = int64_t{1000000000000};  // used to print as -727379968
+  expect_error(j, "sliding_window");
+  j = Tiny();
+  j["vocab_size"] = uint64_t{18446744073709551615u};
+  expect_error(j, "vocab_size");
+  j = Tiny();
+  j["hidden_size"] = -64;
+  expect_error(j, "hidden_size");
+  j = Tiny();
+  j["eos_token_id"] = int64_t{1} << 40;
+  expect_error(j, "eos_token_id");
+  j = Tiny();
+  j["eos_token_id"] = json::array({2, int64_t{1} << 33});
+  expect_error(j, "eos_token_id");
+  j = Tiny();
+  j["num_attention_heads_per_layer"][1] = int64_t{1} << 33;
+  expect_error(j, "num_attention_heads_per_layer[1]");
+  j = Tiny();
+  j["rope_parameters"]["full_attention"]["original_max_position_embeddings"] = int64_t{1} << 35;
+  expect_error(j, "original_max_position_embeddings");
+  // The largest int32 is still accepted where the shape allows it.
+  j = Tiny();
+  j["max_position_embeddings"] = 2147483647;
+  EXPECT_TRUE(ModelConfig::FromJson(j).ok());
+}
+
+}  // namespace
+}  // namespace dl

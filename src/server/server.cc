@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 
@@ -9,6 +10,7 @@
 
 #include "base/sha256.h"
 #include "server/api.h"
+#include "server/http_guard.h"
 
 namespace dl {
 
@@ -17,16 +19,63 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// JSON text for the wire. Strings that are not valid UTF-8 (a request path, a token's bytes, a
+// message quoting input) get U+FFFD instead of making dump() throw.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 void SendJson(httplib::Response& res, int status, const json& body) {
   res.status = status;
-  res.set_content(body.dump(), "application/json");
+  res.set_content(Dump(body), "application/json");
 }
 
 void SendError(httplib::Response& res, const api::ApiError& e) {
   SendJson(res, e.http_status, api::ErrorBody(e));
 }
 
-std::string Sse(const json& j) { return "data: " + j.dump() + "\n\n"; }
+std::string Sse(const json& j) { return "data: " + Dump(j) + "\n\n"; }
+
+// The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
+void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
+  std::string what = "unknown exception";
+  try {
+    if (ep) std::rethrow_exception(ep);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  try {
+    res.headers.erase("Content-Type");
+    SendError(res, api::FromStatus(Internal("internal error: {}", what)));
+  } catch (...) {
+    res.status = 500;
+    res.body.clear();
+  }
+}
+
+// One catch-all per route.
+httplib::Server::Handler Guarded(httplib::Server::Handler h) {
+  return [h = std::move(h)](const httplib::Request& req, httplib::Response& res) {
+    try {
+      h(req, res);
+    } catch (...) {
+      SendUnexpected(res, std::current_exception());
+    }
+  };
+}
+
+http::Limits LimitsOf(const ServerOptions& o) {
+  http::Limits l;
+  const int threads = std::max(4, o.http_threads);
+  l.max_connections = o.max_connections > 0 ? std::min(o.max_connections, threads) : threads;
+  l.max_body_bytes = o.max_body_bytes;
+  l.max_header_bytes = o.max_header_bytes;
+  l.max_header_count = o.max_header_count;
+  l.header_timeout_s = o.header_timeout_s;
+  l.body_timeout_s = o.body_timeout_s;
+  l.keep_alive_timeout_s = 2;
+  l.write_timeout_s = 30;
+  return l;
+}
 
 // Everything one generation request needs while its tokens come back, shared between the handler
 // and (for streams) the content provider, which outlives the handler call.
@@ -131,6 +180,27 @@ bool PollChoice(Job& job, size_t i, std::chrono::milliseconds wait, std::vector<
   return true;
 }
 
+// The streaming provider runs while cpp-httplib writes the response, outside its try block: an
+// exception there would end the process. Anything it throws ends the stream with an error event.
+httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
+                                                    httplib::ContentProviderWithoutLength p) {
+  return [job, p = std::move(p)](size_t offset, httplib::DataSink& sink) -> bool {
+    try {
+      return p(offset, sink);
+    } catch (...) {
+      job->CancelAll();
+      try {
+        json body = api::ErrorBody(api::FromStatus(Internal("internal error while streaming")));
+        body["error"]["code"] = 500;
+        const std::string tail = Sse(body) + "data: [DONE]\n\n";
+        if (sink.write(tail.data(), tail.size())) sink.done();
+      } catch (...) {
+      }
+      return false;
+    }
+  };
+}
+
 std::string MetricsText(const SchedulerStats& s, const std::string& model) {
   std::string out;
   const std::string label = fmt::format("model_name=\"{}\"", model);
@@ -195,22 +265,16 @@ Server::Server(Engine& engine, Scheduler& scheduler, ServerOptions options,
       tokenizer_(std::move(tokenizer)),
       chat_template_(std::move(chat_template)),
       chat_template_error_(std::move(chat_template_error)),
-      http_(std::make_unique<httplib::Server>()) {
+      http_(std::make_unique<http::GuardedServer>(LimitsOf(options_), &stopping_)) {
   created_ = static_cast<int64_t>(std::time(nullptr));
   auto sha = Sha256OfSelf();
   binary_sha256_ = sha.ok() ? *sha : "unknown (" + sha.status().message() + ")";
-  const int threads = std::max(4, options_.http_threads);
-  http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
-  http_->set_payload_max_length(options_.max_body_bytes);
   // Remember the listening socket: the packaged cpp-httplib listens with a backlog of 5, which
   // drops connections when many clients connect at once; Bind raises it.
   http_->set_socket_options([this](socket_t sock) {
     httplib::default_socket_options(sock);
     listen_fd_.store(static_cast<int>(sock));
   });
-  http_->set_keep_alive_timeout(2);
-  http_->set_read_timeout(30, 0);
-  http_->set_write_timeout(30, 0);
   Routes();
 }
 
@@ -254,6 +318,40 @@ void Server::Routes() {
   const std::string model_name = options_.served_model_name;
 
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // Before any body is read: cpp-httplib 0.11 would inflate a compressed body without a bound
+    // and read a too-long one to its end.
+    const std::string encoding = req.get_header_value("Content-Encoding");
+    if (!encoding.empty() && encoding != "identity") {
+      api::ApiError e;
+      e.http_status = 415;
+      e.message = "compressed request bodies are not accepted (Content-Encoding: " + encoding +
+                  "); send the body uncompressed";
+      e.code = "unsupported_content_encoding";
+      http::CloseCurrentConnectionAfterResponse();
+      res.set_header("Connection", "close");
+      SendError(res, e);
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (req.has_header("Content-Length")) {
+      const std::string len = req.get_header_value("Content-Length");
+      uint64_t n = 0;
+      const bool numeric = !len.empty() && len.size() <= 19 &&
+                           std::all_of(len.begin(), len.end(), [](char c) { return c >= '0' && c <= '9'; });
+      if (numeric) n = std::stoull(len);
+      if (!numeric || n > options_.max_body_bytes) {
+        api::ApiError e;
+        e.http_status = numeric ? 413 : 400;
+        e.message = numeric ? fmt::format("the request body ({} bytes) is larger than the server's "
+                                          "limit of {} bytes (--max-body-bytes)",
+                                          n, options_.max_body_bytes)
+                            : "Content-Length is not a number";
+        e.code = numeric ? "request_too_large" : "bad_request";
+        http::CloseCurrentConnectionAfterResponse();
+        res.set_header("Connection", "close");
+        SendError(res, e);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     if (req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
     if (!options_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
@@ -274,43 +372,41 @@ void Server::Routes() {
     return httplib::Server::HandlerResponse::Unhandled;
   });
 
+  // cpp-httplib 0.11 calls the error handler outside its try block: nothing may escape it.
   svr.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;  // our own error bodies
-    api::ApiError e;
-    e.http_status = res.status;
-    if (res.status == 404) {
-      e.message = fmt::format("no route {} {}", req.method, req.path);
-      e.code = "not_found";
-    } else if (res.status == 413) {
-      e.message = "the request body is larger than the server's limit (--max-body-bytes)";
-      e.code = "request_too_large";
-    } else {
-      e.message = fmt::format("HTTP {}", res.status);
-      if (res.status >= 500) e.type = "server_error";
+    try {
+      api::ApiError e;
+      e.http_status = res.status;
+      if (res.status == 404) {
+        e.message = fmt::format("no route {} {}", req.method, req.path);
+        e.code = "not_found";
+      } else if (res.status == 413) {
+        e.message = "the request body is larger than the server's limit (--max-body-bytes)";
+        e.code = "request_too_large";
+      } else {
+        e.message = fmt::format("HTTP {}", res.status);
+        if (res.status >= 500) e.type = "server_error";
+      }
+      SendError(res, e);
+    } catch (...) {
+      res.body.clear();
     }
-    SendError(res, e);
   });
 
   svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown exception";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    SendError(res, api::FromStatus(Internal("internal error: {}", what)));
+    SendUnexpected(res, ep);
   });
 
-  svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  svr.Get("/health", Guarded([this](const httplib::Request&, httplib::Response& res) {
     res.status = stopping_.load() ? 503 : 200;
-  });
+  }));
 
-  svr.Get("/metrics", [this, model_name](const httplib::Request&, httplib::Response& res) {
+  svr.Get("/metrics", Guarded([this, model_name](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(scheduler_.Stats(), model_name), "text/plain; version=0.0.4");
-  });
+  }));
 
-  svr.Get("/v1/models", [this, model_name](const httplib::Request&, httplib::Response& res) {
+  svr.Get("/v1/models", Guarded([this, model_name](const httplib::Request&, httplib::Response& res) {
     json m = {{"id", model_name},
               {"object", "model"},
               {"created", created_},
@@ -320,9 +416,9 @@ void Server::Routes() {
               {"max_model_len", scheduler_.max_context()},
               {"permission", json::array()}};
     SendJson(res, 200, {{"object", "list"}, {"data", json::array({m})}});
-  });
+  }));
 
-  svr.Get("/v1/decodelab/state", [this, model_name](const httplib::Request&, httplib::Response& res) {
+  svr.Get("/v1/decodelab/state", Guarded([this, model_name](const httplib::Request&, httplib::Response& res) {
     const json d = engine_.runner->Describe();
     const auto stats = scheduler_.Stats();
     json scales = engine_.runner->kv_scales().ToJson();
@@ -359,10 +455,26 @@ void Server::Routes() {
         {"runner", d},
     };
     SendJson(res, 200, state);
-  });
+  }));
 
   auto generate = [this, model_name](bool chat) {
     return [this, model_name, chat](const httplib::Request& req, httplib::Response& res) {
+      // The decoded size (a chunked body has no Content-Length to check up front) and the nesting
+      // depth: parsing, copying and converting request JSON all recurse over it.
+      if (req.body.size() > options_.max_body_bytes) {
+        api::ApiError e;
+        e.http_status = 413;
+        e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of "
+                                "{} bytes (--max-body-bytes)",
+                                req.body.size(), options_.max_body_bytes);
+        e.code = "request_too_large";
+        return SendError(res, e);
+      }
+      if (http::JsonNestingExceeds(req.body, options_.max_json_depth)) {
+        return SendError(res, api::BadRequest(fmt::format("the request body nests arrays and objects "
+                                                          "deeper than {} levels",
+                                                          options_.max_json_depth)));
+      }
       api::ParseContext ctx;
       ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
       ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
@@ -426,6 +538,13 @@ void Server::Routes() {
               job->CancelAll();
               return SendError(res, api::FromStatus(error));
             }
+            // Nobody will read the answer: free the batch slot and the KV pages now, as a
+            // vanished stream does.
+            if (job->finish[i].empty() && http::CurrentClientGone()) {
+              job->CancelAll();
+              res.status = 499;
+              return;
+            }
           }
         }
         json choices = json::array();
@@ -460,7 +579,7 @@ void Server::Routes() {
       res.set_header("X-Accel-Buffering", "no");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [job](size_t, httplib::DataSink& sink) -> bool {
+          GuardedStream(job, [job](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
             auto write = [&](const std::string& s) {
               if (!sink.write(s.data(), s.size())) {
@@ -518,12 +637,12 @@ void Server::Routes() {
             if (!write("data: [DONE]\n\n")) return false;
             sink.done();
             return true;
-          },
+          }),
           [job](bool) { job->CancelAll(); });
     };
   };
-  svr.Post("/v1/completions", generate(false));
-  svr.Post("/v1/chat/completions", generate(true));
+  svr.Post("/v1/completions", Guarded(generate(false)));
+  svr.Post("/v1/chat/completions", Guarded(generate(true)));
 }
 
 }  // namespace dl

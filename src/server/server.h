@@ -31,8 +31,15 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8000;  // 0 = an ephemeral port (see Server::port())
   std::string api_key;  // empty = no authentication
-  size_t max_body_bytes = 16u << 20;
+  size_t max_body_bytes = 16u << 20;  // after decoding; compressed bodies are refused (415)
   int http_threads = 160;  // each open SSE stream pins one
+  // Client limits (src/server/http_guard.h, docs/security.md).
+  int max_connections = 0;  // connections served at once, beyond it 503; 0 = http_threads
+  size_t max_header_bytes = 32u << 10;  // request line + headers (431)
+  size_t max_header_count = 100;        // header fields (431)
+  double header_timeout_s = 10;         // request line + headers must arrive within this (408)
+  double body_timeout_s = 60;           // the body within this after the headers (408)
+  size_t max_json_depth = 128;          // nesting of arrays/objects in a request body (400)
   std::string served_model_name;
   std::string model_root;  // reported in /v1/models "root"
   nlohmann::json model_identity = nlohmann::json::object();  // shape/seed/dir, for /state
@@ -54,7 +61,8 @@ class Server {
   // Serves until Stop(); returns once the listener is closed.
   Status Run();
   // Refuses new requests (503), ends in-flight requests (streams get an error event and [DONE]),
-  // stops the scheduler and closes the listener. Safe from any thread, idempotent.
+  // stops the scheduler and closes the listener; connection threads blocked on a silent client wake
+  // within 100 ms. Safe from any thread, idempotent.
   void Stop();
 
  private:

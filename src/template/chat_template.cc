@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "base/file_util.h"
 #include "template/jinja_eval.h"
 #include "template/jinja_parser.h"
 
@@ -19,12 +20,7 @@ Status FromJinjaError(const jinja::JinjaError& e, const std::string& name) {
 }
 
 Result<std::string> ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return DataLoss("error reading {}", path.string());
-  return ss.str();
+  return ReadRegularFile(path.string(), kMaxJsonSidecarBytes);
 }
 
 Result<nlohmann::ordered_json> ReadJson(const std::filesystem::path& path) {
@@ -88,8 +84,13 @@ Result<std::string> ChatTemplate::Render(const nlohmann::ordered_json& context) 
     return InvalidArgument("{}: render context must be a JSON object", source_name_);
   }
   try {
-    jinja::Evaluator ev;
-    return ev.Render(*tmpl_, jinja::Value::FromJson(context));
+    // One budget for the context and the render: cycles a template makes through the request's
+    // own lists are emptied when the budget ends, after the context and the evaluator.
+    const jinja::RenderLimits limits;
+    jinja::RenderBudget budget(limits);
+    const jinja::Value ctx = jinja::Value::FromJson(context);
+    jinja::Evaluator ev(limits);
+    return ev.Render(*tmpl_, ctx);
   } catch (const jinja::JinjaError& e) {
     return FromJinjaError(e, source_name_);
   } catch (const std::bad_alloc&) {

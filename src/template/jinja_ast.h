@@ -37,6 +37,7 @@ struct Expr {
   Kind kind;
   int line = 0;
   int column = 0;
+  int depth = 1;  // of the subtree: evaluating and freeing it recurse this deep
   Value literal;
   std::string name;
   bool negated = false;

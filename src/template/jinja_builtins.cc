@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <initializer_list>
+#include <limits>
 #include <unordered_map>
 
 #include "template/jinja_eval.h"
@@ -157,11 +158,16 @@ std::string Strip(const std::string& s, const Value& chars, bool left, bool righ
 
 std::string Replace(const std::string& s, const std::string& from, const std::string& to,
                     int64_t count) {
+  ChargeSteps(static_cast<int64_t>(s.size() / 16));
   std::string out;
   if (from.empty()) {
     // Python inserts `to` between every character (and at both ends).
     auto cps = SplitCodePoints(s);
     int64_t done = 0;
+    const size_t inserts = count < 0 ? cps.size() + 1
+                                     : std::min<size_t>(cps.size() + 1, static_cast<size_t>(count));
+    if (!to.empty() && inserts > (size_t{1} << 40) / to.size()) Fail("replace() result too large");
+    CheckStringSize(s.size() + inserts * to.size());
     for (size_t i = 0; i <= cps.size(); ++i) {
       if (count < 0 || done < count) {
         out += to;
@@ -178,6 +184,7 @@ std::string Replace(const std::string& s, const std::string& from, const std::st
     if (f == std::string::npos) break;
     out.append(s, pos, f - pos);
     out += to;
+    CheckStringSize(out.size());
     pos = f + from.size();
     ++done;
   }
@@ -278,7 +285,9 @@ class ArgList {
   int64_t GetInt(size_t i, int64_t def) const {
     Value v = Get(i, Value::Int(def));
     if (v.is_int() || v.is_bool()) return v.as_int();
-    if (v.is_float()) return static_cast<int64_t>(v.as_double());
+    if (v.is_float() && std::isfinite(v.as_double()) && std::fabs(v.as_double()) < 9.2e18) {
+      return static_cast<int64_t>(v.as_double());
+    }
     Fail(std::string("argument '") + names_[i] + "' must be an integer");
   }
   std::string GetStr(size_t i, const std::string& def) const {
@@ -303,7 +312,7 @@ Value GetPath(const Value& item, const std::string& path) {
     size_t dot = path.find('.', start);
     std::string part =
         path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), IsDigitC);
+    bool numeric = !part.empty() && part.size() <= 18 && std::all_of(part.begin(), part.end(), IsDigitC);
     cur = GetItem(cur, numeric ? Value::Int(std::stoll(part)) : Value::String(part));
     if (dot == std::string::npos) return cur;
     start = dot + 1;
@@ -372,6 +381,7 @@ std::string PercentFormat(const std::string& fmt, const std::vector<Value>& args
   std::string out;
   size_t ai = 0;
   for (size_t i = 0; i < fmt.size(); ++i) {
+    CheckStringSize(out.size());
     if (fmt[i] != '%') {
       out += fmt[i];
       continue;
@@ -390,7 +400,15 @@ std::string PercentFormat(const std::string& fmt, const std::vector<Value>& args
       out += a.Repr();
     } else if (c == 'd' || c == 'i') {
       if (!a.is_number()) Fail("%d format: a real number is required, not " + a.TypeName());
-      out += std::to_string(a.is_float() ? static_cast<int64_t>(a.as_double()) : a.as_int());
+      if (a.is_float()) {
+        const double d = std::trunc(a.as_double());
+        if (!std::isfinite(d)) Fail("%d format: cannot convert " + PyFloatRepr(d) + " to integer");
+        char b[64];
+        std::snprintf(b, sizeof b, "%.0f", d);
+        out += b;
+      } else {
+        out += std::to_string(a.as_int());
+      }
     } else if (c == 'f') {
       char b[64];
       std::snprintf(b, sizeof(b), "%f", a.as_double());
@@ -425,6 +443,7 @@ std::string BraceFormat(const std::string& fmt, CallArgs& args) {
         if (auto_idx >= args.positional.size()) Fail("Replacement index out of range");
         v = &args.positional[auto_idx++];
       } else if (std::all_of(field.begin(), field.end(), IsDigitC)) {
+        if (field.size() > 9) Fail("Replacement index out of range");
         size_t k = std::stoul(field);
         if (k >= args.positional.size()) Fail("Replacement index out of range");
         v = &args.positional[k];
@@ -435,6 +454,7 @@ std::string BraceFormat(const std::string& fmt, CallArgs& args) {
         if (!v) Fail("KeyError: '" + field + "'");
       }
       out += v->ToStr();
+      CheckStringSize(out.size());
       i = close;
     } else if (c == '}') {
       Fail("Single '}' encountered in format string");
@@ -446,6 +466,7 @@ std::string BraceFormat(const std::string& fmt, CallArgs& args) {
 }
 
 std::vector<Value> PySplit(const std::string& s, const Value& sep, int64_t maxsplit) {
+  ChargeSteps(static_cast<int64_t>(s.size() / 16));
   std::vector<Value> parts;
   if (sep.is_none() || sep.is_undefined()) {
     size_t i = 0;
@@ -534,6 +555,7 @@ const std::unordered_map<std::string, TestFn>& Tests() {
            Fail("'divisibleby' test needs integers");
          }
          if (n.as_int() == 0) Fail("integer division or modulo by zero");
+         if (n.as_int() == -1) return true;  // INT64_MIN % -1 traps
          return v.as_int() % n.as_int() == 0;
        }},
       {"equalto", [](const Value& v, CallArgs& a, Evaluator&) { return v.Equals(Arg0(a, "eq")); }},
@@ -664,8 +686,9 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
            if (!first) out += sep;
            first = false;
            out += (attr.is_none() ? item : GetPath(item, attr.ToStr())).ToStr();
+           CheckStringSize(out.size());
          }
-         return Value::String(out);
+         return Value::String(std::move(out));
        }},
       {"default",
        [](Value in, CallArgs& args, Evaluator&) {
@@ -692,6 +715,7 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
          Value indent = a.Get(1);
          if (indent.is_int() || indent.is_bool()) {
            o.has_indent = true;
+           CheckStringSize(static_cast<size_t>(std::max<int64_t>(0, indent.as_int())));
            o.indent = std::string(std::max<int64_t>(0, indent.as_int()), ' ');
          } else if (indent.is_string()) {
            o.has_indent = true;
@@ -719,14 +743,15 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
          if (in.is_int()) return in;
          if (in.is_bool()) return Value::Int(in.as_int());
          if (in.is_float()) {
-           if (!std::isfinite(in.as_double())) return def;
+           // Python's int() has no range; ours is int64: out of range falls back to the default.
+           if (!std::isfinite(in.as_double()) || std::fabs(in.as_double()) >= 9.2e18) return def;
            return Value::Int(static_cast<int64_t>(in.as_double()));
          }
          if (in.is_string()) {
            int64_t v;
            if (ParseInt(in.str(), static_cast<int>(a.GetInt(1, 10)), &v)) return Value::Int(v);
            double d;
-           if (ParseFloat(in.str(), &d) && std::isfinite(d)) {
+           if (ParseFloat(in.str(), &d) && std::isfinite(d) && std::fabs(d) < 9.2e18) {
              return Value::Int(static_cast<int64_t>(d));
            }
          }
@@ -819,7 +844,13 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
          for (auto& item : Iterate(in)) {
            Value key = SortKey(attr.is_none() ? item : GetPath(item, attr.ToStr()), cs);
            bool dup = false;
-           for (auto& s : seen) dup = dup || s.Equals(key);
+           ChargeSteps(static_cast<int64_t>(seen.size()));
+           for (auto& s : seen) {
+             if (s.Equals(key)) {
+               dup = true;
+               break;
+             }
+           }
            if (!dup) {
              seen.push_back(key);
              out.push_back(item);
@@ -849,6 +880,8 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
          auto key = [&](const Value& v) {
            return SortKey(attr.is_none() ? v : GetPath(v, attr.ToStr()), cs);
          };
+         ChargeSteps(static_cast<int64_t>(items.size()) *
+                     (1 + static_cast<int64_t>(std::log2(items.size() + 1.0))));
          std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
            return rev ? LessThan(key(y), key(x)) : LessThan(key(x), key(y));
          });
@@ -857,7 +890,10 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
       {"abs",
        [](Value in, CallArgs&, Evaluator&) -> Value {
          if (in.is_float()) return Value::Float(std::fabs(in.as_double()));
-         if (in.is_int() || in.is_bool()) return Value::Int(std::llabs(in.as_int()));
+         if (in.is_int() || in.is_bool()) {
+           if (in.as_int() == std::numeric_limits<int64_t>::min()) Fail("integer overflow");
+           return Value::Int(std::llabs(in.as_int()));
+         }
          Fail("bad operand type for abs(): " + in.TypeName());
        }},
       {"round",
@@ -885,13 +921,17 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
        [](Value in, CallArgs& args, Evaluator&) {
          ArgList a(args, "indent", {"width", "first", "blank"});
          Value width = a.Get(0, Value::Int(4));
-         std::string ind = width.is_string()
-                               ? width.str()
-                               : std::string(std::max<int64_t>(0, a.GetInt(0, 4)), ' ');
+         const int64_t w = width.is_string() ? 0 : std::max<int64_t>(0, a.GetInt(0, 4));
+         CheckStringSize(static_cast<size_t>(w));
+         std::string ind = width.is_string() ? width.str() : std::string(static_cast<size_t>(w), ' ');
          bool first = a.Get(1, Value::Bool(false)).Truthy();
          bool blank = a.Get(2, Value::Bool(false)).Truthy();
          std::string s = in.ToStr() + "\n";
          auto lines = SplitLines(s);
+         if (!ind.empty() && lines.size() > (size_t{1} << 40) / ind.size()) {
+           Fail("indent() result too large");
+         }
+         CheckStringSize(s.size() + lines.size() * ind.size());
          std::string rv;
          if (blank) {
            for (size_t i = 0; i < lines.size(); ++i) {
@@ -927,7 +967,9 @@ const std::unordered_map<std::string, FilterFn>& Filters() {
            if (total.is_float() || v.is_float()) {
              total = Value::Float(total.as_double() + v.as_double());
            } else {
-             total = Value::Int(total.as_int() + v.as_int());
+             int64_t r;
+             if (__builtin_add_overflow(total.as_int(), v.as_int(), &r)) Fail("integer overflow");
+             total = Value::Int(r);
            }
          }
          return total;
@@ -1026,8 +1068,9 @@ Value StringMethod(const std::string& s, const std::string& name) {
         if (!first) out += s;
         first = false;
         out += item.str();
+        CheckStringSize(out.size());
       }
-      return Value::String(out);
+      return Value::String(std::move(out));
     });
   }
   if (name == "find" || name == "count") {
@@ -1036,6 +1079,7 @@ Value StringMethod(const std::string& s, const std::string& name) {
       if (args.positional.empty() || !args.positional[0].is_string())
         Fail("expected a str argument");
       const std::string& sub = args.positional[0].str();
+      ChargeSteps(static_cast<int64_t>(s.size() / 16));
       if (find) {
         size_t p = s.find(sub);
         if (p == std::string::npos) return Value::Int(-1);
@@ -1083,12 +1127,14 @@ Value StringMethod(const std::string& s, const std::string& name) {
 // ---------------------------------------------------------------- public
 
 bool LessThan(const Value& a, const Value& b) {
+  ChargeSteps(1);
   if (a.is_number() && b.is_number()) {
     if (!a.is_float() && !b.is_float()) return a.as_int() < b.as_int();
     return a.as_double() < b.as_double();
   }
   if (a.is_string() && b.is_string()) return a.str() < b.str();
   if (a.is_list() && b.is_list()) {
+    ValueDepthGuard depth;
     const auto& x = a.list().items;
     const auto& y = b.list().items;
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
@@ -1106,9 +1152,12 @@ std::vector<Value> Iterate(const Value& v) {
     case Value::Kind::kUndefined:
       return {};
     case Value::Kind::kList:
+      ChargeSteps(static_cast<int64_t>(v.list().items.size()));
+      CheckTransient(v.list().items.size() * sizeof(Value));
       return v.list().items;
     case Value::Kind::kDict: {
       if (v.is_namespace()) Fail("'Namespace' object is not iterable");
+      ChargeSteps(static_cast<int64_t>(v.dict().items.size()));
       std::vector<Value> keys;
       for (auto& [k, _] : v.dict().items) keys.push_back(Value::String(k));
       return keys;
@@ -1180,7 +1229,7 @@ Value GetMethod(const Value& obj, const std::string& name) {
     if (name == "append" && !obj.list().is_tuple) {
       return Value::MakeCallable("list.append", [self](CallArgs& args, Evaluator&) {
         if (args.positional.size() != 1) Fail("append() takes exactly one argument");
-        self.list().items.push_back(args.positional[0]);
+        self.list().Append(args.positional[0]);
         return Value::None();
       });
     }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "template/jinja_builtins.h"
 
@@ -39,40 +40,57 @@ int64_t CheckedInt(const Value& v, const char* what) {
   Fail(std::string(what) + " must be an integer, not " + v.TypeName());
 }
 
-// Python slice semantics (start/stop/step may be omitted = none/undefined).
-std::vector<size_t> SliceIndices(size_t size, const Value& start_v, const Value& stop_v,
-                                 const Value& step_v) {
+// Python slice semantics (start/stop/step may be omitted = none/undefined): calls f(i) for every
+// selected index of a sequence of `size` items.
+template <typename F>
+void ForSlice(size_t size, const Value& start_v, const Value& stop_v, const Value& step_v, F f) {
   int64_t n = static_cast<int64_t>(size);
   int64_t step = (step_v.is_none() || step_v.is_undefined()) ? 1 : CheckedInt(step_v, "slice step");
   if (step == 0) Fail("slice step cannot be zero");
   auto clamp = [&](const Value& v, int64_t def) -> int64_t {
     if (v.is_none() || v.is_undefined()) return def;
     int64_t i = CheckedInt(v, "slice index");
-    if (i < 0) i += n;
+    if (i < 0) i = i < -n ? -n - 1 : i + n;  // no overflow for INT64_MIN
     if (step > 0) return std::clamp<int64_t>(i, 0, n);
     return std::clamp<int64_t>(i, -1, n - 1);
   };
   int64_t start = clamp(start_v, step > 0 ? 0 : n - 1);
   int64_t stop = clamp(stop_v, step > 0 ? n : -1);
-  std::vector<size_t> idx;
+  // start and stop are within [-1, n]; stepping in 128 bits cannot overflow.
   if (step > 0) {
-    for (int64_t i = start; i < stop; i += step) idx.push_back(static_cast<size_t>(i));
+    for (__int128 i = start; i < stop; i += step) f(static_cast<size_t>(i));
   } else {
-    for (int64_t i = start; i > stop; i += step) idx.push_back(static_cast<size_t>(i));
+    for (__int128 i = start; i > stop; i += step) f(static_cast<size_t>(i));
   }
-  return idx;
 }
 
+// b != 0. INT64_MIN // -1 does not fit (and traps on x86): an overflow error, as for + - *.
 int64_t FloorDiv(int64_t a, int64_t b) {
+  if (a == std::numeric_limits<int64_t>::min() && b == -1) Fail("integer overflow");
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
 
+// b != 0. x % -1 is 0 for every x; computing INT64_MIN % -1 traps on x86.
 int64_t PyMod(int64_t a, int64_t b) {
+  if (b == -1) return 0;
   int64_t r = a % b;
   if (r != 0 && ((r < 0) != (b < 0))) r += b;
   return r;
+}
+
+// x ** y for y >= 0 by squaring, with overflow checks.
+int64_t IntPow(int64_t x, int64_t y) {
+  int64_t result = 1;
+  while (y > 0) {
+    if (y & 1) {
+      if (__builtin_mul_overflow(result, x, &result)) Fail("integer overflow");
+    }
+    y >>= 1;
+    if (y > 0 && __builtin_mul_overflow(x, x, &x)) Fail("integer overflow");
+  }
+  return result;
 }
 
 std::string OperandTypes(const Value& a, const Value& b) {
@@ -111,13 +129,11 @@ Value Arith(const std::string& op, const Value& a, const Value& b) {
         return Value::Int(PyMod(x, y));
       }
       if (op == "**") {
-        if (y < 0) return Value::Float(std::pow(static_cast<double>(x), static_cast<double>(y)));
-        int64_t result = 1;
-        for (int64_t i = 0; i < y; ++i) {
-          if (__builtin_mul_overflow(result, x, &result)) Fail("integer overflow");
-          if (result == 0 || result == 1) break;
+        if (y < 0) {
+          if (x == 0) Fail("0.0 cannot be raised to a negative power");
+          return Value::Float(std::pow(static_cast<double>(x), static_cast<double>(y)));
         }
-        return Value::Int(result);
+        return Value::Int(IntPow(x, y));
       }
     }
     double x = a.as_double(), y = b.as_double();
@@ -141,8 +157,12 @@ Value Arith(const std::string& op, const Value& a, const Value& b) {
     if (op == "**") return Value::Float(std::pow(x, y));
   }
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value::String(a.str() + b.str());
+    if (a.is_string() && b.is_string()) {
+      CheckStringSize(a.str().size() + b.str().size());
+      return Value::String(a.str() + b.str());
+    }
     if (a.is_list() && b.is_list() && a.list().is_tuple == b.list().is_tuple) {
+      CheckListSize(a.list().items.size() + b.list().items.size());
       std::vector<Value> items = a.list().items;
       items.insert(items.end(), b.list().items.begin(), b.list().items.end());
       return Value::MakeList(std::move(items), a.list().is_tuple);
@@ -156,8 +176,15 @@ Value Arith(const std::string& op, const Value& a, const Value& b) {
     if (seq && (count->is_int() || count->is_bool())) {
       int64_t k = std::max<int64_t>(0, count->as_int());
       size_t unit = seq->is_string() ? seq->str().size() : seq->list().items.size();
-      if (unit && static_cast<uint64_t>(k) * unit > (64u << 20))
+      if (unit && static_cast<uint64_t>(k) > (uint64_t{1} << 40) / unit) {
         Fail("repetition result too large");
+      }
+      const size_t total = static_cast<size_t>(k) * unit;
+      if (seq->is_string()) {
+        CheckStringSize(total);
+      } else {
+        CheckListSize(total);
+      }
       if (seq->is_string()) {
         std::string r;
         for (int64_t i = 0; i < k; ++i) r += seq->str();
@@ -174,6 +201,7 @@ Value Arith(const std::string& op, const Value& a, const Value& b) {
 }
 
 bool Contains(const Value& container, const Value& item) {
+  ChargeSteps(1);
   switch (container.kind()) {
     case Value::Kind::kUndefined:
       return false;
@@ -181,6 +209,7 @@ bool Contains(const Value& container, const Value& item) {
       if (!item.is_string()) {
         Fail("'in <string>' requires string as left operand, not " + item.TypeName());
       }
+      ChargeSteps(static_cast<int64_t>(container.str().size() / 64));
       return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
       for (const auto& v : container.list().items) {
@@ -248,9 +277,8 @@ Value GetItem(const Value& obj, const Value& key) {
       break;
     case Value::Kind::kString:
       if (key.is_int() || key.is_bool()) {
-        auto cps = SplitCodePoints(obj.str());
-        size_t i;
-        if (NormIndex(key.as_int(), cps.size(), &i)) return Value::String(cps[i]);
+        std::string cp;
+        if (CodePointAt(obj.str(), key.as_int(), &cp)) return Value::String(std::move(cp));
       } else if (key.is_string()) {
         return GetAttribute(obj, key.str());
       }
@@ -259,6 +287,15 @@ Value GetItem(const Value& obj, const Value& key) {
       break;
   }
   return Value::Undefined(NoAttribute(obj, key.ToStr()));
+}
+
+Evaluator::DepthGuard::DepthGuard(Evaluator* e) : ev(e) {
+  if (++ev->eval_depth_ > ev->limits_.max_eval_depth) {
+    --ev->eval_depth_;
+    Fail("template evaluation nested deeper than " + std::to_string(ev->limits_.max_eval_depth) +
+         " levels");
+  }
+  ChargeSteps(1);
 }
 
 void Evaluator::CountIterations(int64_t n) {
@@ -277,6 +314,15 @@ void Evaluator::Append(std::string& out, const std::string& s) {
 }
 
 std::string Evaluator::Render(const Template& tmpl, const Value& context) {
+  std::optional<RenderBudget> budget;
+  if (!RenderBudget::Current()) budget.emplace(limits_);
+  call_depth_ = eval_depth_ = 0;
+  iterations_ = 0;
+  // The frames go before the budget: it empties whatever a reference cycle still holds.
+  struct FramesReset {
+    std::shared_ptr<Frame>& g;
+    ~FramesReset() { g.reset(); }
+  } frames_reset{globals_};
   globals_ = std::make_shared<Frame>(nullptr);
   Value g = Value::MakeDict();
   AddGlobals(g.dict());
@@ -304,6 +350,7 @@ Evaluator::Flow Evaluator::ExecBody(const Body& body, const std::shared_ptr<Fram
 Evaluator::Flow Evaluator::ExecStmt(const Stmt& s, const std::shared_ptr<Frame>& frame,
                                     std::string& out) {
   try {
+    DepthGuard depth(this);
     switch (s.kind) {
       case Stmt::Kind::kText:
         Append(out, s.text);
@@ -506,6 +553,7 @@ Value Evaluator::MakeMacro(const Stmt& s, const std::shared_ptr<Frame>& frame,
 }
 
 Value Evaluator::Call(const Value& fn, CallArgs& args) {
+  DepthGuard depth(this);
   if (fn.is_undefined()) FailUndefined(fn);
   if (!fn.is_callable()) Fail("'" + fn.TypeName() + "' is not callable");
   return fn.callable().fn(args, *this);
@@ -526,6 +574,7 @@ Value Evaluator::ApplyFilterChain(const Expr& chain, Value input, Frame& frame) 
 
 Value Evaluator::Eval(const Expr& e, Frame& frame) {
   try {
+    DepthGuard depth(this);
     return EvalInner(e, frame);
   } catch (JinjaError& err) {
     if (err.line == 0) {
@@ -572,16 +621,23 @@ Value Evaluator::EvalInner(const Expr& e, Frame& frame) {
       }
       if (obj.is_undefined()) FailUndefined(obj);
       if (obj.is_string()) {
-        auto cps = SplitCodePoints(obj.str());
+        const std::string& str = obj.str();
         std::string r;
-        for (size_t i : SliceIndices(cps.size(), parts[0], parts[1], parts[2])) r += cps[i];
-        return Value::String(r);
+        if (IsAscii(str)) {
+          ForSlice(str.size(), parts[0], parts[1], parts[2], [&](size_t i) { r += str[i]; });
+        } else {
+          const std::vector<size_t> offs = CodePointOffsets(str);
+          ForSlice(offs.size() - 1, parts[0], parts[1], parts[2],
+                   [&](size_t i) { r.append(str, offs[i], offs[i + 1] - offs[i]); });
+        }
+        return Value::String(std::move(r));
       }
       if (obj.is_list()) {
         std::vector<Value> r;
-        for (size_t i : SliceIndices(obj.list().items.size(), parts[0], parts[1], parts[2])) {
-          r.push_back(obj.list().items[i]);
-        }
+        const auto& items = obj.list().items;
+        ForSlice(items.size(), parts[0], parts[1], parts[2], [&](size_t i) {
+          r.push_back(items[i]);
+        });
         return Value::MakeList(std::move(r), obj.list().is_tuple);
       }
       Fail("'" + obj.TypeName() + "' is not subscriptable");
@@ -641,7 +697,12 @@ Value Evaluator::EvalBinary(const Expr& e, Frame& frame) {
   }
   Value l = Eval(*e.args[0], frame);
   Value r = Eval(*e.args[1], frame);
-  if (op == "~") return Value::String(l.ToStr() + r.ToStr());
+  if (op == "~") {
+    std::string ls = l.ToStr();
+    const std::string rs = r.ToStr();
+    CheckStringSize(ls.size() + rs.size());
+    return Value::String(std::move(ls) + rs);
+  }
   return Arith(op, l, r);
 }
 

@@ -22,17 +22,12 @@ struct Frame {
   std::shared_ptr<Frame> parent;
 };
 
-struct RenderLimits {
-  int max_call_depth = 128;               // macro recursion
-  int64_t max_loop_iterations = 2000000;  // all loops of one render together
-  size_t max_output_bytes = 256u << 20;
-};
-
 class Evaluator {
  public:
   explicit Evaluator(RenderLimits limits = {}) : limits_(limits) {}
 
-  // Renders `tmpl` with the variables of `context` (a dict) on top of the built-in globals.
+  // Renders `tmpl` with the variables of `context` (a dict) on top of the built-in globals, under a
+  // RenderBudget of the limits (the caller's, when one is installed on this thread already).
   // Throws JinjaError.
   std::string Render(const Template& tmpl, const Value& context);
 
@@ -61,8 +56,16 @@ class Evaluator {
 
   void Append(std::string& out, const std::string& s);
 
+  // Counts one level of nested evaluation (and one step) for as long as it lives.
+  struct DepthGuard {
+    explicit DepthGuard(Evaluator* e);
+    ~DepthGuard() { --ev->eval_depth_; }
+    Evaluator* ev;
+  };
+
   RenderLimits limits_;
   int call_depth_ = 0;
+  int eval_depth_ = 0;
   int64_t iterations_ = 0;
   std::shared_ptr<Frame> globals_;
 };

@@ -10,6 +10,9 @@ namespace dl::jinja {
 namespace {
 
 constexpr int kMaxDepth = 200;  // nesting limit: deep input must fail cleanly, not blow the stack
+// Depth limit of one expression tree. Chains (a|f|g..., a.b.c..., a + b + c ...) are parsed by loops,
+// not recursion, but build trees as deep as they are long.
+constexpr int kMaxExprDepth = 256;
 
 class Parser {
  public:
@@ -89,6 +92,25 @@ class Parser {
     e->kind = kind;
     e->line = at.line;
     e->column = at.column;
+    return e;
+  }
+  // Records the depth of a node whose children are attached; fails when it passes the limit.
+  ExprPtr Seal(ExprPtr e) {
+    int d = 0;
+    for (const auto& a : e->args) {
+      if (a) d = std::max(d, a->depth);
+    }
+    for (const auto& kv : e->kwargs) {
+      if (kv.second) d = std::max(d, kv.second->depth);
+    }
+    e->depth = d + 1;
+    if (e->depth > kMaxExprDepth) {
+      JinjaError err{"expression nested deeper than " + std::to_string(kMaxExprDepth) +
+                     " levels (each filter, attribute, call or operator in a chain is one level)"};
+      err.line = e->line;
+      err.column = e->column;
+      throw err;
+    }
     return e;
   }
   StmtPtr NewStmt(Stmt::Kind kind, const Token& at) {
@@ -336,7 +358,7 @@ class Parser {
       if (Cur().type == TokenType::kVarEnd || Cur().type == TokenType::kBlockEnd) break;
       t->args.push_back(ParseExpression(true));
     }
-    return t;
+    return Seal(std::move(t));
   }
 
   ExprPtr ParseExpression(bool with_cond) {
@@ -356,7 +378,7 @@ class Parser {
       e->args.push_back(std::move(cond));
       e->args.push_back(std::move(expr1));
       e->args.push_back(std::move(else_expr));
-      expr1 = std::move(e);
+      expr1 = Seal(std::move(e));
     }
     return expr1;
   }
@@ -366,7 +388,7 @@ class Parser {
     e->name = op;
     e->args.push_back(std::move(l));
     e->args.push_back(std::move(r));
-    return e;
+    return Seal(std::move(e));
   }
 
   ExprPtr ParseOr() {
@@ -396,7 +418,7 @@ class Parser {
       e->name = "not";
       Advance();
       e->args.push_back(ParseNot());
-      return e;
+      return Seal(std::move(e));
     }
     return ParseCompare();
   }
@@ -429,7 +451,7 @@ class Parser {
       cmp->ops.push_back(op);
       cmp->args.push_back(ParseMath1());
     }
-    return cmp ? std::move(cmp) : std::move(first);
+    return cmp ? Seal(std::move(cmp)) : std::move(first);
   }
 
   ExprPtr ParseMath1() {
@@ -482,6 +504,7 @@ class Parser {
       node->name = Cur().value;
       Advance();
       node->args.push_back(ParseUnary(false));
+      node = Seal(std::move(node));
     } else {
       node = ParsePostfix(ParsePrimary());
     }
@@ -554,7 +577,7 @@ class Parser {
             tup->args.push_back(ParseExpression(true));
           }
           ExpectOp(")");
-          return tup;
+          return Seal(std::move(tup));
         }
         if (t.value == "[") {
           auto e = NewExpr(Expr::Kind::kList, t);
@@ -565,7 +588,7 @@ class Parser {
             e->args.push_back(ParseExpression(true));
           }
           Advance();
-          return e;
+          return Seal(std::move(e));
         }
         if (t.value == "{") {
           auto e = NewExpr(Expr::Kind::kDict, t);
@@ -578,7 +601,7 @@ class Parser {
             e->args.push_back(ParseExpression(true));
           }
           Advance();
-          return e;
+          return Seal(std::move(e));
         }
         break;
       default:
@@ -597,7 +620,7 @@ class Parser {
           e->name = Cur().value;
           e->args.push_back(std::move(node));
           Advance();
-          node = std::move(e);
+          node = Seal(std::move(e));
         } else if (Cur().type == TokenType::kInt) {
           auto e = NewExpr(Expr::Kind::kGetItem, at);
           e->args.push_back(std::move(node));
@@ -605,7 +628,7 @@ class Parser {
           idx->literal = Value::Int(Cur().int_value);
           e->args.push_back(std::move(idx));
           Advance();
-          node = std::move(e);
+          node = Seal(std::move(e));
         } else {
           ErrorAt(Cur(), "expected an attribute name after '.'");
         }
@@ -642,12 +665,12 @@ class Parser {
       auto e = NewExpr(Expr::Kind::kGetItem, at);
       e->args.push_back(std::move(node));
       e->args.push_back(std::move(parts[0]));
-      return e;
+      return Seal(std::move(e));
     }
     auto e = NewExpr(Expr::Kind::kSlice, at);
     e->args.push_back(std::move(node));
     for (auto& p : parts) e->args.push_back(std::move(p));
-    return e;
+    return Seal(std::move(e));
   }
 
   void ParseArgs(Expr* e) {
@@ -675,7 +698,7 @@ class Parser {
     auto e = NewExpr(Expr::Kind::kCall, Cur());
     e->args.push_back(std::move(node));
     ParseArgs(e.get());
-    return e;
+    return Seal(std::move(e));
   }
 
   ExprPtr ParseFilterExpr(ExprPtr node) {
@@ -710,7 +733,7 @@ class Parser {
       e->name = name;
       e->args.push_back(std::move(input));
       if (IsOp("(")) ParseArgs(e.get());
-      input = std::move(e);
+      input = Seal(std::move(e));
       if (single) break;
     }
     return input;
@@ -742,7 +765,7 @@ class Parser {
         e->args.push_back(ParsePostfix(ParsePrimary()));
       }
     }
-    return e;
+    return Seal(std::move(e));
   }
 
   std::vector<Token> toks_;

@@ -1,7 +1,9 @@
 #include "template/jinja_value.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 
@@ -9,6 +11,249 @@ namespace dl::jinja {
 
 void Fail(std::string message) {
   throw JinjaError{std::move(message)};
+}
+
+// ---------------------------------------------------------------- budget
+
+namespace {
+
+thread_local RenderBudget* t_budget = nullptr;
+thread_local int t_value_depth = 0;
+
+double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string Mib(size_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+uint64_t NextBudgetId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
+}
+
+// Refunds a freed value's bytes to the render that charged them, if it is still running here.
+void Refund(uint64_t budget_id, size_t bytes) {
+  if (budget_id != 0 && t_budget && t_budget->id() == budget_id) t_budget->RefundBytes(bytes);
+}
+
+// Containers dropped while another is being dropped wait here, so freeing a deeply nested value is
+// a loop rather than a recursion.
+struct Graveyard {
+  std::vector<Value> pending;
+  bool draining = false;
+};
+thread_local Graveyard t_grave;
+
+}  // namespace
+
+RenderBudget::RenderBudget(const RenderLimits& limits)
+    : limits_(limits),
+      previous_(t_budget),
+      id_(NextBudgetId()),
+      deadline_(MonotonicSeconds() + limits.max_seconds) {
+  t_budget = this;
+}
+
+RenderBudget::~RenderBudget() {
+  t_budget = previous_;
+  try {
+    BreakCycles();
+  } catch (...) {
+    // Out of memory while emptying: the cycles leak, the process lives on.
+  }
+}
+
+void RenderBudget::BreakCycles() {
+  // Anything created by this render and still alive is kept so by a cycle: empty it.
+  std::vector<std::shared_ptr<List>> lists;
+  std::vector<std::shared_ptr<Dict>> dicts;
+  for (auto& w : lists_) {
+    if (auto l = w.lock()) lists.push_back(std::move(l));
+  }
+  for (auto& w : dicts_) {
+    if (auto d = w.lock()) dicts.push_back(std::move(d));
+  }
+  std::vector<Value> drop;
+  for (auto& l : lists) {
+    for (auto& v : l->items) drop.push_back(std::move(v));
+    l->items.clear();
+  }
+  for (auto& d : dicts) {
+    for (auto& kv : d->items) drop.push_back(std::move(kv.second));
+    d->items.clear();
+  }
+  List sink;  // its destructor frees `drop` iteratively
+  sink.items = std::move(drop);
+}
+
+RenderBudget* RenderBudget::Current() { return t_budget; }
+
+void RenderBudget::ChargeSteps(int64_t n) {
+  steps_ += n;
+  if (steps_ > limits_.max_steps) {
+    Fail("template exceeded the limit of " + std::to_string(limits_.max_steps) +
+         " evaluation steps");
+  }
+  if (steps_ >= next_clock_check_) {
+    next_clock_check_ = steps_ + 4096;
+    if (MonotonicSeconds() > deadline_) {
+      Fail("template rendering exceeded the time limit of " +
+           std::to_string(static_cast<int>(limits_.max_seconds)) + " s");
+    }
+  }
+}
+
+void RenderBudget::ChargeBytes(size_t n) {
+  live_ += n;
+  if (live_ > limits_.max_alloc_bytes) {
+    Fail("template exceeded the memory limit of " + Mib(limits_.max_alloc_bytes) +
+         " for one render");
+  }
+}
+
+void RenderBudget::CheckTransient(size_t n) const {
+  if (n > limits_.max_alloc_bytes || live_ + n > limits_.max_alloc_bytes) {
+    Fail("template exceeded the memory limit of " + Mib(limits_.max_alloc_bytes) +
+         " for one render");
+  }
+}
+
+void RenderBudget::Track(const std::shared_ptr<List>& l) {
+  const size_t bytes = sizeof(List) + 32 + l->items.size() * sizeof(Value);
+  ChargeBytes(bytes);
+  l->budget_id = id_;
+  l->charged = bytes;
+  lists_.push_back(l);
+}
+
+void RenderBudget::Track(const std::shared_ptr<Dict>& d) {
+  const size_t bytes = sizeof(Dict) + 32;
+  ChargeBytes(bytes);
+  d->budget_id = id_;
+  d->charged = bytes;
+  dicts_.push_back(d);
+}
+
+void ChargeSteps(int64_t n) {
+  if (t_budget) t_budget->ChargeSteps(n);
+}
+
+void ChargeBytes(size_t n) {
+  if (t_budget) t_budget->ChargeBytes(n);
+}
+
+void CheckTransient(size_t n) {
+  if (t_budget) t_budget->CheckTransient(n);
+}
+
+void CheckStringSize(size_t n) {
+  const size_t limit = t_budget ? t_budget->limits().max_string_bytes : RenderLimits{}.max_string_bytes;
+  if (n > limit) {
+    Fail("string of " + std::to_string(n) + " bytes exceeds the limit of " + Mib(limit));
+  }
+}
+
+void CheckListSize(size_t n) {
+  const size_t limit = t_budget ? t_budget->limits().max_list_items : RenderLimits{}.max_list_items;
+  if (n > limit) {
+    Fail("list of " + std::to_string(n) + " items exceeds the limit of " + std::to_string(limit));
+  }
+}
+
+ValueDepthGuard::ValueDepthGuard() {
+  if (++t_value_depth > kMaxValueDepth) {
+    --t_value_depth;
+    Fail("value nested deeper than " + std::to_string(kMaxValueDepth) +
+         " levels (or containing itself)");
+  }
+}
+
+ValueDepthGuard::~ValueDepthGuard() { --t_value_depth; }
+
+namespace {
+
+void Bury(std::vector<Value>& items) noexcept {
+  if (items.empty()) return;
+  Graveyard& g = t_grave;
+  try {
+    g.pending.reserve(g.pending.size() + items.size());
+  } catch (...) {
+    items.clear();  // out of memory: free them recursively after all
+    return;
+  }
+  for (auto& v : items) g.pending.push_back(std::move(v));
+  items.clear();
+  if (g.draining) return;
+  g.draining = true;
+  while (!g.pending.empty()) {
+    // Destroyed at the end of this iteration; a container it held last buries its own items.
+    Value v = std::move(g.pending.back());
+    g.pending.pop_back();
+  }
+  g.draining = false;
+}
+
+}  // namespace
+
+void List::Append(Value v) {
+  CheckListSize(items.size() + 1);
+  if (t_budget) {
+    t_budget->ChargeBytes(sizeof(Value));
+    if (t_budget->id() == budget_id) charged += sizeof(Value);
+  }
+  items.push_back(std::move(v));
+}
+
+List::~List() {
+  Refund(budget_id, charged);
+  if (items.empty()) return;
+  std::vector<Value> keep;
+  try {
+    for (auto& v : items) {
+      if (v.holds_container()) keep.push_back(std::move(v));
+    }
+  } catch (...) {
+  }
+  items.clear();
+  Bury(keep);
+}
+
+Dict::~Dict() {
+  Refund(budget_id, charged);
+  if (items.empty()) return;
+  std::vector<Value> keep;
+  try {
+    for (auto& kv : items) {
+      if (kv.second.holds_container()) keep.push_back(std::move(kv.second));
+    }
+  } catch (...) {
+  }
+  items.clear();
+  Bury(keep);
+}
+
+const std::string& Value::EmptyString() {
+  static const std::string empty;
+  return empty;
+}
+
+Value Value::String(std::string s) {
+  CheckStringSize(s.size());
+  Value v = FromKind(Kind::kString);
+  const size_t bytes = s.capacity() + 64;
+  if (t_budget) {
+    // Charged while it lives, so a render's memory is bounded whatever it keeps or drops.
+    t_budget->ChargeBytes(bytes);
+    const uint64_t id = t_budget->id();
+    v.str_ = std::shared_ptr<const std::string>(new std::string(std::move(s)),
+                                                [id, bytes](const std::string* p) {
+                                                  Refund(id, bytes);
+                                                  delete p;
+                                                });
+  } else {
+    v.str_ = std::make_shared<const std::string>(std::move(s));
+  }
+  return v;
 }
 
 Value* Dict::Find(const std::string& key) {
@@ -29,21 +274,29 @@ void Dict::Set(const std::string& key, Value value) {
   if (Value* existing = Find(key)) {
     *existing = std::move(value);
   } else {
+    const size_t bytes = sizeof(std::pair<std::string, Value>) + key.size();
+    if (t_budget) {
+      t_budget->ChargeBytes(bytes);
+      if (t_budget->id() == budget_id) charged += bytes;
+    }
     items.emplace_back(key, std::move(value));
   }
 }
 
 Value Value::MakeList(std::vector<Value> items, bool is_tuple) {
+  CheckListSize(items.size());
   Value v = FromKind(Kind::kList);
   v.list_ = std::make_shared<List>();
   v.list_->items = std::move(items);
   v.list_->is_tuple = is_tuple;
+  if (t_budget) t_budget->Track(v.list_);
   return v;
 }
 
 Value Value::MakeDict() {
   Value v = FromKind(Kind::kDict);
   v.dict_ = std::make_shared<Dict>();
+  if (t_budget) t_budget->Track(v.dict_);
   return v;
 }
 
@@ -60,6 +313,7 @@ Value Value::MakeCallable(std::string name, NativeFunction fn) {
 }
 
 Value Value::FromJson(const nlohmann::ordered_json& j) {
+  ValueDepthGuard depth;
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null:
       return None();
@@ -104,7 +358,7 @@ bool Value::Truthy() const {
     case Kind::kFloat:
       return float_ != 0.0;
     case Kind::kString:
-      return !str_.empty();
+      return !str().empty();
     case Kind::kList:
       return !list_->items.empty();
     case Kind::kDict:
@@ -187,6 +441,8 @@ void AppendHex(std::string& out, const char* prefix, uint32_t v, int width) {
 }  // namespace
 
 std::vector<std::string> SplitCodePoints(const std::string& s) {
+  ChargeSteps(static_cast<int64_t>(s.size() / 16));
+  CheckTransient(CodePointCount(s) * (sizeof(std::string) + 8));
   std::vector<std::string> out;
   for (size_t i = 0; i < s.size();) {
     uint32_t cp;
@@ -201,6 +457,53 @@ size_t CodePointCount(const std::string& s) {
   size_t n = 0;
   for (unsigned char c : s) n += (c & 0xC0) != 0x80;
   return n;
+}
+
+bool IsAscii(const std::string& s) {
+  for (unsigned char c : s) {
+    if (c >= 0x80) return false;
+  }
+  return true;
+}
+
+std::vector<size_t> CodePointOffsets(const std::string& s) {
+  CheckTransient((CodePointCount(s) + 1) * sizeof(size_t));
+  std::vector<size_t> offs;
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    offs.push_back(i);
+    i += DecodeUtf8(s, i, &cp);
+  }
+  offs.push_back(s.size());
+  return offs;
+}
+
+bool CodePointAt(const std::string& s, int64_t index, std::string* out) {
+  if (IsAscii(s)) {
+    const int64_t n = static_cast<int64_t>(s.size());
+    if (index < 0) index = index < -n ? -1 : index + n;
+    if (index < 0 || index >= n) return false;
+    *out = std::string(1, s[static_cast<size_t>(index)]);
+    return true;
+  }
+  int64_t n = 0;
+  for (size_t i = 0; i < s.size(); ++n) {
+    uint32_t cp;
+    i += DecodeUtf8(s, i, &cp);
+  }
+  if (index < 0) index = index < -n ? -1 : index + n;
+  if (index < 0 || index >= n) return false;
+  int64_t k = 0;
+  for (size_t i = 0; i < s.size();) {
+    uint32_t cp;
+    const size_t len = DecodeUtf8(s, i, &cp);
+    if (k++ == index) {
+      *out = s.substr(i, len);
+      return true;
+    }
+    i += len;
+  }
+  return false;
 }
 
 std::string PyStrRepr(const std::string& s) {
@@ -240,13 +543,15 @@ std::string Value::ToStr() const {
     case Kind::kUndefined:
       return "";
     case Kind::kString:
-      return str_;
+      return str();
     default:
       return Repr();
   }
 }
 
 std::string Value::Repr() const {
+  ValueDepthGuard depth;
+  ChargeSteps(1);
   switch (kind_) {
     case Kind::kUndefined:
       return "Undefined";
@@ -259,12 +564,13 @@ std::string Value::Repr() const {
     case Kind::kFloat:
       return PyFloatRepr(float_);
     case Kind::kString:
-      return PyStrRepr(str_);
+      return PyStrRepr(str());
     case Kind::kList: {
       std::string out = list_->is_tuple ? "(" : "[";
       for (size_t i = 0; i < list_->items.size(); ++i) {
         if (i) out += ", ";
         out += list_->items[i].Repr();
+        CheckStringSize(out.size());
       }
       if (list_->is_tuple && list_->items.size() == 1) out += ",";
       out += list_->is_tuple ? ")" : "]";
@@ -277,6 +583,7 @@ std::string Value::Repr() const {
         if (!first) out += ", ";
         first = false;
         out += PyStrRepr(k) + ": " + v.Repr();
+        CheckStringSize(out.size());
       }
       out += "}";
       return dict_->is_namespace ? "<Namespace " + out + ">" : out;
@@ -288,6 +595,7 @@ std::string Value::Repr() const {
 }
 
 bool Value::Equals(const Value& o) const {
+  ChargeSteps(1);
   if (is_number() && o.is_number()) {
     if (kind_ != Kind::kFloat && o.kind_ != Kind::kFloat) return int_ == o.int_;
     return as_double() == o.as_double();
@@ -298,8 +606,10 @@ bool Value::Equals(const Value& o) const {
     case Kind::kNone:
       return true;
     case Kind::kString:
-      return str_ == o.str_;
+      return str_ == o.str_ || str() == o.str();
     case Kind::kList: {
+      if (list_ == o.list_) return true;
+      ValueDepthGuard depth;
       if (list_->is_tuple != o.list_->is_tuple) return false;
       if (list_->items.size() != o.list_->items.size()) return false;
       for (size_t i = 0; i < list_->items.size(); ++i) {
@@ -311,6 +621,7 @@ bool Value::Equals(const Value& o) const {
       if (dict_ == o.dict_) return true;
       if (dict_->is_namespace || o.dict_->is_namespace) return false;  // identity only
       if (dict_->items.size() != o.dict_->items.size()) return false;
+      ValueDepthGuard depth;
       for (const auto& [k, v] : dict_->items) {
         const Value* ov = o.dict_->Find(k);
         if (!ov || !v.Equals(*ov)) return false;
@@ -355,6 +666,8 @@ std::string Value::TypeName() const {
 }
 
 nlohmann::ordered_json Value::ToJson() const {
+  ValueDepthGuard depth;
+  ChargeSteps(1);
   switch (kind_) {
     case Kind::kNone:
       return nullptr;
@@ -365,7 +678,7 @@ nlohmann::ordered_json Value::ToJson() const {
     case Kind::kFloat:
       return float_;
     case Kind::kString:
-      return str_;
+      return str();
     case Kind::kList: {
       auto arr = nlohmann::ordered_json::array();
       for (const auto& v : list_->items) arr.push_back(v.ToJson());
@@ -429,7 +742,11 @@ void JsonString(std::string& out, const std::string& s, bool ensure_ascii) {
 }
 
 void Dump(std::string& out, const Value& v, const JsonDumpOptions& o, int level) {
+  ValueDepthGuard depth;
+  ChargeSteps(1);
+  CheckStringSize(out.size());
   auto newline = [&](int lvl) {
+    CheckStringSize(out.size() + 1 + static_cast<size_t>(lvl) * o.indent.size());
     out += '\n';
     for (int i = 0; i < lvl; ++i) out += o.indent;
   };

@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
+#include "base/file_util.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/utf8.h"
 
@@ -861,12 +862,9 @@ Result<Tokenizer> Tokenizer::FromFile(const std::string& path) {
   std::string file = path;
   if (std::filesystem::is_directory(path, ec))
     file = (std::filesystem::path(path) / "tokenizer.json").string();
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return NotFound("cannot open tokenizer file '{}'", file);
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  if (in.bad()) return DataLoss("error reading tokenizer file '{}'", file);
-  return FromJson(buf.str(), file);
+  auto text = ReadRegularFile(file, kMaxTokenizerFileBytes);
+  if (!text.ok()) return text.status().WithContext("tokenizer file");
+  return FromJson(*text, file);
 }
 
 Result<Tokenizer> Tokenizer::FromJson(std::string_view json_text, const std::string& origin) {

@@ -120,6 +120,7 @@ TEST_F(LabE2E, ScreenPassesEveryCheckAndWritesArtifacts) {
                         "checks.json", "summary.json", "server.log"}) {
     EXPECT_TRUE(fs::exists(run / f)) << f;
   }
+  EXPECT_FALSE(fs::exists(run / "INCOMPLETE")) << "a finished run keeps its incomplete marker";
   auto st = CheckStatuses(run);
   for (const char* n : {"identity", "no_fallback", "scale_audit", "exactness", "no_prefix_cache",
                         "boundary", "rollover"}) {

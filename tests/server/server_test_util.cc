@@ -1,12 +1,16 @@
 #include "tests/server/server_test_util.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 
 #include <gtest/gtest.h>
 
@@ -214,6 +218,184 @@ int KvPagesUsed(httplib::Client& cli) {
   auto r = Get(cli, "/v1/decodelab/state");
   if (r.status != 200) return -1;
   return r.json["kv_pages"]["used"].get<int>();
+}
+
+std::string DecodelabBinary() {
+  // DECODELAB_TEST_BINARY runs the black-box tests against another build (e.g. an older one).
+  if (const char* b = std::getenv("DECODELAB_TEST_BINARY"); b && *b) return b;
+  return std::string(DECODELAB_BINARY_DIR) + "/bin/decodelab";
+}
+
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Temporary directories made by these helpers, removed at exit.
+void RemoveAtExit(const std::string& dir) {
+  static std::mutex mu;
+  static std::vector<std::string>* dirs = nullptr;
+  std::lock_guard lock(mu);
+  if (!dirs) {
+    dirs = new std::vector<std::string>();
+    std::atexit([] {
+      for (const auto& d : *dirs) {
+        std::error_code ec;
+        fs::remove_all(d, ec);
+      }
+    });
+  }
+  dirs->push_back(dir);
+}
+
+std::string MakeTempDir(const char* what) {
+  std::string tmpl = std::string("/tmp/decodelab-") + what + "-XXXXXX";
+  const char* d = mkdtemp(tmpl.data());
+  if (!d) return "";
+  RemoveAtExit(d);
+  return d;
+}
+
+}  // namespace
+
+std::string TinyModelCopy(const std::string& chat_template) {
+  const std::string base = MakeTempDir("model-copy");
+  if (base.empty() || TinyModelDir().empty()) return "";
+  const std::string dir = base + "/tiny";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  for (const auto& e : fs::directory_iterator(TinyModelDir())) {
+    if (e.path().filename() == "chat_template.jinja") continue;
+    fs::copy(e.path(), fs::path(dir) / e.path().filename(), ec);
+    if (ec) {
+      ADD_FAILURE() << "copying " << e.path() << ": " << ec.message();
+      return "";
+    }
+  }
+  if (!chat_template.empty()) {
+    std::ofstream(fs::path(dir) / "chat_template.jinja", std::ios::binary) << chat_template;
+  }
+  return dir;
+}
+
+std::unique_ptr<ServeProcess> ServeProcess::Start(const ServeProcessOptions& o) {
+  auto sp = std::unique_ptr<ServeProcess>(new ServeProcess());
+  sp->dir_ = MakeTempDir("serve");
+  sp->log_path_ = sp->dir_ + "/serve.log";
+  const std::string model = o.model_dir.empty() ? TinyModelDir() : o.model_dir;
+  comm::SpawnSpec spec;
+  spec.exe = DecodelabBinary();
+  spec.argv = {spec.exe, "serve", "--model", model, "--backend", "cpu", "--port", "0"};
+  // Defaults the test did not set itself.
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--host", "127.0.0.1"},
+           {"--max-seq-len", "512"},
+           {"--prefill-chunk", "16"},
+           {"--max-batch", "4"}}) {
+    if (std::find(o.extra_args.begin(), o.extra_args.end(), flag) == o.extra_args.end()) {
+      spec.argv.insert(spec.argv.end(), {flag, value});
+    }
+  }
+  spec.argv.insert(spec.argv.end(), o.extra_args.begin(), o.extra_args.end());
+  spec.env = comm::EnvironmentWith(o.env);
+  spec.output_path = sp->log_path_;
+  auto child = comm::ChildProcess::Spawn(spec);
+  if (!child.ok()) {
+    ADD_FAILURE() << child.status().message();
+    return nullptr;
+  }
+  sp->child_ = std::move(child).value();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int>(o.ready_timeout_s * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (sp->child_.Poll()) {
+      ADD_FAILURE() << "decodelab serve exited (" << sp->child_.exit_info().ToString()
+                    << ") before it was ready:\n"
+                    << sp->Log();
+      return nullptr;
+    }
+    // "ready at http://HOST:PORT": the port follows the URL's last ':' (the host may be 0.0.0.0).
+    const std::string log = sp->Log();
+    const size_t at = log.find("ready at http://");
+    if (at != std::string::npos) {
+      const size_t end = log.find('\n', at);
+      if (end != std::string::npos) {
+        const size_t colon = log.rfind(':', end);
+        if (colon != std::string::npos && colon > at) sp->port_ = std::atoi(log.c_str() + colon + 1);
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (sp->port_ <= 0) {
+    ADD_FAILURE() << "decodelab serve did not print its URL:\n" << sp->Log();
+    return nullptr;
+  }
+  for (int i = 0; i < 500; ++i) {
+    if (sp->Alive()) return sp;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "decodelab serve never answered /health:\n" << sp->Log();
+  return nullptr;
+}
+
+ServeProcess::~ServeProcess() {
+  if (child_.running()) (void)SignalAndWait(SIGTERM, 20);
+}
+
+httplib::Client ServeProcess::Client(int read_timeout_s) const {
+  httplib::Client cli("127.0.0.1", port_);
+  cli.set_read_timeout(read_timeout_s, 0);
+  cli.set_connection_timeout(5, 0);
+  return cli;
+}
+
+bool ServeProcess::Alive() {
+  if (child_.Poll()) return false;
+  httplib::Client cli("127.0.0.1", port_);
+  cli.set_connection_timeout(2, 0);
+  cli.set_read_timeout(5, 0);
+  auto r = cli.Get("/health");
+  return r && r->status == 200;
+}
+
+bool ServeProcess::Answers() {
+  if (!Alive()) return false;
+  auto cli = Client();
+  auto r = PostJson(cli, "/v1/completions",
+                    {{"prompt", {5, 6, 7}}, {"max_tokens", 2}, {"temperature", 0},
+                     {"ignore_eos", true}});
+  return r.status == 200 && r.json.is_object() &&
+         r.json["choices"][0]["token_ids"].size() == 2u;
+}
+
+std::string ServeProcess::Log() const { return ReadAll(log_path_); }
+
+long ServeProcess::RssKiB() const {
+  std::ifstream f("/proc/" + std::to_string(child_.pid()) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
+double ServeProcess::SignalAndWait(int sig, double timeout_s) {
+  if (!child_.running()) return 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(child_.pid(), sig);
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
+    if (child_.Poll()) {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  child_.KillAndReap();
+  return -1;
 }
 
 }  // namespace dl::test

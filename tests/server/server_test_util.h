@@ -11,6 +11,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "comm/process.h"
 #include "engine/engine.h"
 #include "engine/scheduler.h"
 #include "server/server.h"
@@ -75,5 +76,50 @@ SseResult PostStream(httplib::Client& cli, const std::string& path, const nlohma
 
 // KV pages in use, from /v1/decodelab/state.
 int KvPagesUsed(httplib::Client& cli);
+
+// The built `decodelab` binary (<build>/bin/decodelab; $DECODELAB_TEST_BINARY overrides it).
+std::string DecodelabBinary();
+
+// A real `decodelab serve` process on the CPU backend and an ephemeral loopback port: crash cases
+// must show that the process, not just an in-process object, survives.
+struct ServeProcessOptions {
+  std::string model_dir;                // default: TinyModelDir()
+  std::vector<std::string> extra_args;  // appended to the serve command line
+  std::vector<std::string> env;         // NAME=value added to the environment
+  double ready_timeout_s = 60;
+};
+
+class ServeProcess {
+ public:
+  // Null (with a test failure naming the log) when the server does not become ready.
+  static std::unique_ptr<ServeProcess> Start(const ServeProcessOptions& options = {});
+  ~ServeProcess();
+
+  int port() const { return port_; }
+  pid_t pid() const { return child_.pid(); }
+  httplib::Client Client(int read_timeout_s = 60) const;
+  // The process has not exited and GET /health answers 200.
+  bool Alive();
+  // Still running and a small greedy completion succeeds: the server is answering, not just alive.
+  bool Answers();
+  // Everything the process wrote to stdout and stderr so far.
+  std::string Log() const;
+  // VmRSS of the process in KiB (-1 when unknown).
+  long RssKiB() const;
+  // Sends `sig` and waits up to `timeout_s` for the exit; returns the seconds it took, or -1 (then
+  // the process is killed).
+  double SignalAndWait(int sig, double timeout_s);
+  const comm::ExitInfo& exit_info() const { return child_.exit_info(); }
+
+ private:
+  comm::ChildProcess child_;
+  std::string dir_;
+  std::string log_path_;
+  int port_ = 0;
+};
+
+// Writes a copy of the tiny model into a fresh temporary directory with `chat_template` as its
+// chat_template.jinja (empty: none); returns the directory (removed at exit).
+std::string TinyModelCopy(const std::string& chat_template);
 
 }  // namespace dl::test
