@@ -112,10 +112,12 @@ struct Scheduler::Sequence {
   int32_t prefilled = 0;  // prompt positions whose KV is written (or attached from the cache)
   int32_t cached = 0;
   int32_t generated = 0;
+  std::vector<int32_t> generated_ids;  // for the penalties
   int32_t last_token = -1;
   int32_t registered_blocks = 0;
   std::vector<uint64_t> block_hashes;  // chained hashes of the prompt's whole pages
   std::vector<float> logits;
+  std::vector<float> processed;  // logits after ApplyLogitProcessors
   uint64_t key = 0;
   bool done = false;
   uint64_t stamp = 0;  // prefix-cache recency of this request
@@ -180,6 +182,23 @@ Result<std::shared_ptr<RequestState>> Scheduler::Submit(GenerationRequest r) {
     return InvalidArgument("temperature must be >= 0");
   }
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return InvalidArgument("top_p must be in (0, 1]");
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return InvalidArgument("min_p must be in [0, 1]");
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f)) {
+    return InvalidArgument("presence_penalty must be in [-2, 2]");
+  }
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f)) {
+    return InvalidArgument("frequency_penalty must be in [-2, 2]");
+  }
+  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty)) {
+    return InvalidArgument("repetition_penalty must be > 0 (1 = off)");
+  }
+  for (const auto& [t, bias] : p.logit_bias) {
+    if (t < 0 || t >= cfg.vocab_size) {
+      return InvalidArgument("logit_bias token id {} is outside the vocabulary [0, {})", t,
+                             cfg.vocab_size);
+    }
+    if (std::isnan(bias)) return InvalidArgument("logit_bias for token {} is not a number", t);
+  }
   for (int32_t t : p.stop_token_ids) {
     if (t < 0 || t >= cfg.vocab_size) {
       return InvalidArgument("stop token id {} is outside the vocabulary [0, {})", t, cfg.vocab_size);
@@ -325,7 +344,13 @@ Status Scheduler::Step(Sequence& s) {
   }
   const SamplingParams& p = s.req.sampling;
   TokenEvent ev;
-  ev.token = SampleToken(s.logits, p, s.key, static_cast<uint64_t>(s.generated));
+  std::span<const float> logits = s.logits;
+  if (HasLogitProcessors(p)) {
+    s.processed.assign(s.logits.begin(), s.logits.end());
+    ApplyLogitProcessors(s.processed, p, s.req.prompt, s.generated_ids);
+    logits = s.processed;
+  }
+  ev.token = SampleToken(logits, p, s.key, static_cast<uint64_t>(s.generated));
   if (p.logprobs >= 0) ComputeLogprobs(s.logits, ev.token, p.logprobs, &ev);
   const int32_t tok = ev.token;
   const auto now = Clock::now();
@@ -340,6 +365,7 @@ Status Scheduler::Step(Sequence& s) {
   }
   s.last_emit = now;
   ++s.generated;
+  s.generated_ids.push_back(tok);
   s.state->PushToken(std::move(ev));
   const auto& eos = engine_.config().eos_token_ids;
   const bool is_eos = !p.ignore_eos && std::find(eos.begin(), eos.end(), tok) != eos.end();
