@@ -5,6 +5,7 @@
 
 #include <httplib.h>
 #include <sys/socket.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "base/sha256.h"
@@ -41,6 +42,8 @@ struct Job {
   std::vector<int32_t> cached;                  // per choice
   std::vector<int32_t> prompt_tokens;
   std::vector<int64_t> stop_ids;                // ids that end a sequence (eos unless ignored, stop ids)
+  std::vector<api::ChatOutput> chat_out;        // chat: reasoning / content / tool calls per choice
+  std::vector<int> calls_sent;                  // chat: tool calls reported per choice so far
   std::string id;
   std::string model;
   int64_t created = 0;
@@ -52,9 +55,30 @@ struct Job {
   bool IsStopId(int32_t t) const {
     return std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end();
   }
-  // Feeds one token of choice i; returns the text to send for it and sets finish[i] when it is
-  // the last one (max_tokens reached, a stop id, or a stop string).
-  std::string Consume(size_t i, const TokenEvent& ev) {
+  // What one token of a choice adds to the response: text (completions), or its reasoning,
+  // content and finished tool calls (chat).
+  struct Piece {
+    std::string text;
+    api::ChatDelta chat;
+  };
+  // Feeds one token of choice i and sets finish[i] when it is the last one (max_tokens reached, a
+  // stop id, or a stop string; "tool_calls" when a chat choice called tools).
+  Piece Consume(size_t i, const TokenEvent& ev) {
+    Piece p;
+    p.text = ConsumeText(i, ev);
+    if (req.chat) {
+      p.chat = chat_out[i].Add(p.text);
+      if (!finish[i].empty()) {
+        api::ChatDelta rest = chat_out[i].Finish();
+        p.chat.reasoning += rest.reasoning;
+        p.chat.content += rest.content;
+        for (auto& c : rest.tool_calls) p.chat.tool_calls.push_back(std::move(c));
+        if (chat_out[i].tool_calls() > 0) finish[i] = "tool_calls";
+      }
+    }
+    return p;
+  }
+  std::string ConsumeText(size_t i, const TokenEvent& ev) {
     const bool stop_id = IsStopId(ev.token);
     ++counts[i];
     std::string delta = texts[i].Add(ev.token, stop_id);
@@ -73,12 +97,29 @@ struct Job {
   }
 };
 
-json ChunkJson(const Job& job, size_t i, const std::string& delta, const TokenEvent& ev,
-               bool first) {
+json ToolCallsJson(const std::vector<api::ToolCall>& calls, int first_index) {
+  json out = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    out.push_back({{"index", first_index + static_cast<int>(k)},
+                   {"id", calls[k].id},
+                   {"type", "function"},
+                   {"function", {{"name", calls[k].name}, {"arguments", calls[k].arguments}}}});
+  }
+  return out;
+}
+
+json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
+  const std::string& delta = piece.text;
   json choice = {{"index", i}};
   if (job.req.chat) {
-    json d = {{"content", delta}};
-    if (first) d = {{"role", "assistant"}, {"content", delta}};
+    json d = json::object();
+    if (first) d["role"] = "assistant";
+    d["content"] = piece.chat.content;
+    if (!piece.chat.reasoning.empty()) d["reasoning_content"] = piece.chat.reasoning;
+    if (!piece.chat.tool_calls.empty()) {
+      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, job.calls_sent[i]);
+      job.calls_sent[i] += static_cast<int>(piece.chat.tool_calls.size());
+    }
     choice["delta"] = d;
     choice["logprobs"] = job.req.logprobs >= 0 ? api::ChatLogprobs(job.tokenizer, {ev}) : json(nullptr);
   } else {
@@ -369,6 +410,11 @@ void Server::Routes() {
       ctx.vocab_size = engine_.config().vocab_size;
       auto job = std::make_shared<Job>();
       if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
+      if (!job->req.ignored_fields.empty()) {
+        // vLLM's behaviour for fields it does not know (docs/api.md).
+        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
+                     req.path, fmt::join(job->req.ignored_fields, ", "));
+      }
       if (!job->req.model.empty() && job->req.model != model_name) {
         api::ApiError e;
         e.http_status = 404;
@@ -398,8 +444,13 @@ void Server::Routes() {
           return SendError(res, api::FromStatus(st.status(), chat ? "messages" : "prompt"));
         }
         job->states.push_back(*st);
-        job->texts.emplace_back(ctx.tokenizer, job->req.stop_strings);
+        const bool parse = job->req.parse_reasoning || job->req.parse_tool_calls;
+        job->texts.emplace_back(ctx.tokenizer, job->req.stop_strings,
+                                parse && ctx.tokenizer ? api::ChatMarkerIds(*ctx.tokenizer)
+                                                       : std::vector<int32_t>{});
+        if (chat) job->chat_out.emplace_back(job->req);
       }
+      job->calls_sent.assign(n, 0);
       job->events.resize(n);
       job->counts.assign(n, 0);
       job->finish.assign(n, "");
@@ -410,6 +461,7 @@ void Server::Routes() {
 
       if (!job->req.stream) {
         std::vector<std::string> text(n);
+        std::vector<api::ChatDelta> message(n);
         for (size_t i = 0; i < n; ++i) {
           while (job->finish[i].empty()) {
             std::vector<TokenEvent> evs;
@@ -417,7 +469,11 @@ void Server::Routes() {
             const bool ok = PollChoice(*job, i, std::chrono::milliseconds(200), &evs, &error);
             for (auto& ev : evs) {
               if (!job->finish[i].empty()) break;
-              text[i] += job->Consume(i, ev);
+              Job::Piece p = job->Consume(i, ev);
+              text[i] += p.text;
+              message[i].reasoning += p.chat.reasoning;
+              message[i].content += p.chat.content;
+              for (auto& c : p.chat.tool_calls) message[i].tool_calls.push_back(std::move(c));
               job->events[i].push_back(std::move(ev));
             }
             if (!ok && job->finish[i].empty()) {
@@ -432,7 +488,18 @@ void Server::Routes() {
           for (const auto& e : job->events[i]) ids.push_back(e.token);
           json c = {{"index", i}};
           if (chat) {
-            c["message"] = {{"role", "assistant"}, {"content", text[i]}};
+            const api::ChatDelta& m = message[i];
+            json msg = {{"role", "assistant"}, {"content", m.content}};
+            // OpenAI's shape: content is null beside tool calls when the model wrote none.
+            if (!m.tool_calls.empty() &&
+                m.content.find_first_not_of(" \t\r\n") == std::string::npos) {
+              msg["content"] = nullptr;
+            }
+            if (job->req.parse_reasoning && job->req.include_reasoning) {
+              msg["reasoning_content"] = m.reasoning.empty() ? json(nullptr) : json(m.reasoning);
+            }
+            if (!m.tool_calls.empty()) msg["tool_calls"] = ToolCallsJson(m.tool_calls, 0);
+            c["message"] = msg;
             c["logprobs"] = job->req.logprobs >= 0 ? api::ChatLogprobs(job->tokenizer, job->events[i])
                                                    : json(nullptr);
           } else {
@@ -481,9 +548,9 @@ void Server::Routes() {
                 const bool ok = PollChoice(*job, i, wait, &evs, &error);
                 for (auto& ev : evs) {
                   if (!job->finish[i].empty()) break;
-                  const std::string delta = job->Consume(i, ev);
-                  if (!write(Sse(ChunkJson(*job, i, delta, ev, first[i])))) return false;
-                  job->text_offsets[i] += delta.size();
+                  const Job::Piece piece = job->Consume(i, ev);
+                  if (!write(Sse(ChunkJson(*job, i, piece, ev, first[i])))) return false;
+                  job->text_offsets[i] += piece.text.size();
                   first[i] = false;
                 }
                 if (!ok && job->finish[i].empty()) {

@@ -7,8 +7,10 @@
 //
 // Extensions beyond OpenAI, all additive: every choice (and every streamed chunk's choice) carries
 // "token_ids" (the generated ids, one per chunk when streaming), so clients can check exactness
-// without re-tokenizing; vLLM's extra request fields ignore_eos, top_k, stop_token_ids and
-// chat_template_kwargs are accepted; `stop` may mix strings and token ids.
+// without re-tokenizing; vLLM's extra request fields (top_k, min_p, repetition_penalty, ignore_eos,
+// stop_token_ids, chat_template_kwargs, ...) are accepted; `stop` may mix strings and token ids;
+// chat responses carry reasoning_content and tool_calls parsed from Laguna's markers. docs/api.md
+// lists every route and request field with its status.
 #pragma once
 
 #include <atomic>

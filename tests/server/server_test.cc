@@ -355,6 +355,147 @@ TEST_F(ServerTest, BadInputGetsTheErrorEnvelopeAndTheServerKeepsServing) {
   EXPECT_EQ(ok.json["choices"][0]["token_ids"].size(), 2u);
 }
 
+std::vector<int32_t> DrainIds(RequestState& st) {
+  std::vector<int32_t> out;
+  for (int i = 0; i < 20000; ++i) {
+    RequestState::Update u;
+    st.Poll(&u, std::chrono::milliseconds(50));
+    for (auto& e : u.tokens) out.push_back(e.token);
+    if (u.finished) break;
+  }
+  return out;
+}
+
+TEST_F(ServerTest, PenaltiesBiasMinPAndMaxCompletionTokensAreHonoured) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  // max_completion_tokens on /v1/completions (16 came back before).
+  auto r = PostJson(cli, "/v1/completions",
+                    {{"prompt", Prompt(6, 3)}, {"max_completion_tokens", 3}, {"temperature", 0},
+                     {"ignore_eos", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.json["choices"][0]["token_ids"].size(), 3u);
+  // logit_bias steers greedy decoding.
+  r = PostJson(cli, "/v1/completions",
+               {{"prompt", Prompt(6, 3)}, {"max_tokens", 4}, {"temperature", 0}, {"ignore_eos", true},
+                {"logit_bias", {{"77", 100}}}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), std::vector<int32_t>(4, 77));
+  // Penalties and min_p: the HTTP result equals the scheduler's for the same parameters, and the
+  // penalties change it.
+  json body = {{"prompt", Prompt(10, 4)}, {"max_tokens", 12}, {"temperature", 0.8}, {"seed", 5},
+               {"min_p", 0.05}, {"presence_penalty", 0.6}, {"frequency_penalty", 0.4},
+               {"repetition_penalty", 1.3}, {"ignore_eos", true}};
+  r = PostJson(cli, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  GenerationRequest g;
+  g.prompt = Prompt(10, 4);
+  g.sampling.max_tokens = 12;
+  g.sampling.temperature = 0.8f;
+  g.sampling.seed = 5;
+  g.sampling.min_p = 0.05f;
+  g.sampling.presence_penalty = 0.6f;
+  g.sampling.frequency_penalty = 0.4f;
+  g.sampling.repetition_penalty = 1.3f;
+  g.sampling.ignore_eos = true;
+  auto st = server_->scheduler().Submit(g);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), DrainIds(**st));
+  body.erase("presence_penalty");
+  body.erase("frequency_penalty");
+  body.erase("repetition_penalty");
+  auto plain = PostJson(cli, "/v1/completions", body);
+  EXPECT_NE(plain.json["choices"][0]["token_ids"], r.json["choices"][0]["token_ids"]);
+  // Fields that would change the output and are not implemented: 400 naming them.
+  const json base = {{"prompt", {5, 6}}, {"max_tokens", 2}};
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"response_format", {{"type", "json_object"}}},
+                                                 {"min_tokens", 3},
+                                                 {"guided_regex", "a+"},
+                                                 {"use_beam_search", true}}) {
+    json b = base;
+    b[field] = value;
+    ExpectErrorEnvelope(PostJson(cli, "/v1/completions", b), 400, field);
+  }
+  ExpectErrorEnvelope(PostJson(cli, "/v1/completions", {{"prompt", {5}}, {"min_p", 2}}), 400, "min_p");
+  ExpectErrorEnvelope(PostJson(cli, "/v1/completions", {{"prompt", {5}}, {"logit_bias", {{"600", 1}}}}),
+                      400, "logit_bias");
+  // Documented no-ops.
+  json noop = base;
+  noop["user"] = "u";
+  noop["metadata"] = {{"k", "v"}};
+  noop["store"] = false;
+  noop["response_format"] = {{"type", "text"}};
+  EXPECT_EQ(PostJson(cli, "/v1/completions", noop).status, 200);
+}
+
+TEST_F(ServerTest, ChatSplitsReasoningAndHonoursToolChoice) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  auto tok = Tokenizer::FromFile(TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  const int32_t think = *tok->TokenToId("<think>"), end_think = *tok->TokenToId("</think>");
+  const json user = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  // The Laguna template opens <think> (enable_thinking defaults to true): the output is reasoning.
+  json body = {{"messages", user}, {"max_completion_tokens", 6}, {"temperature", 0},
+               {"ignore_eos", true},
+               {"logit_bias", {{std::to_string(think), -100}, {std::to_string(end_think), -100}}}};
+  auto r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json& m = r.json["choices"][0]["message"];
+  const std::string text = tok->Decode(Ids(r.json["choices"][0]["token_ids"]), true);
+  EXPECT_EQ(m["reasoning_content"], text);
+  EXPECT_EQ(m["content"], "");
+  // Streamed: the same split, one chunk per token.
+  body["stream"] = true;
+  auto s = PostStream(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(s.data.size(), 7u) << s.raw;
+  std::string reasoning, content;
+  for (size_t i = 0; i < 6; ++i) {
+    const json d = json::parse(s.data[i])["choices"][0]["delta"];
+    reasoning += d.value("reasoning_content", "");
+    content += d.value("content", "");
+  }
+  EXPECT_EQ(reasoning, text);
+  EXPECT_EQ(content, "");
+  // enable_thinking false: the template closes </think> itself and everything is content.
+  body.erase("stream");
+  body["chat_template_kwargs"] = {{"enable_thinking", false}};
+  r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.json["choices"][0]["message"]["reasoning_content"].is_null());
+  EXPECT_EQ(r.json["choices"][0]["message"]["content"],
+            tok->Decode(Ids(r.json["choices"][0]["token_ids"]), true));
+  // The model closing its reasoning at once: no reasoning, the rest is content.
+  body.erase("chat_template_kwargs");
+  body["logit_bias"] = {{std::to_string(end_think), 100}};
+  body["max_completion_tokens"] = 1;
+  r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.json["choices"][0]["message"]["reasoning_content"].is_null());
+  EXPECT_EQ(r.json["choices"][0]["message"]["content"], "");
+  // tool_choice: auto and none run; what needs constrained decoding is refused by name.
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])");
+  for (const char* choice : {"auto", "none"}) {
+    r = PostJson(cli, "/v1/chat/completions",
+                 {{"messages", user}, {"tools", tools}, {"tool_choice", choice},
+                  {"max_completion_tokens", 2}, {"temperature", 0}});
+    EXPECT_EQ(r.status, 200) << choice << " " << r.body;
+  }
+  ExpectErrorEnvelope(PostJson(cli, "/v1/chat/completions",
+                               {{"messages", user}, {"tools", tools}, {"tool_choice", "required"}}),
+                      400, "tool_choice");
+  ExpectErrorEnvelope(
+      PostJson(cli, "/v1/chat/completions",
+               {{"messages", user},
+                {"tools", tools},
+                {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}}),
+      400, "tool_choice");
+  ExpectErrorEnvelope(PostJson(cli, "/v1/chat/completions", {{"messages", user}, {"tools", "x"}}), 400,
+                      "tools");
+}
+
 TEST_F(ServerTest, ClientDisconnectFreesKvPages) {
   ASSERT_NE(server_, nullptr);
   auto cli = server_->Client();
