@@ -106,6 +106,7 @@ struct SchedulerStats {
   uint64_t prompt_tokens_total = 0;
   uint64_t generation_tokens_total = 0;
   uint64_t cached_prompt_tokens_total = 0;
+  uint64_t preemptions_total = 0;  // sequences preempted to free KV pages (none are yet)
   std::map<std::string, uint64_t> finished_total;  // by finish reason
   uint64_t steps_total = 0;
   Histogram ttft, itl, e2e, queue_time;

@@ -654,6 +654,106 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
   return std::nullopt;
 }
 
+// ---- /tokenize, /detokenize ----
+
+namespace {
+
+Result<ojson> ParseBody(const std::string& text) {
+  try {
+    ojson body = ojson::parse(text);
+    if (!body.is_object()) return InvalidArgument("the request body must be a JSON object");
+    return body;
+  } catch (const std::exception& e) {
+    return InvalidArgument("the request body is not valid JSON: {}", e.what());
+  }
+}
+
+void ListUnknown(const ojson& body, std::initializer_list<const char*> known,
+                 std::vector<std::string>* ignored) {
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    if (std::find_if(known.begin(), known.end(), [&](const char* k) { return it.key() == k; }) ==
+        known.end()) {
+      ignored->push_back(it.key());
+    }
+  }
+}
+
+}  // namespace
+
+std::string RequestedModel(const std::string& body) {
+  auto b = ParseBody(body);
+  if (!b.ok() || !b->contains("model") || !(*b)["model"].is_string()) return "";
+  return (*b)["model"].get<std::string>();
+}
+
+std::optional<ApiError> Tokenize(const std::string& body_text, const ParseContext& ctx,
+                                 nlohmann::json* response, std::vector<std::string>* ignored) {
+  auto parsed = ParseBody(body_text);
+  if (!parsed.ok()) return BadRequest(parsed.status().message());
+  const ojson& body = *parsed;
+  if (!ctx.tokenizer) {
+    return BadRequest("this model has no tokenizer (tokenizer.json): nothing to tokenize with");
+  }
+  try {
+    const bool chat = body.contains("messages");
+    if (chat == body.contains("prompt")) {
+      return BadRequest("give exactly one of prompt (text) or messages (chat)");
+    }
+    ListUnknown(body,
+                {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                 "chat_template_kwargs", "tools", "return_token_strs"},
+                ignored);
+    ParsedRequest r;
+    if (chat) {
+      if (auto e = ParseTools(body, &r)) return e;
+      if (auto e = ParseMessages(body, ctx, &r)) return e;
+    } else {
+      if (!body["prompt"].is_string()) return BadRequest("prompt must be a string", "prompt");
+      bool add_special = true;
+      if (auto e = GetBool(body, "add_special_tokens", &add_special)) return e;
+      std::vector<int32_t> ids;
+      if (auto e = EncodeText(body["prompt"].get<std::string>(), ctx, add_special, "prompt", &ids)) {
+        return e;
+      }
+      r.prompts.push_back(std::move(ids));
+    }
+    bool strs = false;
+    if (auto e = GetBool(body, "return_token_strs", &strs)) return e;
+    const std::vector<int32_t>& ids = r.prompts.at(0);
+    nlohmann::json token_strs = nullptr;
+    if (strs) {
+      token_strs = nlohmann::json::array();
+      for (int32_t id : ids) token_strs.push_back(ctx.tokenizer->IdToToken(id).value_or(""));
+    }
+    *response = {{"count", ids.size()},
+                 {"max_model_len", ctx.max_context},
+                 {"tokens", ids},
+                 {"token_strs", token_strs}};
+  } catch (const std::exception& e) {
+    return BadRequest(fmt::format("invalid request: {}", e.what()));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> Detokenize(const std::string& body_text, const ParseContext& ctx,
+                                   nlohmann::json* response, std::vector<std::string>* ignored) {
+  auto parsed = ParseBody(body_text);
+  if (!parsed.ok()) return BadRequest(parsed.status().message());
+  const ojson& body = *parsed;
+  if (!ctx.tokenizer) {
+    return BadRequest("this model has no tokenizer (tokenizer.json): nothing to detokenize with");
+  }
+  ListUnknown(body, {"model", "tokens"}, ignored);
+  auto it = body.find("tokens");
+  if (it == body.end() || !it->is_array()) {
+    return BadRequest("tokens must be an array of token ids", "tokens");
+  }
+  std::vector<int32_t> ids;
+  if (auto e = TokenIds(*it, ctx, "tokens", &ids)) return e;
+  *response = {{"prompt", ctx.tokenizer->Decode(ids, false)}};
+  return std::nullopt;
+}
+
 // ---- ChoiceText ----
 
 ChoiceText::ChoiceText(const Tokenizer* tokenizer, std::vector<std::string> stop_strings,

@@ -172,9 +172,26 @@ bool PollChoice(Job& job, size_t i, std::chrono::milliseconds wait, std::vector<
   return true;
 }
 
+// A label value in the Prometheus text format: backslash, double quote and newline escaped.
+std::string PrometheusLabelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string MetricsText(const SchedulerStats& s, const std::string& model) {
   std::string out;
-  const std::string label = fmt::format("model_name=\"{}\"", model);
+  const std::string label = fmt::format("model_name=\"{}\"", PrometheusLabelValue(model));
   auto gauge = [&](const char* name, const char* help, double v) {
     out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n{}{{{}}} {}\n", name, help, name, name, label, v);
   };
@@ -198,6 +215,8 @@ std::string MetricsText(const SchedulerStats& s, const std::string& model) {
           static_cast<double>(s.prompt_tokens_total));
   counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
           static_cast<double>(s.generation_tokens_total));
+  counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
+          static_cast<double>(s.preemptions_total));
   counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           static_cast<double>(s.prompt_tokens_total));
   counter("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
@@ -290,12 +309,26 @@ void Server::Stop() {
   http_->stop();
 }
 
+api::ParseContext Server::Context() const {
+  api::ParseContext ctx;
+  ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+  ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
+  ctx.no_template_reason = chat_template_error_;
+  ctx.max_context = scheduler_.max_context();
+  ctx.vocab_size = engine_.config().vocab_size;
+  ctx.defaults = options_.sampling_defaults;
+  return ctx;
+}
+
 void Server::Routes() {
   httplib::Server& svr = *http_;
   const std::string model_name = options_.served_model_name;
 
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-    if (req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    // Health and metrics stay open, as in vLLM; the model's routes need the key.
+    if (req.path.rfind("/v1/", 0) != 0 && req.path != "/tokenize" && req.path != "/detokenize") {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
     if (!options_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
       if (auth != "Bearer " + options_.api_key) {
@@ -400,14 +433,38 @@ void Server::Routes() {
     SendJson(res, 200, state);
   });
 
+  // vLLM's tokenizer routes.
+  auto tokens_route = [this, model_name](bool tokenize) {
+    return [this, model_name, tokenize](const httplib::Request& req, httplib::Response& res) {
+      const std::string requested = api::RequestedModel(req.body);
+      if (!requested.empty() && requested != model_name) {
+        api::ApiError e;
+        e.http_status = 404;
+        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
+                                requested, model_name);
+        e.param = "model";
+        e.code = "model_not_found";
+        return SendError(res, e);
+      }
+      json out;
+      std::vector<std::string> ignored;
+      const api::ParseContext ctx = Context();
+      auto e = tokenize ? api::Tokenize(req.body, ctx, &out, &ignored)
+                        : api::Detokenize(req.body, ctx, &out, &ignored);
+      if (!ignored.empty()) {
+        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
+                     req.path, fmt::join(ignored, ", "));
+      }
+      if (e) return SendError(res, *e);
+      SendJson(res, 200, out);
+    };
+  };
+  svr.Post("/tokenize", tokens_route(true));
+  svr.Post("/detokenize", tokens_route(false));
+
   auto generate = [this, model_name](bool chat) {
     return [this, model_name, chat](const httplib::Request& req, httplib::Response& res) {
-      api::ParseContext ctx;
-      ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
-      ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
-      ctx.no_template_reason = chat_template_error_;
-      ctx.max_context = scheduler_.max_context();
-      ctx.vocab_size = engine_.config().vocab_size;
+      const api::ParseContext ctx = Context();
       auto job = std::make_shared<Job>();
       if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
       if (!job->req.ignored_fields.empty()) {

@@ -1,9 +1,10 @@
 // `decodelab serve`: an OpenAI-compatible HTTP endpoint over the scheduler.
 //
-// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-// GET /metrics (Prometheus text with vLLM's metric names), GET /v1/decodelab/state (engine identity
-// for the lab). HTTP threads parse request bodies into native types (api.h), hand them to the
-// scheduler's engine thread and stream its tokens back, one token per SSE event.
+// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
+// /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text with vLLM's metric names),
+// GET /v1/decodelab/state (engine identity for the lab). HTTP threads parse request bodies into
+// native types (api.h), hand them to the scheduler's engine thread and stream its tokens back, one
+// token per SSE event.
 //
 // Extensions beyond OpenAI, all additive: every choice (and every streamed chunk's choice) carries
 // "token_ids" (the generated ids, one per chunk when streaming), so clients can check exactness
@@ -20,6 +21,7 @@
 #include <string>
 
 #include "engine/scheduler.h"
+#include "server/api.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -38,6 +40,8 @@ struct ServerOptions {
   std::string served_model_name;
   std::string model_root;  // reported in /v1/models "root"
   nlohmann::json model_identity = nlohmann::json::object();  // shape/seed/dir, for /state
+  // Sampling defaults for fields a request leaves out (the model's generation_config.json).
+  api::SamplingDefaults sampling_defaults;
 };
 
 class Server {
@@ -61,6 +65,7 @@ class Server {
 
  private:
   void Routes();
+  api::ParseContext Context() const;
 
   Engine& engine_;
   Scheduler& scheduler_;

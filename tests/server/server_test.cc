@@ -1,6 +1,7 @@
 // Black-box tests of the OpenAI-compatible server over loopback HTTP (cpp-httplib's client).
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -79,6 +80,64 @@ TEST_F(ServerTest, ModelsHealthMetricsAndState) {
     EXPECT_NE(metrics->body.find(name), std::string::npos) << name;
   }
   EXPECT_NE(metrics->body.find("# TYPE vllm:time_to_first_token_seconds histogram"), std::string::npos);
+  // Preemption does not exist yet: the counter is there and honest.
+  EXPECT_NE(metrics->body.find("# TYPE vllm:num_preemptions_total counter\n"
+                               "vllm:num_preemptions_total{model_name=\"tiny-test\"} 0\n"),
+            std::string::npos)
+      << metrics->body;
+}
+
+TEST(ServerConfigTest, MetricLabelValuesAreEscaped) {
+  auto server = TestServer::Start({.max_batch = 1, .served_model_name = "a \"b\" c\\d\ne"});
+  ASSERT_NE(server, nullptr);
+  auto cli = server->Client();
+  auto metrics = cli.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->body.find("vllm:num_requests_running{model_name=\"a \\\"b\\\" c\\\\d\\ne\"} 0\n"),
+            std::string::npos)
+      << metrics->body;
+  // No raw newline inside any sample line: every line is a comment or "name{labels} value".
+  std::istringstream lines(metrics->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_EQ(line.rfind("vllm:", 0) == 0 || line.rfind("decodelab:", 0) == 0, true) << line;
+  }
+}
+
+TEST_F(ServerTest, TokenizeAndDetokenizeAsVllm) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  auto tok = Tokenizer::FromFile(TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  const std::string text = "Hello, world! 2 + 2 = 4.";
+  auto r = PostJson(cli, "/tokenize", {{"model", "tiny-test"}, {"prompt", text}, {"return_token_strs", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto ids = tok->Encode(text, true);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(Ids(r.json["tokens"]), *ids);
+  EXPECT_EQ(r.json["count"], ids->size());
+  EXPECT_EQ(r.json["max_model_len"], 512);
+  ASSERT_EQ(r.json["token_strs"].size(), ids->size());
+  EXPECT_EQ(r.json["token_strs"][0], *tok->IdToToken((*ids)[0]));
+  auto d = PostJson(cli, "/detokenize", {{"tokens", r.json["tokens"]}});
+  ASSERT_EQ(d.status, 200) << d.body;
+  EXPECT_EQ(d.json["prompt"], tok->Decode(*ids, false));
+  // Chat form: the rendered template, the same ids a chat request would prefill.
+  const json messages = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  auto t = PostJson(cli, "/tokenize", {{"messages", messages}});
+  ASSERT_EQ(t.status, 200) << t.body;
+  auto c = PostJson(cli, "/v1/chat/completions",
+                    {{"messages", messages}, {"max_completion_tokens", 1}, {"temperature", 0}});
+  ASSERT_EQ(c.status, 200) << c.body;
+  EXPECT_EQ(t.json["count"], c.json["usage"]["prompt_tokens"]);
+  auto back = PostJson(cli, "/detokenize", {{"tokens", t.json["tokens"]}});
+  EXPECT_EQ(back.json["prompt"].get<std::string>().rfind("\u3008|EOS|\u3009<system>", 0), 0u)
+      << back.body;
+  // Errors use the envelope.
+  ExpectErrorEnvelope(PostJson(cli, "/detokenize", {{"tokens", {1, 600}}}), 400, "tokens");
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"prompt", 5}}), 400, "prompt");
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", json::object()), 400);
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"model", "other"}, {"prompt", "x"}}), 404, "model");
 }
 
 TEST_F(ServerTest, GreedyCompletionEqualsGenerateGreedyAndTheCli) {
@@ -526,6 +585,9 @@ TEST(ServerConfigTest, ApiKeyChatWithoutTemplateAndOverload) {
   ExpectErrorEnvelope(PostJson(cli, "/v1/completions", body), 401);
   ExpectErrorEnvelope(PostJson(cli, "/v1/completions", body, "wrong"), 401);
   ExpectErrorEnvelope(Get(cli, "/v1/models"), 401);
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"prompt", "x"}}), 401);
+  ExpectErrorEnvelope(PostJson(cli, "/detokenize", {{"tokens", {5}}}), 401);
+  EXPECT_EQ(PostJson(cli, "/detokenize", {{"tokens", {5}}}, "sekrit").status, 200);
   EXPECT_EQ(Get(cli, "/health").status, 200);  // open, as in vLLM
   EXPECT_EQ(PostJson(cli, "/v1/completions", body, "sekrit").status, 200);
   auto chat = PostJson(cli, "/v1/chat/completions",

@@ -111,7 +111,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   so.api_key = c.api_key;
   so.max_body_bytes = c.max_body_bytes;
   so.http_threads = c.http_threads;
-  so.served_model_name = "tiny-test";
+  so.served_model_name = c.served_model_name;
   so.model_root = o.model_dir;
   ts->server_ = std::make_unique<Server>(*ts->engine_, *ts->scheduler_, so,
                                          tok.ok() ? std::optional<Tokenizer>(*tok) : std::nullopt,

@@ -31,6 +31,7 @@ struct ServerConfig {
   int prefill_chunk = 16;
   bool with_chat_template = true;
   int http_threads = 160;
+  std::string served_model_name = "tiny-test";
 };
 
 class TestServer {
