@@ -7,6 +7,7 @@
 
 #include "base/rng.h"
 #include "cuda/device.h"
+#include "model/backend_support.h"
 #include "model/cpu_runner.h"
 #include "model/cuda_runner.h"
 #include "model/shapes.h"
@@ -203,6 +204,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     }
   }
   const ModelConfig& cfg = engine->config();
+  if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
   CudaRunnerOptions co;
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;
