@@ -1,6 +1,9 @@
 #include "apps/decodelab/engine_flags.h"
 
 #include <charconv>
+#include <filesystem>
+
+#include "tokenizer/tokenizer_writer.h"
 
 namespace dl::app {
 
@@ -73,6 +76,26 @@ Result<std::vector<int32_t>> ParseIdList(const std::string& text) {
   }
   if (ids.empty()) return InvalidArgument("--prompt-ids is empty");
   return ids;
+}
+
+Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& o, int64_t vocab_size,
+                                                    std::string* why) {
+  if (!o.model_dir.empty()) {
+    if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
+      *why = o.model_dir + " has no tokenizer.json";
+      return std::optional<Tokenizer>();
+    }
+    DL_ASSIGN_OR_RETURN(Tokenizer t, Tokenizer::FromFile(o.model_dir));
+    return std::optional<Tokenizer>(std::move(t));
+  }
+  if (vocab_size < MinSmallTokenizerVocabSize()) {
+    *why = fmt::format("--shape {} has a vocabulary of {}, too small for the generated tokenizer",
+                       o.shape, vocab_size);
+    return std::optional<Tokenizer>();
+  }
+  DL_ASSIGN_OR_RETURN(std::string text, BuildSmallTokenizerJson(static_cast<int32_t>(vocab_size)));
+  DL_ASSIGN_OR_RETURN(Tokenizer t, Tokenizer::FromJson(text, "generated tokenizer for --shape " + o.shape));
+  return std::optional<Tokenizer>(std::move(t));
 }
 
 }  // namespace dl::app
