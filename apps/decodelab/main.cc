@@ -2,8 +2,10 @@
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "apps/decodelab/commands.h"
+#include "base/build_info.h"
 #include "base/status.h"
 
 namespace dl::app {
@@ -15,12 +17,21 @@ int ReportError(const Status& status) {
 
 }  // namespace dl::app
 
+namespace {
+
+std::string VersionText() {
+  return fmt::format("decodelab {}\ncommit {}\ncompilers {}\nbuild {}", DECODELAB_VERSION,
+                     dl::BuildCommit(), dl::BuildCompilers(), dl::BuildFlags());
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App root{
       "decodelab: fast, exact decoding of Laguna models, with a lab that ties every speed claim to\n"
       "an exact output, a binary and a healthy interconnect."};
   root.require_subcommand(1);
-  root.set_version_flag("--version", "decodelab 0.1.0");
+  root.set_version_flag("--version", [] { return VersionText(); });
   dl::app::CommandContext ctx;
   // Each subcommand registers itself here (apps/decodelab/cmd_<name>.cc).
   dl::app::AddGenerateCommand(root, ctx);
@@ -32,6 +43,15 @@ int main(int argc, char** argv) {
   dl::app::AddKernelsCommand(root, ctx);
   dl::app::AddServeCommand(root, ctx);
   dl::app::AddLabCommand(root, ctx);
-  CLI11_PARSE(root, argc, argv);
+  try {
+    root.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // Prints --help / --version output, or the error with a pointer to --help.
+    const int rc = root.exit(e);
+    if (rc == static_cast<int>(CLI::ExitCodes::Success)) return 0;
+    // Usage errors exit 2, as getopt programs do. `probe` keeps 1: its codes 2..8 are the classes
+    // of a probe that ran (docs/multi-host.md).
+    return root.got_subcommand("probe") ? 1 : 2;
+  }
   return ctx.exit_code;
 }

@@ -1,0 +1,104 @@
+// The decodelab command line as a user meets it: exit codes (usage errors exit 2), --version, and
+// generate with a text prompt.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "base/build_info.h"
+
+namespace dl {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliRun {
+  int rc = -1;
+  std::string out, err;
+};
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs the binary with `args` (shell words), capturing stdout and stderr separately.
+CliRun Decodelab(const std::string& args) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string cmd = std::string("'") + DECODELAB_EXE + "' " + args + " >'" +
+                          (dir / "out").string() + "' 2>'" + (dir / "err").string() + "'";
+  CliRun r;
+  const int status = std::system(cmd.c_str());
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = Slurp(dir / "out");
+  r.err = Slurp(dir / "err");
+  fs::remove_all(dir);
+  return r;
+}
+
+TEST(CliTest, UsageErrorsExitTwo) {
+  for (const char* args : {"", "no-such-command", "generate --bogus", "serve --port 99999",
+                           "serve --max-batch 0", "generate --shape tiny --max-tokens many",
+                           "inspect --shape nope", "lab screen --no-such-flag"}) {
+    const CliRun r = Decodelab(args);
+    EXPECT_EQ(r.rc, 2) << "decodelab " << args << "\n" << r.err;
+    EXPECT_NE(r.err.find("--help"), std::string::npos) << args << ": " << r.err;
+  }
+  // A usage error found after parsing (library InvalidArgument) exits 2 as well.
+  const CliRun both = Decodelab("generate --shape tiny --backend cpu --prompt hi --prompt-ids 1,2");
+  EXPECT_EQ(both.rc, 2) << both.err;
+  const CliRun none = Decodelab("generate --shape tiny --backend cpu");
+  EXPECT_EQ(none.rc, 2) << none.err;
+  EXPECT_NE(none.err.find("--prompt"), std::string::npos) << none.err;
+  // probe's exit codes 2..8 are classes of a probe that ran: its usage errors exit 1.
+  const CliRun probe = Decodelab("probe --ranks abc");
+  EXPECT_EQ(probe.rc, 1) << probe.err;
+  // --help is not an error.
+  EXPECT_EQ(Decodelab("--help").rc, 0);
+  EXPECT_EQ(Decodelab("serve --help").rc, 0);
+}
+
+TEST(CliTest, VersionPrintsTheCommitAndBuildFlags) {
+  const CliRun r = Decodelab("--version");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("decodelab ", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("commit " + BuildCommit()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("compilers " + BuildCompilers()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("build " + BuildFlags()), std::string::npos) << r.out;
+  EXPECT_NE(BuildFlags().find("CUDA"), std::string::npos);
+  EXPECT_NE(BuildFlags().find("C++ flags"), std::string::npos);
+}
+
+TEST(CliTest, GenerateTakesTextAndPrintsText) {
+  const CliRun r = Decodelab(
+      "generate --shape tiny --backend cpu --prompt 'Hello, world' --max-tokens 5 --ignore-eos --json");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string last = r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1);
+  const auto j = nlohmann::json::parse(last, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_EQ(j["tokens"].size(), 5u);
+  EXPECT_TRUE(j["text"].is_string());
+  EXPECT_NE(r.err.find("text: " + j["text"].get<std::string>()), std::string::npos) << r.err;
+  // The same prompt as ids gives the same tokens: --prompt is only a tokenizer in front.
+  const CliRun tok = Decodelab("generate --shape tiny --backend cpu --prompt 'Hello, world' --max-tokens 1 --json");
+  ASSERT_EQ(tok.rc, 0);
+  const auto jt = nlohmann::json::parse(tok.out.substr(tok.out.rfind('\n', tok.out.size() - 2) + 1));
+  EXPECT_GT(jt["prompt_tokens"].get<int>(), 1);
+  // --allow-fallback is accepted by generate as by bench (it only matters on CUDA).
+  const CliRun fb = Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --max-tokens 2 --allow-fallback");
+  EXPECT_EQ(fb.rc, 0) << fb.err;
+}
+
+}  // namespace
+}  // namespace dl
