@@ -1,6 +1,8 @@
 #include "server/server.h"
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 
 #include <httplib.h>
@@ -262,10 +264,14 @@ Server::Server(Engine& engine, Scheduler& scheduler, ServerOptions options,
   const int threads = std::max(4, options_.http_threads);
   http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   http_->set_payload_max_length(options_.max_body_bytes);
+  // Not httplib::default_socket_options: it sets SO_REUSEPORT, with which a second server binds a
+  // busy port and the kernel splits connections between two models. SO_REUSEADDR alone still lets
+  // a restarted server bind while old connections sit in TIME_WAIT.
   // Remember the listening socket: the packaged cpp-httplib listens with a backlog of 5, which
   // drops connections when many clients connect at once; Bind raises it.
   http_->set_socket_options([this](socket_t sock) {
-    httplib::default_socket_options(sock);
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     listen_fd_.store(static_cast<int>(sock));
   });
   http_->set_keep_alive_timeout(2);
@@ -283,9 +289,13 @@ Status Server::Bind() {
     port_ = http_->bind_to_any_port(options_.host);
     if (port_ <= 0) return Unavailable("cannot bind an ephemeral port on {}", options_.host);
   } else {
+    errno = 0;
     if (!http_->bind_to_port(options_.host, options_.port)) {
-      return Unavailable("cannot bind {}:{} (in use, or not an address of this machine)",
-                         options_.host, options_.port);
+      const int err = errno;
+      return Unavailable("cannot listen on {}:{}: {}", options_.host, options_.port,
+                         err == EADDRINUSE ? "the address is already in use (another server?)"
+                         : err != 0        ? std::strerror(err)
+                                           : "not an address of this machine");
     }
     port_ = options_.port;
   }

@@ -1,5 +1,8 @@
 // The decodelab command line as a user meets it: exit codes (usage errors exit 2), --version, and
 // generate with a text prompt.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,7 +39,7 @@ std::string Slurp(const fs::path& p) {
 CliRun Decodelab(const std::string& args) {
   const fs::path dir = fs::temp_directory_path() / ("dl_cli_test_" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const std::string cmd = std::string("'") + DECODELAB_EXE + "' " + args + " >'" +
+  const std::string cmd = std::string("timeout 120 '") + DECODELAB_EXE + "' " + args + " >'" +
                           (dir / "out").string() + "' 2>'" + (dir / "err").string() + "'";
   CliRun r;
   const int status = std::system(cmd.c_str());
@@ -67,6 +70,26 @@ TEST(CliTest, UsageErrorsExitTwo) {
   // --help is not an error.
   EXPECT_EQ(Decodelab("--help").rc, 0);
   EXPECT_EQ(Decodelab("serve --help").rc, 0);
+}
+
+TEST(CliTest, ServeOnABusyPortIsAStartupErrorNamingTheAddress) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  // `timeout` turns a server that wrongly starts into exit 124 instead of a hang.
+  const CliRun r = Decodelab("serve --shape tiny --backend cpu --max-seq-len 64 --port " +
+                             std::to_string(port));
+  ::close(fd);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("in use"), std::string::npos) << r.err;
 }
 
 TEST(CliTest, VersionPrintsTheCommitAndBuildFlags) {

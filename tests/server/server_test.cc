@@ -87,6 +87,31 @@ TEST_F(ServerTest, ModelsHealthMetricsAndState) {
       << metrics->body;
 }
 
+TEST(ServerConfigTest, ASecondServerOnABusyPortFailsToStart) {
+  auto first = TestServer::Start({.max_batch = 1});
+  ASSERT_NE(first, nullptr);
+  EngineOptions o;
+  o.model_dir = TinyModelDir();
+  o.backend = BackendKind::kCpu;
+  o.max_seq_len = 64;
+  auto engine = LoadEngine(o);
+  ASSERT_TRUE(engine.ok());
+  Scheduler scheduler(**engine, {.max_batch = 1});
+  ServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = first->port();
+  so.served_model_name = "second";
+  Server second(**engine, scheduler, so, std::nullopt, std::nullopt, "none");
+  Status st = second.Bind();
+  ASSERT_FALSE(st.ok()) << "two servers must not share " << so.port;
+  EXPECT_NE(st.message().find("127.0.0.1:" + std::to_string(so.port)), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("in use"), std::string::npos) << st.message();
+  // The first still answers, alone.
+  auto cli = first->Client();
+  EXPECT_EQ(Get(cli, "/v1/models").json["data"][0]["id"], "tiny-test");
+}
+
 TEST(ServerConfigTest, MetricLabelValuesAreEscaped) {
   auto server = TestServer::Start({.max_batch = 1, .served_model_name = "a \"b\" c\\d\ne"});
   ASSERT_NE(server, nullptr);
