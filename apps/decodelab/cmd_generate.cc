@@ -5,6 +5,7 @@
 #include <span>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
@@ -54,8 +55,8 @@ int RunGenerate(const GenerateFlags& f) {
                                     static_cast<int>(prompt->size()) + f.max_tokens);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
-  std::fprintf(stderr, "backend: %s (%s)\n", (*engine)->runner->backend_name().c_str(),
-               (*engine)->backend_choice_reason.c_str());
+  spdlog::info("backend: {} ({})", (*engine)->runner->backend_name(),
+               (*engine)->backend_choice_reason);
   GenerateOptions g;
   g.max_tokens = f.max_tokens;
   g.ignore_eos = f.ignore_eos;

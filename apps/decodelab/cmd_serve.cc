@@ -29,6 +29,9 @@ struct ServeFlags {
   size_t max_body_bytes = 16u << 20;
   std::string served_model_name;
   int http_threads = 160;
+  bool access_log = false;
+  double log_stats_interval = 10;
+  bool disable_log_stats = false;
 };
 
 int RunServe(const ServeFlags& f) {
@@ -47,13 +50,12 @@ int RunServe(const ServeFlags& f) {
   if (f.max_waiting < 0) return ReportError(InvalidArgument("--max-waiting must be >= 0"));
   // Pools for max_batch full-length sequences; with prefix caching, as much again for cached pages.
   opts->max_sequences = f.max_batch * (f.prefix_caching ? 2 : 1);
-  std::fprintf(stderr, "decodelab serve: loading %s ...\n",
-               opts->model_dir.empty() ? ("--shape " + opts->shape).c_str() : opts->model_dir.c_str());
+  spdlog::info("decodelab serve: loading {} ...",
+               opts->model_dir.empty() ? "--shape " + opts->shape : opts->model_dir);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   Engine& e = **engine;
-  std::fprintf(stderr, "backend: %s (%s)\n", e.runner->backend_name().c_str(),
-               e.backend_choice_reason.c_str());
+  spdlog::info("backend: {} ({})", e.runner->backend_name(), e.backend_choice_reason);
 
   SchedulerOptions so;
   so.max_batch = f.max_batch;
@@ -61,10 +63,9 @@ int RunServe(const ServeFlags& f) {
   so.prefill_chunk = opts->prefill_chunk;
   so.enable_prefix_caching = f.prefix_caching;
   if (e.runner->backend_name() != "cpu-reference" && so.max_batch > 1) {
-    std::fprintf(stderr,
-                 "note: batched decode is not implemented for the %s backend yet: one sequence "
-                 "runs at a time and the rest queue (--max-batch %d ignored)\n",
-                 e.runner->backend_name().c_str(), f.max_batch);
+    spdlog::warn("batched decode is not implemented for the {} backend yet: one sequence runs at "
+                 "a time and the rest queue (--max-batch {} ignored)",
+                 e.runner->backend_name(), f.max_batch);
     so.max_batch = 1;
   }
 
@@ -81,8 +82,7 @@ int RunServe(const ServeFlags& f) {
       if (!t.ok()) return ReportError(t.status());
       tokenizer = std::move(t).value();
     } else {
-      std::fprintf(stderr, "warning: %s has no tokenizer.json: only token-id prompts will work\n",
-                   opts->model_dir.c_str());
+      spdlog::warn("{} has no tokenizer.json: only token-id prompts will work", opts->model_dir);
     }
     auto tmpl = LoadChatTemplateForModel(opts->model_dir);
     if (tmpl.ok()) {
@@ -91,7 +91,7 @@ int RunServe(const ServeFlags& f) {
       template_error = "this model has no chat template (chat_template.jinja): use /v1/completions";
     } else {
       template_error = "the model's chat template cannot be used: " + tmpl.status().message();
-      std::fprintf(stderr, "warning: %s\n", template_error.c_str());
+      spdlog::warn("{}", template_error);
     }
   } else {
     identity = {{"shape", opts->shape}, {"seed", opts->seed},
@@ -120,6 +120,8 @@ int RunServe(const ServeFlags& f) {
                                                          : opts->shape;
   sopts.model_root = opts->model_dir.empty() ? "shape:" + opts->shape : opts->model_dir;
   sopts.model_identity = identity;
+  sopts.access_log = f.access_log;
+  sopts.log_stats_interval_s = f.disable_log_stats ? 0.0 : f.log_stats_interval;
   Server server(e, scheduler, sopts, std::move(tokenizer), std::move(chat_template), template_error);
   if (Status st = server.Bind(); !st.ok()) return ReportError(st);
 
@@ -129,8 +131,8 @@ int RunServe(const ServeFlags& f) {
     while (!finished.load()) {
       const int sig = sigtimedwait(&sigs, nullptr, &ts);
       if (sig == SIGINT || sig == SIGTERM) {
-        std::fprintf(stderr, "\ndecodelab serve: %s received, stopping (in-flight requests end "
-                             "with an error)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        spdlog::info("decodelab serve: {} received, stopping (in-flight requests end with an "
+                     "error)", sig == SIGINT ? "SIGINT" : "SIGTERM");
         server.Stop();
         return;
       }
@@ -145,7 +147,7 @@ int RunServe(const ServeFlags& f) {
   finished.store(true);
   signal_thread.join();
   if (!st.ok()) return ReportError(st);
-  std::fprintf(stderr, "decodelab serve: stopped\n");
+  spdlog::info("decodelab serve: stopped");
   return 0;
 }
 
@@ -184,6 +186,16 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
                   "HTTP worker threads; each open stream holds one")
       ->default_val(160)
       ->check(CLI::Range(4, 4096));
+  cmd->add_flag("--access-log", flags->access_log,
+                "Log one line per request: client, method, route, status, prompt and completion "
+                "tokens, latency");
+  cmd->add_option("--log-stats-interval", flags->log_stats_interval,
+                  "Seconds between vLLM-style throughput lines (prompt and generation tokens/s, "
+                  "running and waiting requests, KV cache usage) while requests run")
+      ->default_val(10)
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--disable-log-stats", flags->disable_log_stats,
+                "No periodic throughput lines (vLLM's flag)");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunServe(*flags); });
 }
 

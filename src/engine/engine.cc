@@ -204,6 +204,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     }
   }
   const ModelConfig& cfg = engine->config();
+  for (const auto& w : cfg.warnings) spdlog::warn("model config: {}", w);
   if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
   CudaRunnerOptions co;
   co.allow_fallback = o.allow_fallback;

@@ -638,6 +638,9 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
     }
     if (max_tokens) {
       s.max_tokens = static_cast<int32_t>(*max_tokens);
+    } else if (ctx.defaults.max_tokens) {
+      s.max_tokens = static_cast<int32_t>(std::min<int64_t>(
+          *ctx.defaults.max_tokens, ctx.max_context - static_cast<int64_t>(longest)));
     } else {
       // OpenAI's completions default is 16; chat defaults to the rest of the context (vLLM).
       s.max_tokens = chat ? ctx.max_context - static_cast<int32_t>(longest) : 16;

@@ -60,6 +60,7 @@ struct ParsedRequest {
 struct SamplingDefaults {
   std::optional<double> temperature, top_p, min_p, repetition_penalty;
   std::optional<int64_t> top_k;
+  std::optional<int64_t> max_tokens;  // generation_config.json's max_new_tokens
 };
 
 struct ParseContext {

@@ -12,6 +12,7 @@
 
 #include "base/sha256.h"
 #include "server/api.h"
+#include "server/stats_log.h"
 
 namespace dl {
 
@@ -30,6 +31,16 @@ void SendError(httplib::Response& res, const api::ApiError& e) {
 }
 
 std::string Sse(const json& j) { return "data: " + j.dump() + "\n\n"; }
+
+// What the access log needs of the request a worker thread is serving: set by the pre-routing
+// handler and the generation routes, read by httplib's logger on the same thread after the
+// response (streams included) is written.
+struct AccessState {
+  std::optional<Clock::time_point> start;
+  int64_t prompt_tokens = -1;
+  int64_t completion_tokens = -1;
+};
+thread_local AccessState t_access;
 
 // Everything one generation request needs while its tokens come back, shared between the handler
 // and (for streams) the content provider, which outlives the handler call.
@@ -304,8 +315,33 @@ Status Server::Bind() {
   return Status::Ok();
 }
 
+void Server::LogStatsLoop() {
+  const auto interval = std::chrono::duration<double>(options_.log_stats_interval_s);
+  const std::string kv_label = engine_.runner->backend_name() == "cpu-reference" ? "KV cache" : "GPU KV cache";
+  SchedulerStats before = scheduler_.Stats();
+  auto t0 = Clock::now();
+  bool was_active = false;
+  std::unique_lock lock(stats_mu_);
+  while (!stats_cv_.wait_for(lock, interval, [this] { return stats_stop_; })) {
+    const SchedulerStats now = scheduler_.Stats();
+    const auto t1 = Clock::now();
+    const bool active = IntervalHadActivity(before, now);
+    // Like vLLM: a line while anything happens, and one more when it stops.
+    if (active || was_active) {
+      spdlog::info("{}", ThroughputLine(before, now, std::chrono::duration<double>(t1 - t0).count(),
+                                        kv_label));
+    }
+    was_active = active;
+    before = now;
+    t0 = t1;
+  }
+}
+
 Status Server::Run() {
   if (port_ == 0) DL_RETURN_IF_ERROR(Bind());
+  if (options_.log_stats_interval_s > 0 && !stats_thread_.joinable()) {
+    stats_thread_ = std::thread([this] { LogStatsLoop(); });
+  }
   if (!http_->listen_after_bind() && !stopping_.load()) {
     return Internal("the HTTP listener on {} stopped unexpectedly", url());
   }
@@ -317,6 +353,14 @@ void Server::Stop() {
   // Ends every request first, so each stream writes its error event and [DONE] and returns.
   scheduler_.Stop();
   http_->stop();
+  {
+    std::lock_guard lock(stats_mu_);
+    stats_stop_ = true;
+  }
+  stats_cv_.notify_all();
+  if (stats_thread_.joinable() && stats_thread_.get_id() != std::this_thread::get_id()) {
+    stats_thread_.join();
+  }
 }
 
 api::ParseContext Server::Context() const {
@@ -326,7 +370,14 @@ api::ParseContext Server::Context() const {
   ctx.no_template_reason = chat_template_error_;
   ctx.max_context = scheduler_.max_context();
   ctx.vocab_size = engine_.config().vocab_size;
-  ctx.defaults = options_.sampling_defaults;
+  // Fields a request leaves out take the model's generation_config.json values (vLLM's default).
+  const GenerationConfig& g = engine_.config().generation;
+  ctx.defaults = {.temperature = g.temperature,
+                  .top_p = g.top_p,
+                  .min_p = g.min_p,
+                  .repetition_penalty = g.repetition_penalty,
+                  .top_k = g.top_k,
+                  .max_tokens = g.max_new_tokens};
   return ctx;
 }
 
@@ -334,7 +385,23 @@ void Server::Routes() {
   httplib::Server& svr = *http_;
   const std::string model_name = options_.served_model_name;
 
+  svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    AccessState a = t_access;
+    t_access = {};
+    if (!options_.access_log) return;
+    AccessRecord r;
+    r.remote = fmt::format("{}:{}", req.remote_addr, req.remote_port);
+    r.method = req.method;
+    r.path = req.path;
+    r.status = res.status;
+    r.prompt_tokens = a.prompt_tokens;
+    r.completion_tokens = a.completion_tokens;
+    r.seconds = a.start ? std::chrono::duration<double>(Clock::now() - *a.start).count() : 0.0;
+    spdlog::info("{}", AccessLine(r));
+  });
+
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    t_access = {Clock::now(), -1, -1};
     // Health and metrics stay open, as in vLLM; the model's routes need the key.
     if (req.path.rfind("/v1/", 0) != 0 && req.path != "/tokenize" && req.path != "/detokenize") {
       return httplib::Server::HandlerResponse::Unhandled;
@@ -585,6 +652,8 @@ void Server::Routes() {
                      {"model", job->model},
                      {"choices", choices},
                      {"usage", UsageOf(*job)}};
+        t_access.prompt_tokens = body["usage"]["prompt_tokens"];
+        t_access.completion_tokens = body["usage"]["completion_tokens"];
         return SendJson(res, 200, body);
       }
 
@@ -594,6 +663,12 @@ void Server::Routes() {
           "text/event-stream",
           [job](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
+            // The worker thread writing this stream is the one httplib's logger runs on next.
+            auto count_tokens = [&] {
+              const json usage = UsageOf(*job);
+              t_access.prompt_tokens = usage["prompt_tokens"];
+              t_access.completion_tokens = usage["completion_tokens"];
+            };
             auto write = [&](const std::string& s) {
               if (!sink.write(s.data(), s.size())) {
                 job->CancelAll();  // client gone: the engine returns the pages
@@ -628,6 +703,7 @@ void Server::Routes() {
                   body["error"]["code"] = e.http_status;
                   write(Sse(body));
                   write("data: [DONE]\n\n");
+                  count_tokens();
                   sink.done();
                   return true;
                 }
@@ -648,6 +724,7 @@ void Server::Routes() {
               if (!write(Sse(chunk))) return false;
             }
             if (!write("data: [DONE]\n\n")) return false;
+            count_tokens();
             sink.done();
             return true;
           },

@@ -15,10 +15,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "engine/scheduler.h"
 #include "server/api.h"
@@ -40,8 +43,8 @@ struct ServerOptions {
   std::string served_model_name;
   std::string model_root;  // reported in /v1/models "root"
   nlohmann::json model_identity = nlohmann::json::object();  // shape/seed/dir, for /state
-  // Sampling defaults for fields a request leaves out (the model's generation_config.json).
-  api::SamplingDefaults sampling_defaults;
+  bool access_log = false;          // one log line per request (AccessLine in stats_log.h)
+  double log_stats_interval_s = 0;  // vLLM's periodic throughput line every N s; 0 = off
 };
 
 class Server {
@@ -66,6 +69,7 @@ class Server {
  private:
   void Routes();
   api::ParseContext Context() const;
+  void LogStatsLoop();
 
   Engine& engine_;
   Scheduler& scheduler_;
@@ -79,6 +83,10 @@ class Server {
   std::atomic<int> listen_fd_{-1};
   std::string binary_sha256_;
   int64_t created_ = 0;
+  std::thread stats_thread_;
+  std::mutex stats_mu_;
+  std::condition_variable stats_cv_;
+  bool stats_stop_ = false;
 };
 
 }  // namespace dl

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "base/build_info.h"
@@ -121,6 +123,123 @@ TEST(CliTest, GenerateTakesTextAndPrintsText) {
   // --allow-fallback is accepted by generate as by bench (it only matters on CUDA).
   const CliRun fb = Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --max-tokens 2 --allow-fallback");
   EXPECT_EQ(fb.rc, 0) << fb.err;
+}
+
+// `decodelab serve` in the background, its stdout and stderr in files, stopped with SIGTERM.
+class ServeProcess {
+ public:
+  explicit ServeProcess(const std::string& args) {
+    static int instance = 0;
+    dir_ = fs::temp_directory_path() /
+           ("dl_cli_serve_" + std::to_string(::getpid()) + "_" + std::to_string(instance++));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string cmd = std::string("exec '") + DECODELAB_EXE + "' serve " + args + " >'" +
+                              (dir_ / "out").string() + "' 2>'" + (dir_ / "err").string() + "'";
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 600 && port_ == 0; ++i) {
+      const std::string out = Slurp(dir_ / "out");
+      const size_t at = out.find("ready at http://127.0.0.1:");
+      if (at != std::string::npos) port_ = std::atoi(out.c_str() + at + 26);
+      if (port_ == 0) ::usleep(50000);
+    }
+  }
+  ~ServeProcess() {
+    Stop();
+    fs::remove_all(dir_);
+  }
+  int port() const { return port_; }
+  std::string Stop() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+      pid_ = -1;
+    }
+    return Slurp(dir_ / "err");
+  }
+
+ private:
+  fs::path dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+TEST(CliTest, ServeLogsAccessLinesAndThroughputThroughOnePath) {
+  ServeProcess serve("--shape tiny --backend cpu --max-seq-len 128 --port 0 --access-log "
+                     "--log-stats-interval 0.2");
+  ASSERT_GT(serve.port(), 0);
+  httplib::Client cli("127.0.0.1", serve.port());
+  auto r = cli.Post("/v1/completions",
+                    R"({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": true})",
+                    "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  auto s = cli.Post("/v1/completions",
+                    R"({"prompt": [5, 6], "max_tokens": 3, "temperature": 0, "ignore_eos": true,
+                        "stream": true})",
+                    "application/json");
+  ASSERT_TRUE(s);
+  auto h = cli.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  ::usleep(700000);  // at least one throughput interval after the requests
+  const std::string err = serve.Stop();
+  EXPECT_NE(err.find("\"POST /v1/completions\" 200 prompt_tokens=3 completion_tokens=4"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("\"POST /v1/completions\" 200 prompt_tokens=2 completion_tokens=3"),
+            std::string::npos)
+      << "streams are logged when they end\n"
+      << err;
+  EXPECT_NE(err.find("\"GET /health\" 200"), std::string::npos) << err;
+  EXPECT_NE(err.find("Avg prompt throughput: "), std::string::npos) << err;
+  EXPECT_NE(err.find("Avg generation throughput: "), std::string::npos) << err;
+  EXPECT_NE(err.find("KV cache usage: "), std::string::npos) << err;
+  // --log-level warning: the info lines are gone.
+  ServeProcess quiet("--shape tiny --backend cpu --max-seq-len 128 --port 0 --access-log "
+                     "--log-level warning");
+  ASSERT_GT(quiet.port(), 0);
+  httplib::Client qc("127.0.0.1", quiet.port());
+  auto qh = qc.Get("/health");
+  ASSERT_TRUE(qh);
+  EXPECT_EQ(qh->status, 200);
+  const std::string qerr = quiet.Stop();
+  EXPECT_EQ(qerr.find("GET /health"), std::string::npos) << qerr;
+  EXPECT_EQ(qerr.find("loading"), std::string::npos) << qerr;
+}
+
+// A written tiny model whose config.json gets `extra` keys.
+fs::path TinyModelWith(const nlohmann::json& extra, const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_model_" + std::to_string(::getpid()) + name);
+  fs::remove_all(dir);
+  const CliRun made = Decodelab("make-model --shape tiny --out '" + dir.string() + "'");
+  EXPECT_EQ(made.rc, 0) << made.err;
+  auto config = nlohmann::json::parse(Slurp(dir / "config.json"));
+  for (auto& [k, v] : extra.items()) config[k] = v;
+  std::ofstream(dir / "config.json") << config.dump(2);
+  return dir;
+}
+
+TEST(CliTest, ConfigWarningsAtLoadAndLegacyRopeScalingRefused) {
+  const fs::path odd = TinyModelWith({{"frobnicate", 1}}, "odd");
+  const CliRun r = Decodelab("generate --backend cpu --model '" + odd.string() +
+                             "' --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("unknown key 'frobnicate'"), std::string::npos) << r.err;
+  fs::remove_all(odd);
+  const fs::path legacy = TinyModelWith(
+      {{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 8.0}, {"original_max_position_embeddings", 4096}}}},
+      "legacy");
+  const CliRun l = Decodelab("generate --backend cpu --model '" + legacy.string() +
+                             "' --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_NE(l.rc, 0);
+  EXPECT_NE(l.err.find("rope_scaling"), std::string::npos) << l.err;
+  fs::remove_all(legacy);
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 // Black-box tests of the OpenAI-compatible server over loopback HTTP (cpp-httplib's client).
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -110,6 +113,32 @@ TEST(ServerConfigTest, ASecondServerOnABusyPortFailsToStart) {
   // The first still answers, alone.
   auto cli = first->Client();
   EXPECT_EQ(Get(cli, "/v1/models").json["data"][0]["id"], "tiny-test");
+}
+
+TEST(ServerConfigTest, GenerationConfigGivesTheDefaults) {
+  // A copy of the tiny model whose generation_config.json asks for greedy decoding, 3 new tokens.
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("dl_server_gen_config_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::copy(TinyModelDir(), dir, std::filesystem::copy_options::recursive);
+  std::ofstream(dir / "generation_config.json")
+      << R"({"eos_token_id": [2, 24], "temperature": 0.0, "max_new_tokens": 3})";
+  {
+    auto server = TestServer::Start({.max_batch = 1, .model_dir = dir.string()});
+    ASSERT_NE(server, nullptr);
+    auto cli = server->Client();
+    const json prompt = Prompt(7, 2);
+    auto implicit = PostJson(cli, "/v1/completions", {{"prompt", prompt}, {"ignore_eos", true}});
+    auto greedy = PostJson(cli, "/v1/completions",
+                           {{"prompt", prompt}, {"ignore_eos", true}, {"temperature", 0}, {"max_tokens", 3}});
+    ASSERT_EQ(implicit.status, 200) << implicit.body;
+    EXPECT_EQ(implicit.json["choices"][0]["token_ids"].size(), 3u);
+    EXPECT_EQ(implicit.json["choices"][0]["token_ids"], greedy.json["choices"][0]["token_ids"]);
+    // The request still wins over the file.
+    auto longer = PostJson(cli, "/v1/completions", {{"prompt", prompt}, {"ignore_eos", true}, {"max_tokens", 5}});
+    EXPECT_EQ(longer.json["choices"][0]["token_ids"].size(), 5u);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServerConfigTest, MetricLabelValuesAreEscaped) {

@@ -80,7 +80,7 @@ const std::string& TinyModelDir() {
 std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   auto ts = std::unique_ptr<TestServer>(new TestServer());
   EngineOptions o;
-  o.model_dir = TinyModelDir();
+  o.model_dir = c.model_dir.empty() ? TinyModelDir() : c.model_dir;
   o.backend = BackendKind::kCpu;
   o.max_seq_len = c.max_seq_len;
   o.prefill_chunk = c.prefill_chunk;

@@ -32,6 +32,7 @@ struct ServerConfig {
   bool with_chat_template = true;
   int http_threads = 160;
   std::string served_model_name = "tiny-test";
+  std::string model_dir;  // empty: TinyModelDir()
 };
 
 class TestServer {
