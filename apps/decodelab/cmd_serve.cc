@@ -29,6 +29,7 @@ struct ServeFlags {
   size_t max_body_bytes = 16u << 20;
   std::string served_model_name;
   int http_threads = 160;
+  std::string chat_template;
   bool access_log = false;
   double log_stats_interval = 10;
   bool disable_log_stats = false;
@@ -71,6 +72,7 @@ int RunServe(const ServeFlags& f) {
 
   // Tokenizer and chat template: from the model directory; --shape gets the generated small
   // tokenizer make-model would write for the same vocabulary (and no chat template).
+  // --chat-template FILE replaces the model's template; unusable, it stops the start.
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplate> chat_template;
   std::string template_error;
@@ -84,7 +86,10 @@ int RunServe(const ServeFlags& f) {
     } else {
       spdlog::warn("{} has no tokenizer.json: only token-id prompts will work", opts->model_dir);
     }
-    auto tmpl = LoadChatTemplateForModel(opts->model_dir);
+    auto tmpl = LoadChatTemplateForModel(opts->model_dir, f.chat_template);
+    if (!tmpl.ok() && !f.chat_template.empty()) {
+      return ReportError(tmpl.status().WithContext("--chat-template"));
+    }
     if (tmpl.ok()) {
       chat_template = std::move(tmpl).value();
     } else if (tmpl.status().code() == StatusCode::kNotFound) {
@@ -104,8 +109,14 @@ int RunServe(const ServeFlags& f) {
       }
     }
     template_error = "models built in memory with --shape have no chat template: use "
-                     "/v1/completions, or serve a make-model directory";
+                     "/v1/completions, serve a make-model directory, or pass --chat-template FILE";
+    if (!f.chat_template.empty()) {
+      auto tmpl = LoadChatTemplateForModel("", f.chat_template);
+      if (!tmpl.ok()) return ReportError(tmpl.status().WithContext("--chat-template"));
+      chat_template = std::move(tmpl).value();
+    }
   }
+  if (chat_template) spdlog::info("chat template: {}", chat_template->source_name());
 
   Scheduler scheduler(e, so);
   scheduler.Start();
@@ -115,9 +126,10 @@ int RunServe(const ServeFlags& f) {
   sopts.api_key = f.api_key;
   sopts.max_body_bytes = f.max_body_bytes;
   sopts.http_threads = f.http_threads;
+  // As vLLM: the --model argument as given (org/name stays org/name), not the resolved snapshot.
   sopts.served_model_name = !f.served_model_name.empty() ? f.served_model_name
-                            : !opts->model_dir.empty()   ? opts->model_dir
-                                                         : opts->shape;
+                            : !f.engine.model_dir.empty() ? f.engine.model_dir
+                                                          : opts->shape;
   sopts.model_root = opts->model_dir.empty() ? "shape:" + opts->shape : opts->model_dir;
   sopts.model_identity = identity;
   sopts.access_log = f.access_log;
@@ -186,6 +198,9 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
                   "HTTP worker threads; each open stream holds one")
       ->default_val(160)
       ->check(CLI::Range(4, 4096));
+  cmd->add_option("--chat-template", flags->chat_template,
+                  "Jinja chat template file used instead of the model's own")
+      ->check(CLI::ExistingFile);
   cmd->add_flag("--access-log", flags->access_log,
                 "Log one line per request: client, method, route, status, prompt and completion "
                 "tokens, latency");

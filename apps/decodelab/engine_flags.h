@@ -29,6 +29,9 @@ struct EngineFlags {
   Result<EngineOptions> ToOptions() const;
 };
 
+// The Hugging Face hub cache directory from the environment, as huggingface_hub finds it.
+std::string HubCacheDir();
+
 // "5,17,42" -> {5, 17, 42}.
 Result<std::vector<int32_t>> ParseIdList(const std::string& text);
 

@@ -38,10 +38,10 @@ std::string Slurp(const fs::path& p) {
 }
 
 // Runs the binary with `args` (shell words), capturing stdout and stderr separately.
-CliRun Decodelab(const std::string& args) {
+CliRun Decodelab(const std::string& args, const std::string& env = "") {
   const fs::path dir = fs::temp_directory_path() / ("dl_cli_test_" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const std::string cmd = std::string("timeout 120 '") + DECODELAB_EXE + "' " + args + " >'" +
+  const std::string cmd = env + " timeout 120 '" + DECODELAB_EXE + "' " + args + " >'" +
                           (dir / "out").string() + "' 2>'" + (dir / "err").string() + "'";
   CliRun r;
   const int status = std::system(cmd.c_str());
@@ -240,6 +240,72 @@ TEST(CliTest, ConfigWarningsAtLoadAndLegacyRopeScalingRefused) {
   EXPECT_NE(l.rc, 0);
   EXPECT_NE(l.err.find("rope_scaling"), std::string::npos) << l.err;
   fs::remove_all(legacy);
+}
+
+TEST(CliTest, ModelFromTheHuggingFaceCacheWithoutDownloading) {
+  const fs::path root = fs::temp_directory_path() / ("dl_cli_hub_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const fs::path model = root / "written";
+  ASSERT_EQ(Decodelab("make-model --shape tiny --out '" + model.string() + "'").rc, 0);
+  // huggingface_hub's layout: snapshots/<rev>/ of symlinks, refs/main naming the revision.
+  const fs::path repo = root / "hub" / "models--acme--laguna-tiny";
+  fs::create_directories(repo / "snapshots" / "0123abcd");
+  fs::create_directories(repo / "refs");
+  std::ofstream(repo / "refs" / "main") << "0123abcd";
+  for (const auto& e : fs::directory_iterator(model)) {
+    fs::create_symlink(e.path(), repo / "snapshots" / "0123abcd" / e.path().filename());
+  }
+  const std::string gen = " --backend cpu --prompt-ids 5,6,7 --max-tokens 3 --ignore-eos --json";
+  const CliRun direct = Decodelab("generate --model '" + model.string() + "'" + gen);
+  ASSERT_EQ(direct.rc, 0) << direct.err;
+  const std::string hub = "HF_HUB_CACHE='" + (root / "hub").string() + "'";
+  const CliRun by_id = Decodelab("generate --model acme/laguna-tiny" + gen, hub);
+  ASSERT_EQ(by_id.rc, 0) << by_id.err;
+  EXPECT_EQ(nlohmann::json::parse(by_id.out)["tokens"], nlohmann::json::parse(direct.out)["tokens"]);
+  const CliRun by_home = Decodelab("generate --model acme/laguna-tiny" + gen,
+                                   "HF_HUB_CACHE= HF_HOME='" + root.string() + "'");
+  EXPECT_EQ(by_home.rc, 0) << by_home.err;
+  const CliRun by_dir = Decodelab("generate --model '" + repo.string() + "'" + gen);
+  EXPECT_EQ(by_dir.rc, 0) << by_dir.err;
+  const CliRun inspect = Decodelab("inspect --config-only --model acme/laguna-tiny", hub);
+  EXPECT_EQ(inspect.rc, 0) << inspect.err;
+  const CliRun missing = Decodelab("generate --model acme/nothing" + gen, hub);
+  EXPECT_NE(missing.rc, 0);
+  EXPECT_NE(missing.err.find("models--acme--nothing"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("does not download"), std::string::npos) << missing.err;
+  fs::remove_all(root);
+}
+
+TEST(CliTest, ServeChatTemplateFileReplacesTheModelsTemplate) {
+  const fs::path file = fs::temp_directory_path() / ("dl_cli_tmpl_" + std::to_string(::getpid()));
+  std::ofstream(file) << "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}";
+  ServeProcess serve("--shape tiny --backend cpu --max-seq-len 128 --port 0 --chat-template '" +
+                     file.string() + "'");
+  ASSERT_GT(serve.port(), 0);
+  httplib::Client cli("127.0.0.1", serve.port());
+  const std::string messages = R"({"messages": [{"role": "user", "content": "hello"}]})";
+  auto t = cli.Post("/tokenize", messages, "application/json");
+  ASSERT_TRUE(t);
+  ASSERT_EQ(t->status, 200) << t->body;
+  auto d = cli.Post("/detokenize",
+                    nlohmann::json{{"tokens", nlohmann::json::parse(t->body)["tokens"]}}.dump(),
+                    "application/json");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(nlohmann::json::parse(d->body)["prompt"], "[user] hello\n[assistant] ");
+  auto c = cli.Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})",
+                    "application/json");
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->status, 200) << c->body;
+  serve.Stop();
+  // A template that does not parse stops the start, with the file's name.
+  std::ofstream(file, std::ios::trunc) << "{% for m in messages %}";
+  const CliRun bad = Decodelab("serve --shape tiny --backend cpu --port 0 --chat-template '" +
+                               file.string() + "'");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.err.find(file.string()), std::string::npos) << bad.err;
+  fs::remove(file);
 }
 
 }  // namespace
