@@ -242,6 +242,18 @@ TEST(CliTest, ConfigWarningsAtLoadAndLegacyRopeScalingRefused) {
   fs::remove_all(legacy);
 }
 
+TEST(CliTest, LabRunsDirDefaultsToTheCacheAsTheReadmeSays) {
+  // README: the report lands under <cache>/runs (~/.cache/decodelab/runs by default), where `lab
+  // screen` put the runs; a bare `lab report` or `lab runs` must look there, not in ./runs.
+  const fs::path cache = fs::temp_directory_path() / ("dl_cli_cache_" + std::to_string(::getpid()));
+  const CliRun r = Decodelab("lab runs", "DECODELAB_CACHE='" + cache.string() + "'");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find((cache / "runs" / "ledger.sqlite").string()), std::string::npos) << r.err;
+  const CliRun help = Decodelab("lab report --help", "DECODELAB_CACHE='" + cache.string() + "'");
+  EXPECT_NE(help.out.find((cache / "runs").string()), std::string::npos) << help.out;
+  EXPECT_FALSE(fs::exists(cache));
+}
+
 TEST(CliTest, ModelFromTheHuggingFaceCacheWithoutDownloading) {
   const fs::path root = fs::temp_directory_path() / ("dl_cli_hub_" + std::to_string(::getpid()));
   fs::remove_all(root);
