@@ -567,6 +567,16 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
         e->param = "stream_options.include_usage";
         return e;
       }
+      for (auto o = it->begin(); o != it->end(); ++o) {
+        if (o.key() == "include_usage") continue;
+        // vLLM's usage in every chunk changes what is sent: refused, not dropped.
+        if (o.key() == "continuous_usage_stats" || o.key() == "include_obfuscation") {
+          if (o->is_null() || *o == false) continue;
+          return BadRequest(fmt::format("stream_options.{} is not supported", o.key()),
+                            "stream_options." + o.key());
+        }
+        out->ignored_fields.push_back("stream_options." + o.key());
+      }
     }
     // Stop strings and ids.
     if (auto it = body.find("stop"); it != body.end() && !it->is_null()) {

@@ -91,6 +91,9 @@ TEST(ParseRequestTest, EveryFieldIsImplementedNoOpRefusedOrReported) {
   // Unknown fields are reported for the log (vLLM), not refused.
   ASSERT_FALSE(Parse({{"prompt", {5}}, {"frobnicate", 1}, {"vllm_xargs", {{"a", 1}}}}, false, &r));
   EXPECT_EQ(r.ignored_fields, (std::vector<std::string>{"frobnicate", "vllm_xargs"}));
+  ASSERT_FALSE(Parse({{"prompt", {5}}, {"stream", true}, {"stream_options", {{"include_usage", true}, {"x", 1}}}},
+                     false, &r));
+  EXPECT_EQ(r.ignored_fields, (std::vector<std::string>{"stream_options.x"}));
   // Output-changing fields that are not implemented: 400 naming them.
   const std::vector<std::pair<json, std::string>> refused = {
       {{{"response_format", {{"type", "json_object"}}}}, "response_format"},
@@ -109,6 +112,8 @@ TEST(ParseRequestTest, EveryFieldIsImplementedNoOpRefusedOrReported) {
       {{{"logit_bias", {{"3", "high"}}}}, "logit_bias"},
       {{{"logit_bias", json::array({1})}}, "logit_bias"},
       {{{"echo", true}}, "echo"},
+      {{{"stream", true}, {"stream_options", {{"continuous_usage_stats", true}}}},
+       "stream_options.continuous_usage_stats"},
   };
   for (const auto& [extra, param] : refused) {
     json body = {{"prompt", {5}}};
