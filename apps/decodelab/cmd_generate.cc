@@ -1,13 +1,17 @@
-// decodelab generate: greedy decoding of one prompt given as token ids.
+// decodelab generate: greedy decoding of one prompt given as text or token ids.
 #include <algorithm>
 #include <cstdio>
+#include <optional>
+#include <span>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "apps/decodelab/commands.h"
 #include "apps/decodelab/engine_flags.h"
 #include "base/sha256.h"
 #include "lab/lab_stats.h"
+#include "model/shapes.h"
 
 namespace dl::app {
 namespace {
@@ -15,22 +19,44 @@ namespace {
 struct GenerateFlags {
   EngineFlags engine;
   std::string prompt_ids;
+  std::string prompt;
   int max_tokens = 16;
   bool ignore_eos = false;
+  bool allow_fallback = false;
   bool json = false;
 };
 
 int RunGenerate(const GenerateFlags& f) {
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
-  auto prompt = ParseIdList(f.prompt_ids);
+  opts->allow_fallback = f.allow_fallback;
+  if (f.prompt.empty() == f.prompt_ids.empty()) {
+    return ReportError(InvalidArgument("give exactly one of --prompt TEXT or --prompt-ids IDS"));
+  }
+  // The tokenizer, for a text prompt and to print the output as text.
+  int64_t vocab_size = 0;
+  if (!opts->shape.empty()) {
+    auto c = ShapeConfig(opts->shape, opts->num_layers);
+    if (!c.ok()) return ReportError(c.status());
+    vocab_size = c->vocab_size;
+  }
+  std::string no_tokenizer;
+  auto tokenizer = LoadModelTokenizer(*opts, vocab_size, &no_tokenizer);
+  if (!tokenizer.ok()) return ReportError(tokenizer.status());
+  if (!f.prompt.empty() && !*tokenizer) {
+    return ReportError(
+        InvalidArgument("--prompt needs the model's tokenizer ({}): give --prompt-ids", no_tokenizer));
+  }
+  // Text is encoded as /v1/completions does (the tokenizer's special tokens added).
+  auto prompt = f.prompt.empty() ? ParseIdList(f.prompt_ids) : (*tokenizer)->Encode(f.prompt, true);
   if (!prompt.ok()) return ReportError(prompt.status());
+  if (prompt->empty()) return ReportError(InvalidArgument("--prompt encodes to no tokens"));
   opts->max_seq_len = std::max<int>(opts->max_seq_len,
                                     static_cast<int>(prompt->size()) + f.max_tokens);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
-  std::fprintf(stderr, "backend: %s (%s)\n", (*engine)->runner->backend_name().c_str(),
-               (*engine)->backend_choice_reason.c_str());
+  spdlog::info("backend: {} ({})", (*engine)->runner->backend_name(),
+               (*engine)->backend_choice_reason);
   GenerateOptions g;
   g.max_tokens = f.max_tokens;
   g.ignore_eos = f.ignore_eos;
@@ -44,6 +70,14 @@ int RunGenerate(const GenerateFlags& f) {
   std::string ids;
   for (size_t i = 0; i < r->tokens.size(); ++i) ids += (i ? "," : "") + std::to_string(r->tokens[i]);
   std::fprintf(text_out, "tokens: %s\n", ids.c_str());
+  // The generated text, without special tokens and without the end-of-sequence token that stopped it.
+  std::optional<std::string> text;
+  if (*tokenizer) {
+    std::span<const int32_t> shown(r->tokens);
+    if (r->finish_reason == "stop" && !shown.empty()) shown = shown.first(shown.size() - 1);
+    text = (*tokenizer)->Decode(shown, true);
+    std::fprintf(text_out, "text: %s\n", text->c_str());
+  }
   std::fprintf(text_out,
                "generated %zu tokens (finish: %s); prefill %zu tokens in %.3f ms; decode median "
                "%.3f ms/token = %.1f tok/s\n",
@@ -52,6 +86,7 @@ int RunGenerate(const GenerateFlags& f) {
   if (f.json) {
     nlohmann::json j = {
         {"tokens", r->tokens},
+        {"text", text ? nlohmann::json(*text) : nlohmann::json(nullptr)},
         {"finish_reason", r->finish_reason},
         {"prompt_tokens", prompt->size()},
         {"prefill_ms", r->prefill_seconds * 1e3},
@@ -78,13 +113,21 @@ int RunGenerate(const GenerateFlags& f) {
 void AddGenerateCommand(CLI::App& root, CommandContext& ctx) {
   auto flags = std::make_shared<GenerateFlags>();
   CLI::App* cmd = root.add_subcommand(
-      "generate", "Greedy decoding of one prompt of token ids; prints the generated ids and speed");
+      "generate",
+      "Greedy decoding of one prompt (text or token ids); prints the generated ids, text and speed");
   flags->engine.Add(cmd);
-  cmd->add_option("--prompt-ids", flags->prompt_ids, "Prompt token ids, comma-separated: 5,17,42")
-      ->required();
+  auto* ids = cmd->add_option("--prompt-ids", flags->prompt_ids,
+                              "Prompt token ids, comma-separated: 5,17,42");
+  auto* text = cmd->add_option("--prompt", flags->prompt,
+                               "Prompt text, encoded with the model's tokenizer (special tokens "
+                               "added, as /v1/completions does)");
+  ids->excludes(text);
   cmd->add_option("--max-tokens", flags->max_tokens, "Tokens to generate")->default_val(16)
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_flag("--ignore-eos", flags->ignore_eos, "Do not stop at an end-of-sequence token");
+  cmd->add_flag("--allow-fallback", flags->allow_fallback,
+                "CUDA: run a generic attention kernel where a preset is not built (reported in "
+                "--json's backend; slow)");
   cmd->add_flag("--json", flags->json,
                 "Print one single-line JSON object as the last line of stdout (text goes to stderr)");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunGenerate(*flags); });

@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/decodelab/commands.h"
+#include "apps/decodelab/engine_flags.h"
+#include "model/hf_cache.h"
 #include "model/checkpoint.h"
 #include "model/param_count.h"
 #include "model/shapes.h"
@@ -43,8 +45,13 @@ std::string RopeSummary(const RopeParams& p, int64_t head_dim) {
   return fmt::format("default theta={:g} rotary={}/{}", p.theta, t.rotary_dim, head_dim);
 }
 
-int RunInspect(const InspectFlags& f) {
+int RunInspect(InspectFlags f) {
   if (f.model.empty() == f.shape.empty()) return ReportError(InvalidArgument("give exactly one of --model or --shape"));
+  if (!f.model.empty()) {
+    auto dir = ResolveModelDir(f.model, HubCacheDir());
+    if (!dir.ok()) return ReportError(dir.status());
+    f.model = *dir;
+  }
   ModelConfig c;
   std::optional<Checkpoint> ck;
   std::string source;
@@ -171,7 +178,9 @@ void AddInspectCommand(CLI::App& root, CommandContext& ctx) {
       "inspect",
       "Describe a Laguna checkpoint (validating every tensor) or a built-in shape: config, per-layer\n"
       "attention and MLP types, parameter counts, weight and KV bytes per decoded token");
-  cmd->add_option("--model", flags->model, "Checkpoint directory (config.json + safetensors)");
+  cmd->add_option("--model", flags->model,
+                  "Checkpoint directory (config.json + safetensors), Hugging Face cache directory, "
+                  "or org/name in the hub cache");
   cmd->add_option("--shape", flags->shape, "Built-in shape instead of a directory: tiny, xs2, s21")
       ->check(CLI::IsMember({"tiny", "xs2", "s21"}));
   cmd->add_option("--num-layers", flags->num_layers, "With --shape: keep only the first N layers")

@@ -39,7 +39,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 struct LabFlags {
-  std::string model_dir, shape, backend = "auto", suite, runs_dir = "runs", label, teacher, lock;
+  std::string model_dir, shape, backend = "auto", suite, runs_dir, label, teacher, lock;
   std::string binary, endpoint, cache_dir, out;
   std::string bundles;  // lab report: Vega-Lite bundle folder
   uint64_t seed = 0;
@@ -66,6 +66,10 @@ std::string CacheDir(const LabFlags& f) {
   if (const char* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/decodelab";
   return "/tmp/decodelab-cache";
 }
+
+// <default cache>/runs: where `lab screen` puts runs and `lab report` looks for them unless told
+// otherwise, whatever the working directory (scripts/run-main.sh uses the same place).
+std::string DefaultRunsDir() { return CacheDir(LabFlags{}) + "/runs"; }
 
 // The embedded default tiny model: generated once into the cache with the make-model writer.
 Result<std::string> EnsureTinyModel(const std::string& cache) {
@@ -733,7 +737,7 @@ void AddRunFlags(CLI::App* cmd, LabFlags& f) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--suite", f.suite, "Suite file (JSON; default: the built-in 13-prompt suite)");
   cmd->add_option("--runs-dir", f.runs_dir, "Where run directories and ledger.sqlite go")
-      ->default_val("runs");
+      ->default_val(DefaultRunsDir());
   cmd->add_option("--label", f.label, "Run label (first part of the run id; default: the mode)");
   cmd->add_option("--teacher", f.teacher, "Teacher transcript (overrides the suite's)");
   cmd->add_option("--lock", f.lock, "Identity lock file (`decodelab lab lock`)");
@@ -792,7 +796,7 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   gate->add_option("--suite", f->suite, "Suite file (unless the plan names one)");
   gate->add_option("--runs-dir", f->runs_dir, "Runs directory (gates go to <runs>/gates)")
-      ->default_val("runs");
+      ->default_val(DefaultRunsDir());
   gate->add_option("--cache-dir", f->cache_dir, "Cache directory (as for screen)");
   gate->add_flag("--accept-identity", f->accept_identity, "Accept lock mismatches (recorded)");
   AddTimeoutFlags(gate, *f);
@@ -818,7 +822,7 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
   repro->callback(Guarded(ctx, [f, repro_file] { return RunReproCommand(*f, *repro_file); }));
   CLI::App* report = lab->add_subcommand(
       "report", "Write one self-contained HTML report over the ledger (opens without a network)");
-  report->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  report->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val(DefaultRunsDir());
   report->add_option("--out", f->out, "HTML file (default <runs>/report.html)");
   report->add_option("--bundles", f->bundles,
                      "Folder with vega.min.js, vega-lite.min.js, vega-embed.min.js (default "
@@ -829,14 +833,14 @@ void AddLabCommand(CLI::App& root, CommandContext& ctx) {
   lock->add_option("--out", f->out, "Lock file to write")->required();
   lock->callback(Guarded(ctx, [f] { return RunLock(*f); }));
   CLI::App* runs = lab->add_subcommand("runs", "List the runs in the ledger");
-  runs->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  runs->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val(DefaultRunsDir());
   runs->callback(Guarded(ctx, [f] { return RunRuns(*f); }));
   CLI::App* compare = lab->add_subcommand(
       "compare",
       "Compare two runs or labels: both medians, their repeat spread, and whether the "
       "difference exceeds it");
   compare->add_option("runs", f->compare, "Two run ids or labels")->expected(2)->required();
-  compare->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val("runs");
+  compare->add_option("--runs-dir", f->runs_dir, "Runs directory")->default_val(DefaultRunsDir());
   compare->callback(Guarded(ctx, [f] { return RunCompare(*f); }));
 }
 

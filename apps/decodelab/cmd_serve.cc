@@ -40,6 +40,10 @@ struct ServeFlags {
   double header_timeout_s = 10;
   double body_timeout_s = 60;
   double shutdown_timeout_s = 10;
+  std::string chat_template;
+  bool access_log = false;
+  double log_stats_interval = 10;
+  bool disable_log_stats = false;
 };
 
 // The API key from --api-key, --api-key-file or $DECODELAB_API_KEY (at most one of them): a key in
@@ -104,13 +108,12 @@ int RunServe(const ServeFlags& f) {
                                        "sequence needs a row in each step",
                                        opts->max_rows_per_step, f.max_batch));
   }
-  std::fprintf(stderr, "decodelab serve: loading %s ...\n",
-               opts->model_dir.empty() ? ("--shape " + opts->shape).c_str() : opts->model_dir.c_str());
+  spdlog::info("decodelab serve: loading {} ...",
+               opts->model_dir.empty() ? "--shape " + opts->shape : opts->model_dir);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   Engine& e = **engine;
-  std::fprintf(stderr, "backend: %s (%s)\n", e.runner->backend_name().c_str(),
-               e.backend_choice_reason.c_str());
+  spdlog::info("backend: {} ({})", e.runner->backend_name(), e.backend_choice_reason);
 
   SchedulerOptions so;
   so.max_batch = f.max_batch;
@@ -121,6 +124,7 @@ int RunServe(const ServeFlags& f) {
 
   // Tokenizer and chat template: from the model directory; --shape gets the generated small
   // tokenizer make-model would write for the same vocabulary (and no chat template).
+  // --chat-template FILE replaces the model's template; unusable, it stops the start.
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplate> chat_template;
   std::string template_error;
@@ -132,17 +136,19 @@ int RunServe(const ServeFlags& f) {
       if (!t.ok()) return ReportError(t.status());
       tokenizer = std::move(t).value();
     } else {
-      std::fprintf(stderr, "warning: %s has no tokenizer.json: only token-id prompts will work\n",
-                   opts->model_dir.c_str());
+      spdlog::warn("{} has no tokenizer.json: only token-id prompts will work", opts->model_dir);
     }
-    auto tmpl = LoadChatTemplateForModel(opts->model_dir);
+    auto tmpl = LoadChatTemplateForModel(opts->model_dir, f.chat_template);
+    if (!tmpl.ok() && !f.chat_template.empty()) {
+      return ReportError(tmpl.status().WithContext("--chat-template"));
+    }
     if (tmpl.ok()) {
       chat_template = std::move(tmpl).value();
     } else if (tmpl.status().code() == StatusCode::kNotFound) {
       template_error = "this model has no chat template (chat_template.jinja): use /v1/completions";
     } else {
       template_error = "the model's chat template cannot be used: " + tmpl.status().message();
-      std::fprintf(stderr, "warning: %s\n", template_error.c_str());
+      spdlog::warn("{}", template_error);
     }
   } else {
     identity = {{"shape", opts->shape}, {"seed", opts->seed},
@@ -155,8 +161,14 @@ int RunServe(const ServeFlags& f) {
       }
     }
     template_error = "models built in memory with --shape have no chat template: use "
-                     "/v1/completions, or serve a make-model directory";
+                     "/v1/completions, serve a make-model directory, or pass --chat-template FILE";
+    if (!f.chat_template.empty()) {
+      auto tmpl = LoadChatTemplateForModel("", f.chat_template);
+      if (!tmpl.ok()) return ReportError(tmpl.status().WithContext("--chat-template"));
+      chat_template = std::move(tmpl).value();
+    }
   }
+  if (chat_template) spdlog::info("chat template: {}", chat_template->source_name());
 
   Scheduler scheduler(e, so);
   scheduler.Start();
@@ -169,11 +181,14 @@ int RunServe(const ServeFlags& f) {
   sopts.max_connections = f.max_connections;
   sopts.header_timeout_s = f.header_timeout_s;
   sopts.body_timeout_s = f.body_timeout_s;
+  // As vLLM: the --model argument as given (org/name stays org/name), not the resolved snapshot.
   sopts.served_model_name = !f.served_model_name.empty() ? f.served_model_name
-                            : !opts->model_dir.empty()   ? opts->model_dir
-                                                         : opts->shape;
+                            : !f.engine.model_dir.empty() ? f.engine.model_dir
+                                                          : opts->shape;
   sopts.model_root = opts->model_dir.empty() ? "shape:" + opts->shape : opts->model_dir;
   sopts.model_identity = identity;
+  sopts.access_log = f.access_log;
+  sopts.log_stats_interval_s = f.disable_log_stats ? 0.0 : f.log_stats_interval;
   Server server(e, scheduler, sopts, std::move(tokenizer), std::move(chat_template), template_error);
   if (Status st = server.Bind(); !st.ok()) return ReportError(st);
 
@@ -185,8 +200,8 @@ int RunServe(const ServeFlags& f) {
     while (!finished.load()) {
       const int sig = sigtimedwait(&sigs, nullptr, &ts);
       if (sig == SIGINT || sig == SIGTERM) {
-        std::fprintf(stderr, "\ndecodelab serve: %s received, stopping (in-flight requests end "
-                             "with an error)\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+        spdlog::info("decodelab serve: {} received, stopping (in-flight requests end with an "
+                     "error)", sig == SIGINT ? "SIGINT" : "SIGTERM");
         server.Stop();
         // The stop is bounded by design; should anything still hold the process (a handler stuck
         // in a native call), exit anyway rather than ignore the signal.
@@ -215,7 +230,7 @@ int RunServe(const ServeFlags& f) {
   done_cv.notify_all();
   signal_thread.join();
   if (!st.ok()) return ReportError(st);
-  std::fprintf(stderr, "decodelab serve: stopped\n");
+  spdlog::info("decodelab serve: stopped");
   return 0;
 }
 
@@ -276,6 +291,19 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
                   "After SIGINT/SIGTERM, exit at the latest after this many seconds")
       ->default_val(10)
       ->check(CLI::Range(1.0, 3600.0));
+  cmd->add_option("--chat-template", flags->chat_template,
+                  "Jinja chat template file used instead of the model's own")
+      ->check(CLI::ExistingFile);
+  cmd->add_flag("--access-log", flags->access_log,
+                "Log one line per request: client, method, route, status, prompt and completion "
+                "tokens, latency");
+  cmd->add_option("--log-stats-interval", flags->log_stats_interval,
+                  "Seconds between vLLM-style throughput lines (prompt and generation tokens/s, "
+                  "running and waiting requests, KV cache usage) while requests run")
+      ->default_val(10)
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--disable-log-stats", flags->disable_log_stats,
+                "No periodic throughput lines (vLLM's flag)");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunServe(*flags); });
 }
 

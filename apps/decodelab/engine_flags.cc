@@ -1,13 +1,21 @@
 #include "apps/decodelab/engine_flags.h"
 
 #include <charconv>
+#include <cstdlib>
+#include <filesystem>
+
+#include "model/hf_cache.h"
+#include "tokenizer/tokenizer_writer.h"
 
 #include "kernels/tuning.h"
 
 namespace dl::app {
 
 void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
-  cmd->add_option("--model", model_dir, "Hugging Face model directory (config.json + safetensors)");
+  cmd->add_option("--model", model_dir,
+                  "Model: a checkpoint directory (config.json + safetensors), a Hugging Face cache "
+                  "directory (models--org--name), or org/name found in the hub cache ($HF_HUB_CACHE, "
+                  "$HF_HOME/hub or ~/.cache/huggingface/hub; nothing is downloaded)");
   cmd->add_option("--shape", shape,
                   "Build random weights in memory instead of loading: tiny, xs2 or s21");
   cmd->add_option("--seed", seed, "Seed of the random weights for --shape")->default_val(0);
@@ -34,9 +42,26 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
 }
 
+std::string HubCacheDir() {
+  // huggingface_hub's order: HF_HUB_CACHE (HUGGINGFACE_HUB_CACHE, its older name), HF_HOME/hub,
+  // $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub.
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v && *v ? v : "";
+  };
+  if (auto d = env("HF_HUB_CACHE"); !d.empty()) return d;
+  if (auto d = env("HUGGINGFACE_HUB_CACHE"); !d.empty()) return d;
+  if (auto d = env("HF_HOME"); !d.empty()) return d + "/hub";
+  if (auto d = env("XDG_CACHE_HOME"); !d.empty()) return d + "/huggingface/hub";
+  if (auto d = env("HOME"); !d.empty()) return d + "/.cache/huggingface/hub";
+  return "";
+}
+
 Result<EngineOptions> EngineFlags::ToOptions() const {
   EngineOptions o;
-  o.model_dir = model_dir;
+  if (!model_dir.empty()) {
+    DL_ASSIGN_OR_RETURN(o.model_dir, ResolveModelDir(model_dir, HubCacheDir()));
+  }
   o.shape = shape;
   o.seed = seed;
   if (num_layers > 0) {
@@ -90,6 +115,26 @@ Result<std::vector<int32_t>> ParseIdList(const std::string& text) {
   }
   if (ids.empty()) return InvalidArgument("--prompt-ids is empty");
   return ids;
+}
+
+Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& o, int64_t vocab_size,
+                                                    std::string* why) {
+  if (!o.model_dir.empty()) {
+    if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
+      *why = o.model_dir + " has no tokenizer.json";
+      return std::optional<Tokenizer>();
+    }
+    DL_ASSIGN_OR_RETURN(Tokenizer t, Tokenizer::FromFile(o.model_dir));
+    return std::optional<Tokenizer>(std::move(t));
+  }
+  if (vocab_size < MinSmallTokenizerVocabSize()) {
+    *why = fmt::format("--shape {} has a vocabulary of {}, too small for the generated tokenizer",
+                       o.shape, vocab_size);
+    return std::optional<Tokenizer>();
+  }
+  DL_ASSIGN_OR_RETURN(std::string text, BuildSmallTokenizerJson(static_cast<int32_t>(vocab_size)));
+  DL_ASSIGN_OR_RETURN(Tokenizer t, Tokenizer::FromJson(text, "generated tokenizer for --shape " + o.shape));
+  return std::optional<Tokenizer>(std::move(t));
 }
 
 }  // namespace dl::app

@@ -1,11 +1,13 @@
 // Flags shared by every subcommand that loads a model (generate, calibrate, bench, serve, lab).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "engine/engine.h"
+#include "tokenizer/tokenizer.h"
 
 namespace dl::app {
 
@@ -30,7 +32,15 @@ struct EngineFlags {
   std::vector<std::string> ToArgs() const;
 };
 
+// The Hugging Face hub cache directory from the environment, as huggingface_hub finds it.
+std::string HubCacheDir();
+
 // "5,17,42" -> {5, 17, 42}.
 Result<std::vector<int32_t>> ParseIdList(const std::string& text);
+
+// The model's tokenizer: <model_dir>/tokenizer.json, or for --shape the small tokenizer make-model
+// writes for that vocabulary. nullopt with `why` when the model has none.
+Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& options, int64_t vocab_size,
+                                                    std::string* why);
 
 }  // namespace dl::app

@@ -1,5 +1,6 @@
 #include "base/build_info.h"
 
+#include "build_flags.inc"
 #include "build_info.inc"
 
 namespace dl {
@@ -15,5 +16,7 @@ std::string BuildCompilers() {
                                                       : std::string(DECODELAB_CUDA_COMPILER));
   return s;
 }
+
+std::string BuildFlags() { return DECODELAB_BUILD_FLAGS; }
 
 }  // namespace dl

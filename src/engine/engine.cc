@@ -9,6 +9,7 @@
 #include "cuda/device.h"
 #include "backend/cpu_runner.h"
 #include "backend/cuda_runner.h"
+#include "model/backend_support.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
 
@@ -217,6 +218,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     }
   }
   const ModelConfig& cfg = engine->config();
+  for (const auto& w : cfg.warnings) spdlog::warn("model config: {}", w);
+  if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
   CudaRunnerOptions co;
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;

@@ -2,14 +2,16 @@
 // the CPU reference (ref::SampleRow, which the CPU backend runs) spells out.
 //
 // For one row of V logits l:
-//   1. adjustments (penalties, logit_bias): l_t = (l_t > 0 ? l_t / repetition : l_t * repetition) + add
-//      for each listed token t (each token listed at most once);
+//   1. adjustments (logit_bias, then the repetition, frequency and presence penalties, vLLM's v1
+//      order): x = l_t + bias; x = x > 0 ? x / repetition : x * repetition; l_t = x - penalty, for each
+//      listed token t (each token listed at most once; engine/sampling.h builds the list);
 //   2. temperature 0: the token is argmax_i l_i, lowest id on ties (greedy);
 //   3. otherwise z_i = l_i / temperature, and the kept set is filtered, in this order:
 //      min_p: z_i >= z_max + ln(min_p)  (p_i >= min_p * p_max);
-//      top_k: z_i >= the k-th largest z of what is left (ties at that value all stay);
-//      top_p: z_i >= tau, tau the largest value such that the probability mass of the tokens left
-//             with z >= tau is at least top_p of the mass left (ties at tau all stay);
+//      top_k: the k largest z of what is left, ties by ascending id (exactly k stay);
+//      top_p: the tokens above tau stay, tau the largest value such that the tokens left with
+//             z >= tau hold at least top_p of the mass left; of the tokens at tau, the lowest ids
+//             until the mass reaches top_p (at least one);
 //   4. the token is argmax over the kept set of z_i + g_i (Gumbel-max: an exact draw from
 //      softmax(z) restricted to the kept set), g_i = -ln(-ln(u_i)), u_i = UniformAt(row_key, i),
 //      row_key = SplitMix64(key ^ SplitMix64(step)) (base/rng.h); ties to the lowest id.
@@ -23,13 +25,25 @@
 #include "base/status.h"
 #include "kernels/common.h"
 
+#if defined(__CUDACC__)
+#define DL_SAMPLING_HD __host__ __device__
+#else
+#define DL_SAMPLING_HD
+#endif
+
 namespace dl::kernels {
 
 struct LogitAdjustment {
   int32_t token = 0;
-  float repetition = 1.0f;
-  float add = 0.0f;
+  float bias = 0.0f;        // added first (logit_bias)
+  float repetition = 1.0f;  // then divides a positive logit, multiplies the others
+  float penalty = 0.0f;     // then subtracted (frequency * count + presence)
 };
+// The adjustment's formula, for the CPU statement and the device kernel alike.
+DL_SAMPLING_HD inline float AdjustedLogit(float l, const LogitAdjustment& a) {
+  const float x = l + a.bias;
+  return (x > 0.0f ? x / a.repetition : x * a.repetition) - a.penalty;
+}
 
 struct RowSampling {
   float temperature = 0.0f;

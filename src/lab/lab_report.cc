@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -106,6 +107,41 @@ namespace {
 
 const char* kPalette[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"};
 
+// "2026-11-30T01:05:00Z" -> "11-30 01:05" (UTC), readable under a chart.
+std::string ShortTime(const std::string& utc) {
+  if (utc.size() >= 16 && utc[10] == 'T') return utc.substr(5, 5) + " " + utc.substr(11, 5);
+  return utc;
+}
+
+// A JSON file of a run directory, or an empty object.
+json RunFile(const LedgerRun& run, const char* name) {
+  auto text = ReadTextFile((fs::path(run.dir) / name).string());
+  if (!text.ok()) return json::object();
+  json j = json::parse(*text, nullptr, false);
+  return j.is_object() ? j : json::object();
+}
+
+// The serve flags a run used: its serve argv after "serve", without the address the lab picks.
+std::string ServeFlags(const json& manifest) {
+  const json argv = manifest.value("serve_argv", json::array());
+  std::string out;
+  bool after_serve = false;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    if (!argv[i].is_string()) continue;
+    const std::string a = argv[i];
+    if (!after_serve) {
+      after_serve = a == "serve";
+      continue;
+    }
+    if ((a == "--host" || a == "--port") && i + 1 < argv.size()) {
+      ++i;
+      continue;
+    }
+    out += (out.empty() ? "" : " ") + a;
+  }
+  return out;
+}
+
 // Conventional median per valid run, in ledger order, one colour per label.
 std::string SpeedChart(const std::vector<LedgerRun>& runs) {
   std::vector<const LedgerRun*> pts;
@@ -115,25 +151,37 @@ std::string SpeedChart(const std::vector<LedgerRun>& runs) {
   if (pts.empty()) return "<p>No valid run with a speed yet.</p>";
   std::map<std::string, int> colour;
   for (const auto* r : pts) colour.emplace(r->label, static_cast<int>(colour.size()) % 6);
-  double hi = 0;
-  for (const auto* r : pts) hi = std::max(hi, *r->conventional);
-  hi = hi > 0 ? hi * 1.1 : 1;
+  // The axis spans the data (plus a margin), not 0..max: a 1 % difference must be visible.
+  double lo = *pts[0]->conventional, hi = lo;
+  for (const auto* r : pts) {
+    lo = std::min(lo, *r->conventional);
+    hi = std::max(hi, *r->conventional);
+  }
+  const double pad = std::max((hi - lo) * 0.1, std::max(hi, 1e-9) * 0.005);
+  lo -= pad;
+  hi += pad;
   const int w = 720, h = 260, l = 60, b = 30;
   std::string s = fmt::format("<svg width=\"{}\" height=\"{}\" role=\"img\">", w, h + 20);
   s += fmt::format("<line x1=\"{0}\" y1=\"10\" x2=\"{0}\" y2=\"{1}\" stroke=\"#888\"/>", l, h - b);
   s += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"#888\"/>", l, h - b,
                    w - 10);
+  const int digits = hi - lo < 10 ? 2 : 0;
   for (int i = 0; i <= 4; ++i) {
-    const double v = hi * i / 4;
+    const double v = lo + (hi - lo) * i / 4;
     const double y = (h - b) - (h - b - 10) * i / 4.0;
     s += fmt::format(
-        "<text x=\"{}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"end\">{:.0f}</text>", l - 4,
-        y + 3, v);
+        "<text x=\"{}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"end\">{:.{}f}</text>", l - 4,
+        y + 3, v, digits);
   }
   const double step = pts.size() > 1 ? (w - l - 30.0) / (pts.size() - 1) : 0;
+  // Time ticks under the first, middle and last run (runs are evenly spaced, oldest first).
+  for (size_t i : std::set<size_t>{0, pts.size() / 2, pts.size() - 1}) {
+    s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"10\" text-anchor=\"middle\">{}</text>",
+                     l + 10 + step * i, h - b + 14, HtmlEscape(ShortTime(pts[i]->started_utc)));
+  }
   for (size_t i = 0; i < pts.size(); ++i) {
     const double x = l + 10 + step * i;
-    const double y = (h - b) - (h - b - 10) * (*pts[i]->conventional / hi);
+    const double y = (h - b) - (h - b - 10) * ((*pts[i]->conventional - lo) / (hi - lo));
     s += fmt::format(
         "<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"{}\"><title>{}: {:.2f} tok/s "
         "(historical {:.2f})</title></circle>",
@@ -146,7 +194,7 @@ std::string SpeedChart(const std::vector<LedgerRun>& runs) {
                      l + 10 + 130 * k++, h + 12, kPalette[c], HtmlEscape(label));
   }
   s += "</svg><p class=\"note\">Conventional 99-interval median (tok/s) per valid run, oldest "
-       "first; hover a point for its run id.</p>";
+       "first (the axis spans the data, not zero); hover a point for its run id.</p>";
   return s;
 }
 
@@ -276,9 +324,25 @@ std::string VegaSpeedChart(const std::vector<LedgerRun>& runs) {
                    {{"field", "started_utc"}, {"type", "nominal"}},
                    {{"field", "conventional"}, {"type", "quantitative"}, {"format", ".2f"}},
                    {{"field", "historical"}, {"type", "quantitative"}, {"format", ".2f"}}});
+  // Time in UTC with short labels that do not overlap; tok/s on an axis that spans the data (not
+  // zero), so a 1 % difference is visible.
   spec["encoding"] = {
-      {"x", {{"field", "started_utc"}, {"type", "temporal"}, {"title", "run started (UTC)"}}},
-      {"y", {{"field", "conventional"}, {"type", "quantitative"}, {"title", "tok/s"}}},
+      {"x",
+       {{"field", "started_utc"},
+        {"type", "temporal"},
+        {"title", "run started (UTC)"},
+        {"scale", {{"type", "utc"}}},
+        {"axis",
+         {{"format", "%m-%d %H:%M"},
+          {"formatType", "utc"},
+          {"labelAngle", -30},
+          {"labelOverlap", "greedy"},
+          {"tickCount", 8}}}}},
+      {"y",
+       {{"field", "conventional"},
+        {"type", "quantitative"},
+        {"title", "tok/s"},
+        {"scale", {{"zero", false}, {"nice", true}}}}},
       {"color", {{"field", "label"}, {"type", "nominal"}}}};
   spec["layer"] = json::array({{{"mark", {{"type", "line"}, {"opacity", 0.5}}}},
                                {{"mark", {{"type", "point"}, {"filled", true}, {"size", 60}}},
@@ -345,7 +409,11 @@ std::string VegaCompareChart(const std::vector<LedgerRun>& ctl,
       {{{"mark", {{"type", "point"}, {"filled", true}, {"size", 70}}},
         {"encoding",
          {{"x", x},
-          {"y", {{"field", "conventional"}, {"type", "quantitative"}, {"title", "tok/s"}}},
+          {"y",
+           {{"field", "conventional"},
+            {"type", "quantitative"},
+            {"title", "tok/s"},
+            {"scale", {{"zero", false}}}}},
           {"color", {{"field", "label"}, {"type", "nominal"}}},
           {"tooltip",
            json::array(
@@ -449,16 +517,39 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
       "never shown.</p>",
       runs.size(), HtmlEscape(fs::absolute(runs_dir).string()), stamp);
   h += "<h2>Runs</h2><table><tr><th>run id</th><th>label</th><th>mode</th><th>verdict</th>"
-       "<th>exact</th><th>conventional tok/s</th><th>historical tok/s</th></tr>";
+       "<th>exact</th><th>conventional tok/s</th><th>historical tok/s</th>"
+       "<th>TTFT median / p99 (ms)</th><th>ITL median / p99 (ms)</th><th>backend</th>"
+       "<th>KV dtype</th><th>page size</th><th>serve flags</th></tr>";
   for (const auto& r : runs) {
     auto num = [&](const std::optional<double>& v) {
       return v && r.valid ? fmt::format("{:.2f}", *v) : std::string("&ndash;");
     };
+    const json manifest = RunFile(r, "manifest.json");
+    const json state = RunFile(r, "state.json");
+    const json summary = RunFile(r, "summary.json");
+    // Latencies are speeds too: never shown for an INVALID run.
+    auto latency = [&](const char* key) {
+      const json d = summary.value(key, json::object());
+      if (!r.valid || !d.is_object() || !d.contains("median_ms") || !d.contains("p99_ms")) {
+        return std::string("&ndash;");
+      }
+      return fmt::format("{:.2f} / {:.2f}", d["median_ms"].get<double>(), d["p99_ms"].get<double>());
+    };
+    auto text = [](const json& v) {
+      if (v.is_string()) return HtmlEscape(v.get<std::string>());
+      if (v.is_number()) return v.dump();
+      return std::string("&ndash;");
+    };
+    const json kv = state.contains("kv_dtype") ? state["kv_dtype"] : manifest.value("kv_dtype", json());
+    const std::string flags = ServeFlags(manifest);
     h += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td>{}/{}</td><td>{}</td>"
-        "<td>{}</td></tr>",
+        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td>"
+        "</tr>",
         HtmlEscape(r.run_id), HtmlEscape(r.label), HtmlEscape(r.mode), HtmlEscape(r.verdict),
-        HtmlEscape(r.verdict), r.exact, r.prompts, num(r.conventional), num(r.historical));
+        HtmlEscape(r.verdict), r.exact, r.prompts, num(r.conventional), num(r.historical),
+        latency("ttft"), latency("itl"), text(manifest.value("backend", json())), text(kv),
+        text(state.value("page_size", json())), flags.empty() ? "&ndash;" : HtmlEscape(flags));
   }
   h += "</table>";
   if (const auto incomplete = ListIncompleteRuns(runs_dir); !incomplete.empty()) {
@@ -498,11 +589,17 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
     if (r.label == "control") ctl.push_back(r);
     if (r.label == "candidate") cand.push_back(r);
   }
-  if (bundles.found) h += VegaCompareChart(ctl, cand);
-  auto c = Compare("control", ctl, "candidate", cand);
-  h += c.ok() ? "<p>" + HtmlEscape(c->Line()) + "</p>"
-              : "<p class=\"note\">No comparison: " + HtmlEscape(c.status().message()) +
-                    " (runs labelled control and candidate, as the gate writes them).</p>";
+  if (ctl.empty() || cand.empty()) {
+    // Without both sides the chart would be empty axes: say what would fill it instead.
+    h += "<p class=\"note\" id=\"no-gate\">No gate has run here: this comparison needs runs "
+         "labelled control and candidate, which <code>decodelab lab gate</code> writes (or "
+         "<code>lab screen --label control</code> / <code>--label candidate</code>).</p>";
+  } else {
+    if (bundles.found) h += VegaCompareChart(ctl, cand);
+    auto c = Compare("control", ctl, "candidate", cand);
+    h += c.ok() ? "<p>" + HtmlEscape(c->Line()) + "</p>"
+                : "<p class=\"note\">No comparison: " + HtmlEscape(c.status().message()) + ".</p>";
+  }
   h += "<h2>Checks</h2>";
   if (bundles.found) h += VegaChecksChart(runs);
   for (auto it = runs.rbegin(); it != runs.rend(); ++it) {

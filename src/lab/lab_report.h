@@ -1,8 +1,11 @@
-// `decodelab lab report`: one self-contained HTML file over the ledger (lab.md §7): decode speed
-// per run and label over time, the distribution of token gaps, control against candidate, and every
-// run's check table. With the pinned Vega-Lite bundles (tools/report-js) the four charts are
-// Vega-Lite specs drawn by the inlined bundles; without them the report says the charts are missing
-// and draws the speed and gap charts as inline SVG. The tables are there either way. No network.
+// `decodelab lab report`: one self-contained HTML file over the ledger (docs/lab.md): the runs
+// table with each run's configuration (backend, KV dtype, page size, serve flags) and TTFT / ITL,
+// decode speed per run and label over time (UTC ticks, a tok/s axis that spans the data, not zero),
+// the distribution of token gaps, control against candidate (only when a gate's runs exist; a note
+// otherwise), and every run's check table. With the pinned Vega-Lite bundles (tools/report-js) the
+// charts are Vega-Lite specs drawn by the inlined bundles; without them the report says the charts
+// are missing and draws the speed and gap charts as inline SVG. The tables are there either way.
+// No network.
 #pragma once
 
 #include <string>

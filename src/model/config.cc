@@ -1,6 +1,10 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "base/file_util.h"
 
@@ -441,6 +445,45 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   return Status::Ok();
 }
 
+// Every key a transformers 5.17.0 LagunaConfig reads or writes, and the keys Poolside configs carry
+// for other engines that 5.17.0 ignores (laguna-architecture.md §2); anything else is listed in a
+// warning at load.
+constexpr const char* kKnownKeys[] = {
+    // Read above.
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "attention_bias", "tie_word_embeddings", "max_position_embeddings", "sliding_window",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "moe_routed_scaling_factor", "moe_router_logit_softcapping", "bos_token_id", "pad_token_id",
+    "eos_token_id", "moe_apply_router_weight_on_input", "dtype", "torch_dtype",
+    "num_attention_heads_per_layer", "layer_types", "mlp_layer_types", "gating", "rope_parameters",
+    "partial_rotary_factor", "quantization_config", "moe_router_score_func",
+    // Written by save_pretrained; no effect on inference.
+    "architectures", "attention_dropout", "use_cache", "transformers_version", "initializer_range",
+    "router_aux_loss_coef", "output_router_logits", "_name_or_path",
+    // Carried for other engines; 5.17.0 ignores them and so does decodelab.
+    "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "qkv_bias", "gating_types",
+    "swa_attention_sink_enabled", "swa_rope_parameters", "auto_map",
+};
+
+// Keys of older config formats that would change the model if honoured: refused, never dropped.
+Status CheckLegacyKeys(const json& j) {
+  if (auto it = j.find("rope_scaling"); it != j.end() && !it->is_null()) {
+    return InvalidArgument(
+        "config.json has the legacy key 'rope_scaling' = {}. Laguna's RoPE is configured per layer "
+        "type in 'rope_parameters' ({{\"full_attention\": {{...}}, \"sliding_attention\": {{...}}}}); "
+        "running without this scaling would silently lose YaRN, and which layer types it applies to "
+        "cannot be guessed. Move it into the rope_parameters entries (rope_type, factor, "
+        "original_max_position_embeddings, ...) and remove 'rope_scaling'",
+        Show(*it));
+  }
+  if (auto it = j.find("moe_router_score_func"); it != j.end() && !it->is_null() && *it != "sigmoid") {
+    return Unimplemented("moe_router_score_func {} is not supported (only \"sigmoid\", the Laguna router)",
+                         Show(*it));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 int64_t ModelConfig::rotary_dim(int64_t layer) const {
@@ -452,6 +495,13 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
   try {
     Status s = FromJsonImpl(j, &c);
     if (!s.ok()) return s;
+    DL_RETURN_IF_ERROR(CheckLegacyKeys(j));
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (std::find(std::begin(kKnownKeys), std::end(kKnownKeys), it.key()) == std::end(kKnownKeys)) {
+        c.warnings.push_back(fmt::format("unknown key '{}' = {} ignored (not a Laguna config key)",
+                                         it.key(), Show(*it)));
+      }
+    }
   } catch (const std::exception& e) {
     return InvalidArgument("malformed config: {}", e.what());
   }
@@ -468,6 +518,21 @@ Result<ModelConfig> ModelConfig::FromFile(const std::string& path) {
   }
   auto r = FromJson(j);
   if (!r.ok()) return r.status().WithContext(path);
+  // generation_config.json beside it: its eos ids stop generation too (Laguna's adds 24,
+  // </assistant>), and its sampling values are the request defaults.
+  const auto gen_path = std::filesystem::path(path).parent_path() / "generation_config.json";
+  auto gen = GenerationConfig::FromFile(gen_path.string());
+  if (gen.ok()) {
+    for (int64_t id : gen->eos_token_ids) {
+      if (std::find(r->eos_token_ids.begin(), r->eos_token_ids.end(), id) == r->eos_token_ids.end()) {
+        r->eos_token_ids.push_back(id);
+      }
+    }
+    for (const auto& w : gen->warnings) r->warnings.push_back(w);
+    r->generation = std::move(gen).value();
+  } else if (gen.status().code() != StatusCode::kNotFound) {
+    return gen.status();
+  }
   return r;
 }
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/status.h"
+#include "model/generation_config.h"
 
 namespace dl {
 
@@ -70,8 +71,12 @@ struct ModelConfig {
   // kv_cache_scheme and no weight config_groups).
   bool quantizes_weights = false;
 
-  // Trap keys that were absent and took the transformers default (§9.15); shown by `inspect`.
+  // Trap keys that were absent and took the transformers default (§9.15), unknown keys, and
+  // generation_config.json keys not used; shown by `inspect` and logged when an engine loads.
   std::vector<std::string> warnings;
+  // generation_config.json beside config.json (FromFile only); its eos ids are already merged into
+  // eos_token_ids.
+  GenerationConfig generation;
 
   // Derived helpers.
   int64_t heads(int64_t layer) const { return num_attention_heads_per_layer[layer]; }

@@ -1,6 +1,10 @@
 #include "model/config.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include <gtest/gtest.h>
 
@@ -244,6 +248,69 @@ TEST(ConfigTest, TorchDtypeAndDefaults) {
   EXPECT_DOUBLE_EQ(r->moe_routed_scaling_factor, 1.0);
   EXPECT_EQ(r->heads(1), 4);
   EXPECT_EQ(r->warnings.size(), 2u);
+}
+
+TEST(ConfigTest, UnknownKeysAreListedInWarnings) {
+  for (const auto& name : ShapeNames()) {
+    auto c = ShapeConfig(name);
+    ASSERT_TRUE(c.ok());
+    EXPECT_TRUE(c->warnings.empty()) << name << ": " << c->warnings[0];
+  }
+  json j = Tiny();
+  j["frobnicate_layers"] = 3;
+  j["norm_topk_prob"] = true;  // a Poolside key for other engines: known, ignored as transformers does
+  auto r = ModelConfig::FromJson(j);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_EQ(r->warnings.size(), 1u);
+  EXPECT_NE(r->warnings[0].find("unknown key 'frobnicate_layers' = 3"), std::string::npos)
+      << r->warnings[0];
+}
+
+TEST(ConfigTest, LegacyRopeScalingIsRefusedNotDropped) {
+  json j = Tiny();
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 4096}};
+  Status st = ParseStatus(j);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("rope_scaling"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("rope_parameters"), std::string::npos) << st.message();
+  j["rope_scaling"] = nullptr;  // what transformers writes when there is none
+  EXPECT_TRUE(ParseStatus(j).ok());
+  json k = Tiny();
+  k["moe_router_score_func"] = "sqrtsoftplus";
+  EXPECT_EQ(ParseStatus(k).code(), StatusCode::kUnimplemented);
+  k["moe_router_score_func"] = "sigmoid";
+  EXPECT_TRUE(ParseStatus(k).ok());
+}
+
+TEST(ConfigTest, GenerationConfigBesideConfigJsonIsRead) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("dl_gen_config_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  json j = Tiny();
+  j["eos_token_id"] = 2;  // config.json knows only 2; generation_config.json adds 24
+  std::ofstream(dir / "config.json") << j.dump();
+  std::ofstream(dir / "generation_config.json") << R"({"bos_token_id": 2, "eos_token_id": [2, 24],
+      "pad_token_id": 9, "do_sample": true, "temperature": 0.7, "top_p": 0.95, "top_k": 20,
+      "num_beams": 4, "transformers_version": "5.14.1"})";
+  auto r = ModelConfig::FromFile((dir / "config.json").string());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->eos_token_ids, (std::vector<int64_t>{2, 24}));
+  EXPECT_TRUE(r->generation.present);
+  EXPECT_DOUBLE_EQ(r->generation.temperature.value_or(-1), 0.7);
+  EXPECT_DOUBLE_EQ(r->generation.top_p.value_or(-1), 0.95);
+  EXPECT_EQ(r->generation.top_k.value_or(-1), 20);
+  EXPECT_FALSE(r->generation.min_p.has_value());
+  ASSERT_EQ(r->warnings.size(), 1u);
+  EXPECT_NE(r->warnings[0].find("num_beams = 4"), std::string::npos) << r->warnings[0];
+  // A broken file is an error, not a silent default.
+  std::ofstream(dir / "generation_config.json") << R"({"temperature": "hot"})";
+  EXPECT_FALSE(ModelConfig::FromFile((dir / "config.json").string()).ok());
+  std::filesystem::remove(dir / "generation_config.json");
+  auto none = ModelConfig::FromFile((dir / "config.json").string());
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->generation.present);
+  EXPECT_EQ(none->eos_token_ids, (std::vector<int64_t>{2}));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ConfigTest, QuantizationConfigIsRecorded) {

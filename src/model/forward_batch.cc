@@ -1,5 +1,7 @@
 #include "model/forward_batch.h"
 
+#include <cmath>
+
 namespace dl {
 
 const char* ForwardModeName(ForwardMode m) {
@@ -73,7 +75,8 @@ Status ForwardBatch::Validate(int64_t vocab_size, int32_t page_size) const {
       return InvalidArgument("batch output row {}: sampling parameters out of range", o.row);
     }
     for (const LogitAdjustment& a : s.adjustments) {
-      if (a.token < 0 || a.token >= vocab_size || !(a.repetition > 0.0f)) {
+      if (a.token < 0 || a.token >= vocab_size || !(a.repetition > 0.0f) || !std::isfinite(a.bias) ||
+          !std::isfinite(a.penalty)) {
         return InvalidArgument("batch output row {}: logit adjustment of token {} invalid", o.row, a.token);
       }
     }

@@ -1,16 +1,20 @@
 #include "server/server.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 
 #include <httplib.h>
 #include <sys/socket.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "base/sha256.h"
 #include "server/api.h"
 #include "server/http_guard.h"
+#include "server/stats_log.h"
 
 namespace dl {
 
@@ -77,6 +81,16 @@ http::Limits LimitsOf(const ServerOptions& o) {
   return l;
 }
 
+// What the access log needs of the request a worker thread is serving: set by the pre-routing
+// handler and the generation routes, read by httplib's logger on the same thread after the
+// response (streams included) is written.
+struct AccessState {
+  std::optional<Clock::time_point> start;
+  int64_t prompt_tokens = -1;
+  int64_t completion_tokens = -1;
+};
+thread_local AccessState t_access;
+
 // Everything one generation request needs while its tokens come back, shared between the handler
 // and (for streams) the content provider, which outlives the handler call.
 struct Job {
@@ -90,6 +104,8 @@ struct Job {
   std::vector<int32_t> cached;                  // per choice
   std::vector<int32_t> prompt_tokens;
   std::vector<int64_t> stop_ids;                // ids that end a sequence (eos unless ignored, stop ids)
+  std::vector<api::ChatOutput> chat_out;        // chat: reasoning / content / tool calls per choice
+  std::vector<int> calls_sent;                  // chat: tool calls reported per choice so far
   std::string id;
   std::string model;
   int64_t created = 0;
@@ -101,9 +117,30 @@ struct Job {
   bool IsStopId(int32_t t) const {
     return std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end();
   }
-  // Feeds one token of choice i; returns the text to send for it and sets finish[i] when it is
-  // the last one (max_tokens reached, a stop id, or a stop string).
-  std::string Consume(size_t i, const TokenEvent& ev) {
+  // What one token of a choice adds to the response: text (completions), or its reasoning,
+  // content and finished tool calls (chat).
+  struct Piece {
+    std::string text;
+    api::ChatDelta chat;
+  };
+  // Feeds one token of choice i and sets finish[i] when it is the last one (max_tokens reached, a
+  // stop id, or a stop string; "tool_calls" when a chat choice called tools).
+  Piece Consume(size_t i, const TokenEvent& ev) {
+    Piece p;
+    p.text = ConsumeText(i, ev);
+    if (req.chat) {
+      p.chat = chat_out[i].Add(p.text);
+      if (!finish[i].empty()) {
+        api::ChatDelta rest = chat_out[i].Finish();
+        p.chat.reasoning += rest.reasoning;
+        p.chat.content += rest.content;
+        for (auto& c : rest.tool_calls) p.chat.tool_calls.push_back(std::move(c));
+        if (chat_out[i].tool_calls() > 0) finish[i] = "tool_calls";
+      }
+    }
+    return p;
+  }
+  std::string ConsumeText(size_t i, const TokenEvent& ev) {
     const bool stop_id = IsStopId(ev.token);
     ++counts[i];
     std::string delta = texts[i].Add(ev.token, stop_id);
@@ -122,12 +159,29 @@ struct Job {
   }
 };
 
-json ChunkJson(const Job& job, size_t i, const std::string& delta, const TokenEvent& ev,
-               bool first) {
+json ToolCallsJson(const std::vector<api::ToolCall>& calls, int first_index) {
+  json out = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    out.push_back({{"index", first_index + static_cast<int>(k)},
+                   {"id", calls[k].id},
+                   {"type", "function"},
+                   {"function", {{"name", calls[k].name}, {"arguments", calls[k].arguments}}}});
+  }
+  return out;
+}
+
+json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
+  const std::string& delta = piece.text;
   json choice = {{"index", i}};
   if (job.req.chat) {
-    json d = {{"content", delta}};
-    if (first) d = {{"role", "assistant"}, {"content", delta}};
+    json d = json::object();
+    if (first) d["role"] = "assistant";
+    d["content"] = piece.chat.content;
+    if (!piece.chat.reasoning.empty()) d["reasoning_content"] = piece.chat.reasoning;
+    if (!piece.chat.tool_calls.empty()) {
+      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, job.calls_sent[i]);
+      job.calls_sent[i] += static_cast<int>(piece.chat.tool_calls.size());
+    }
     choice["delta"] = d;
     choice["logprobs"] = job.req.logprobs >= 0 ? api::ChatLogprobs(job.tokenizer, {ev}) : json(nullptr);
   } else {
@@ -201,9 +255,26 @@ httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
   };
 }
 
+// A label value in the Prometheus text format: backslash, double quote and newline escaped.
+std::string PrometheusLabelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 std::string MetricsText(const SchedulerStats& s, const std::string& model) {
   std::string out;
-  const std::string label = fmt::format("model_name=\"{}\"", model);
+  const std::string label = fmt::format("model_name=\"{}\"", PrometheusLabelValue(model));
   auto gauge = [&](const char* name, const char* help, double v) {
     out += fmt::format("# HELP {} {}\n# TYPE {} gauge\n{}{{{}}} {}\n", name, help, name, name, label, v);
   };
@@ -227,6 +298,8 @@ std::string MetricsText(const SchedulerStats& s, const std::string& model) {
           static_cast<double>(s.prompt_tokens_total));
   counter("vllm:generation_tokens_total", "Number of generation tokens processed.",
           static_cast<double>(s.generation_tokens_total));
+  counter("vllm:num_preemptions_total", "Cumulative number of preemptions from the engine.",
+          static_cast<double>(s.preemptions_total));
   counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           static_cast<double>(s.prompt_tokens_total));
   counter("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
@@ -269,10 +342,14 @@ Server::Server(Engine& engine, Scheduler& scheduler, ServerOptions options,
   created_ = static_cast<int64_t>(std::time(nullptr));
   auto sha = Sha256OfSelf();
   binary_sha256_ = sha.ok() ? *sha : "unknown (" + sha.status().message() + ")";
+  // Not httplib::default_socket_options: it sets SO_REUSEPORT, with which a second server binds a
+  // busy port and the kernel splits connections between two models. SO_REUSEADDR alone still lets
+  // a restarted server bind while old connections sit in TIME_WAIT.
   // Remember the listening socket: the packaged cpp-httplib listens with a backlog of 5, which
   // drops connections when many clients connect at once; Bind raises it.
   http_->set_socket_options([this](socket_t sock) {
-    httplib::default_socket_options(sock);
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     listen_fd_.store(static_cast<int>(sock));
   });
   Routes();
@@ -287,9 +364,13 @@ Status Server::Bind() {
     port_ = http_->bind_to_any_port(options_.host);
     if (port_ <= 0) return Unavailable("cannot bind an ephemeral port on {}", options_.host);
   } else {
+    errno = 0;
     if (!http_->bind_to_port(options_.host, options_.port)) {
-      return Unavailable("cannot bind {}:{} (in use, or not an address of this machine)",
-                         options_.host, options_.port);
+      const int err = errno;
+      return Unavailable("cannot listen on {}:{}: {}", options_.host, options_.port,
+                         err == EADDRINUSE ? "the address is already in use (another server?)"
+                         : err != 0        ? std::strerror(err)
+                                           : "not an address of this machine");
     }
     port_ = options_.port;
   }
@@ -298,8 +379,33 @@ Status Server::Bind() {
   return Status::Ok();
 }
 
+void Server::LogStatsLoop() {
+  const auto interval = std::chrono::duration<double>(options_.log_stats_interval_s);
+  const std::string kv_label = engine_.runner->backend_name() == "cpu-reference" ? "KV cache" : "GPU KV cache";
+  SchedulerStats before = scheduler_.Stats();
+  auto t0 = Clock::now();
+  bool was_active = false;
+  std::unique_lock lock(stats_mu_);
+  while (!stats_cv_.wait_for(lock, interval, [this] { return stats_stop_; })) {
+    const SchedulerStats now = scheduler_.Stats();
+    const auto t1 = Clock::now();
+    const bool active = IntervalHadActivity(before, now);
+    // Like vLLM: a line while anything happens, and one more when it stops.
+    if (active || was_active) {
+      spdlog::info("{}", ThroughputLine(before, now, std::chrono::duration<double>(t1 - t0).count(),
+                                        kv_label));
+    }
+    was_active = active;
+    before = now;
+    t0 = t1;
+  }
+}
+
 Status Server::Run() {
   if (port_ == 0) DL_RETURN_IF_ERROR(Bind());
+  if (options_.log_stats_interval_s > 0 && !stats_thread_.joinable()) {
+    stats_thread_ = std::thread([this] { LogStatsLoop(); });
+  }
   if (!http_->listen_after_bind() && !stopping_.load()) {
     return Internal("the HTTP listener on {} stopped unexpectedly", url());
   }
@@ -311,11 +417,71 @@ void Server::Stop() {
   // Ends every request first, so each stream writes its error event and [DONE] and returns.
   scheduler_.Stop();
   http_->stop();
+  {
+    std::lock_guard lock(stats_mu_);
+    stats_stop_ = true;
+  }
+  stats_cv_.notify_all();
+  if (stats_thread_.joinable() && stats_thread_.get_id() != std::this_thread::get_id()) {
+    stats_thread_.join();
+  }
+}
+
+std::optional<api::ApiError> Server::BodyError(const std::string& body) const {
+  // The decoded size (a chunked body has no Content-Length to check up front) and the nesting depth:
+  // parsing, copying and converting request JSON all recurse over it.
+  if (body.size() > options_.max_body_bytes) {
+    api::ApiError e;
+    e.http_status = 413;
+    e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of {} bytes "
+                            "(--max-body-bytes)",
+                            body.size(), options_.max_body_bytes);
+    e.code = "request_too_large";
+    return e;
+  }
+  if (http::JsonNestingExceeds(body, options_.max_json_depth)) {
+    return api::BadRequest(
+        fmt::format("the request body nests arrays and objects deeper than {} levels", options_.max_json_depth));
+  }
+  return std::nullopt;
+}
+
+api::ParseContext Server::Context() const {
+  api::ParseContext ctx;
+  ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
+  ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
+  ctx.no_template_reason = chat_template_error_;
+  ctx.max_context = scheduler_.max_context();
+  ctx.vocab_size = engine_.config().vocab_size;
+  // Fields a request leaves out take the model's generation_config.json values (vLLM's default).
+  const GenerationConfig& g = engine_.config().generation;
+  ctx.defaults = {.temperature = g.temperature,
+                  .top_p = g.top_p,
+                  .min_p = g.min_p,
+                  .repetition_penalty = g.repetition_penalty,
+                  .top_k = g.top_k,
+                  .max_tokens = g.max_new_tokens};
+  return ctx;
 }
 
 void Server::Routes() {
   httplib::Server& svr = *http_;
   const std::string model_name = options_.served_model_name;
+
+  svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    AccessState a = t_access;
+    t_access = {};
+    if (!options_.access_log) return;
+    AccessRecord r;
+    r.remote = fmt::format("{}:{}", req.remote_addr, req.remote_port);
+    r.method = req.method;
+    r.path = req.path;
+    r.status = res.status;
+    r.prompt_tokens = a.prompt_tokens;
+    r.completion_tokens = a.completion_tokens;
+    r.seconds = a.start ? std::chrono::duration<double>(Clock::now() - *a.start).count() : 0.0;
+    spdlog::info("{}", AccessLine(r));
+  });
 
   svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     // Before any body is read: cpp-httplib 0.11 would inflate a compressed body without a bound
@@ -352,7 +518,11 @@ void Server::Routes() {
         return httplib::Server::HandlerResponse::Handled;
       }
     }
-    if (req.path.rfind("/v1/", 0) != 0) return httplib::Server::HandlerResponse::Unhandled;
+    t_access = {Clock::now(), -1, -1};
+    // Health and metrics stay open, as in vLLM; the model's routes need the key.
+    if (req.path.rfind("/v1/", 0) != 0 && req.path != "/tokenize" && req.path != "/detokenize") {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
     if (!options_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
       if (auth != "Bearer " + options_.api_key) {
@@ -457,32 +627,47 @@ void Server::Routes() {
     SendJson(res, 200, state);
   }));
 
-  auto generate = [this, model_name](bool chat) {
-    return [this, model_name, chat](const httplib::Request& req, httplib::Response& res) {
-      // The decoded size (a chunked body has no Content-Length to check up front) and the nesting
-      // depth: parsing, copying and converting request JSON all recurse over it.
-      if (req.body.size() > options_.max_body_bytes) {
+  // vLLM's tokenizer routes.
+  auto tokens_route = [this, model_name](bool tokenize) {
+    return [this, model_name, tokenize](const httplib::Request& req, httplib::Response& res) {
+      if (auto e = BodyError(req.body)) return SendError(res, *e);
+      const std::string requested = api::RequestedModel(req.body);
+      if (!requested.empty() && requested != model_name) {
         api::ApiError e;
-        e.http_status = 413;
-        e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of "
-                                "{} bytes (--max-body-bytes)",
-                                req.body.size(), options_.max_body_bytes);
-        e.code = "request_too_large";
+        e.http_status = 404;
+        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
+                                requested, model_name);
+        e.param = "model";
+        e.code = "model_not_found";
         return SendError(res, e);
       }
-      if (http::JsonNestingExceeds(req.body, options_.max_json_depth)) {
-        return SendError(res, api::BadRequest(fmt::format("the request body nests arrays and objects "
-                                                          "deeper than {} levels",
-                                                          options_.max_json_depth)));
+      json out;
+      std::vector<std::string> ignored;
+      const api::ParseContext ctx = Context();
+      auto e = tokenize ? api::Tokenize(req.body, ctx, &out, &ignored)
+                        : api::Detokenize(req.body, ctx, &out, &ignored);
+      if (!ignored.empty()) {
+        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
+                     req.path, fmt::join(ignored, ", "));
       }
-      api::ParseContext ctx;
-      ctx.tokenizer = tokenizer_ ? &*tokenizer_ : nullptr;
-      ctx.chat_template = chat_template_ ? &*chat_template_ : nullptr;
-      ctx.no_template_reason = chat_template_error_;
-      ctx.max_context = scheduler_.max_context();
-      ctx.vocab_size = engine_.config().vocab_size;
+      if (e) return SendError(res, *e);
+      SendJson(res, 200, out);
+    };
+  };
+  svr.Post("/tokenize", Guarded(tokens_route(true)));
+  svr.Post("/detokenize", Guarded(tokens_route(false)));
+
+  auto generate = [this, model_name](bool chat) {
+    return [this, model_name, chat](const httplib::Request& req, httplib::Response& res) {
+      if (auto e = BodyError(req.body)) return SendError(res, *e);
+      const api::ParseContext ctx = Context();
       auto job = std::make_shared<Job>();
       if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
+      if (!job->req.ignored_fields.empty()) {
+        // vLLM's behaviour for fields it does not know (docs/api.md).
+        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
+                     req.path, fmt::join(job->req.ignored_fields, ", "));
+      }
       if (!job->req.model.empty() && job->req.model != model_name) {
         api::ApiError e;
         e.http_status = 404;
@@ -512,8 +697,13 @@ void Server::Routes() {
           return SendError(res, api::FromStatus(st.status(), chat ? "messages" : "prompt"));
         }
         job->states.push_back(*st);
-        job->texts.emplace_back(ctx.tokenizer, job->req.stop_strings);
+        const bool parse = job->req.parse_reasoning || job->req.parse_tool_calls;
+        job->texts.emplace_back(ctx.tokenizer, job->req.stop_strings,
+                                parse && ctx.tokenizer ? api::ChatMarkerIds(*ctx.tokenizer)
+                                                       : std::vector<int32_t>{});
+        if (chat) job->chat_out.emplace_back(job->req);
       }
+      job->calls_sent.assign(n, 0);
       job->events.resize(n);
       job->counts.assign(n, 0);
       job->finish.assign(n, "");
@@ -524,6 +714,7 @@ void Server::Routes() {
 
       if (!job->req.stream) {
         std::vector<std::string> text(n);
+        std::vector<api::ChatDelta> message(n);
         for (size_t i = 0; i < n; ++i) {
           while (job->finish[i].empty()) {
             std::vector<TokenEvent> evs;
@@ -531,7 +722,11 @@ void Server::Routes() {
             const bool ok = PollChoice(*job, i, std::chrono::milliseconds(200), &evs, &error);
             for (auto& ev : evs) {
               if (!job->finish[i].empty()) break;
-              text[i] += job->Consume(i, ev);
+              Job::Piece p = job->Consume(i, ev);
+              text[i] += p.text;
+              message[i].reasoning += p.chat.reasoning;
+              message[i].content += p.chat.content;
+              for (auto& c : p.chat.tool_calls) message[i].tool_calls.push_back(std::move(c));
               job->events[i].push_back(std::move(ev));
             }
             if (!ok && job->finish[i].empty()) {
@@ -553,7 +748,18 @@ void Server::Routes() {
           for (const auto& e : job->events[i]) ids.push_back(e.token);
           json c = {{"index", i}};
           if (chat) {
-            c["message"] = {{"role", "assistant"}, {"content", text[i]}};
+            const api::ChatDelta& m = message[i];
+            json msg = {{"role", "assistant"}, {"content", m.content}};
+            // OpenAI's shape: content is null beside tool calls when the model wrote none.
+            if (!m.tool_calls.empty() &&
+                m.content.find_first_not_of(" \t\r\n") == std::string::npos) {
+              msg["content"] = nullptr;
+            }
+            if (job->req.parse_reasoning && job->req.include_reasoning) {
+              msg["reasoning_content"] = m.reasoning.empty() ? json(nullptr) : json(m.reasoning);
+            }
+            if (!m.tool_calls.empty()) msg["tool_calls"] = ToolCallsJson(m.tool_calls, 0);
+            c["message"] = msg;
             c["logprobs"] = job->req.logprobs >= 0 ? api::ChatLogprobs(job->tokenizer, job->events[i])
                                                    : json(nullptr);
           } else {
@@ -572,6 +778,8 @@ void Server::Routes() {
                      {"model", job->model},
                      {"choices", choices},
                      {"usage", UsageOf(*job)}};
+        t_access.prompt_tokens = body["usage"]["prompt_tokens"];
+        t_access.completion_tokens = body["usage"]["completion_tokens"];
         return SendJson(res, 200, body);
       }
 
@@ -581,6 +789,12 @@ void Server::Routes() {
           "text/event-stream",
           GuardedStream(job, [job](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
+            // The worker thread writing this stream is the one httplib's logger runs on next.
+            auto count_tokens = [&] {
+              const json usage = UsageOf(*job);
+              t_access.prompt_tokens = usage["prompt_tokens"];
+              t_access.completion_tokens = usage["completion_tokens"];
+            };
             auto write = [&](const std::string& s) {
               if (!sink.write(s.data(), s.size())) {
                 job->CancelAll();  // client gone: the engine returns the pages
@@ -602,9 +816,9 @@ void Server::Routes() {
                 const bool ok = PollChoice(*job, i, wait, &evs, &error);
                 for (auto& ev : evs) {
                   if (!job->finish[i].empty()) break;
-                  const std::string delta = job->Consume(i, ev);
-                  if (!write(Sse(ChunkJson(*job, i, delta, ev, first[i])))) return false;
-                  job->text_offsets[i] += delta.size();
+                  const Job::Piece piece = job->Consume(i, ev);
+                  if (!write(Sse(ChunkJson(*job, i, piece, ev, first[i])))) return false;
+                  job->text_offsets[i] += piece.text.size();
                   first[i] = false;
                 }
                 if (!ok && job->finish[i].empty()) {
@@ -615,6 +829,7 @@ void Server::Routes() {
                   body["error"]["code"] = e.http_status;
                   write(Sse(body));
                   write("data: [DONE]\n\n");
+                  count_tokens();
                   sink.done();
                   return true;
                 }
@@ -635,6 +850,7 @@ void Server::Routes() {
               if (!write(Sse(chunk))) return false;
             }
             if (!write("data: [DONE]\n\n")) return false;
+            count_tokens();
             sink.done();
             return true;
           }),

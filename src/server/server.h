@@ -1,23 +1,30 @@
 // `decodelab serve`: an OpenAI-compatible HTTP endpoint over the scheduler.
 //
-// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-// GET /metrics (Prometheus text with vLLM's metric names), GET /v1/decodelab/state (engine identity
-// for the lab). HTTP threads parse request bodies into native types (api.h), hand them to the
-// scheduler's engine thread and stream its tokens back, one token per SSE event.
+// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
+// /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text with vLLM's metric names),
+// GET /v1/decodelab/state (engine identity for the lab). HTTP threads parse request bodies into
+// native types (api.h), hand them to the scheduler's engine thread and stream its tokens back, one
+// token per SSE event.
 //
 // Extensions beyond OpenAI, all additive: every choice (and every streamed chunk's choice) carries
 // "token_ids" (the generated ids, one per chunk when streaming), so clients can check exactness
-// without re-tokenizing; vLLM's extra request fields ignore_eos, top_k, stop_token_ids and
-// chat_template_kwargs are accepted; `stop` may mix strings and token ids.
+// without re-tokenizing; vLLM's extra request fields (top_k, min_p, repetition_penalty, ignore_eos,
+// stop_token_ids, chat_template_kwargs, ...) are accepted; `stop` may mix strings and token ids;
+// chat responses carry reasoning_content and tool_calls parsed from Laguna's markers. docs/api.md
+// lists every route and request field with its status.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "engine/scheduler.h"
+#include "server/api.h"
 #include "template/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -43,6 +50,8 @@ struct ServerOptions {
   std::string served_model_name;
   std::string model_root;  // reported in /v1/models "root"
   nlohmann::json model_identity = nlohmann::json::object();  // shape/seed/dir, for /state
+  bool access_log = false;          // one log line per request (AccessLine in stats_log.h)
+  double log_stats_interval_s = 0;  // vLLM's periodic throughput line every N s; 0 = off
 };
 
 class Server {
@@ -67,6 +76,10 @@ class Server {
 
  private:
   void Routes();
+  api::ParseContext Context() const;
+  // A request body over the size or nesting limits, as the error to send.
+  std::optional<api::ApiError> BodyError(const std::string& body) const;
+  void LogStatsLoop();
 
   Engine& engine_;
   Scheduler& scheduler_;
@@ -80,6 +93,10 @@ class Server {
   std::atomic<int> listen_fd_{-1};
   std::string binary_sha256_;
   int64_t created_ = 0;
+  std::thread stats_thread_;
+  std::mutex stats_mu_;
+  std::condition_variable stats_cv_;
+  bool stats_stop_ = false;
 };
 
 }  // namespace dl

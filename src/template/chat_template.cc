@@ -133,10 +133,18 @@ Result<std::string> ReadChatTemplateSource(const std::string& model_dir, std::st
       model_dir);
 }
 
-Result<ChatTemplate> LoadChatTemplateForModel(const std::string& model_dir) {
+Result<ChatTemplate> LoadChatTemplateForModel(const std::string& model_dir,
+                                              const std::string& template_file) {
   std::string origin;
-  DL_ASSIGN_OR_RETURN(std::string text, ReadChatTemplateSource(model_dir, &origin));
+  std::string text;
+  if (!template_file.empty()) {
+    origin = template_file;
+    DL_ASSIGN_OR_RETURN(text, ReadFile(template_file));
+  } else {
+    DL_ASSIGN_OR_RETURN(text, ReadChatTemplateSource(model_dir, &origin));
+  }
   DL_ASSIGN_OR_RETURN(ChatTemplate tmpl, ChatTemplate::Parse(text, origin));
+  if (model_dir.empty()) return tmpl;
   const std::filesystem::path config_file =
       std::filesystem::path(model_dir) / "tokenizer_config.json";
   std::error_code ec;

@@ -62,7 +62,9 @@ class ChatTemplate {
 Result<std::string> ReadChatTemplateSource(const std::string& model_dir, std::string* origin);
 
 // ReadChatTemplateSource + Parse, with bos_token / eos_token taken from tokenizer_config.json
-// (a string or an AddedToken object's "content").
-Result<ChatTemplate> LoadChatTemplateForModel(const std::string& model_dir);
+// (a string or an AddedToken object's "content"). A `template_file` replaces the model's template
+// (serve --chat-template); `model_dir` may then be empty (no bos/eos tokens).
+Result<ChatTemplate> LoadChatTemplateForModel(const std::string& model_dir,
+                                              const std::string& template_file = "");
 
 }  // namespace dl

@@ -894,14 +894,15 @@ TEST(SampleRowsGpu, MatchesTheReferenceRuleAndIsBatchInvariant) {
   auto logits = RandomBf16(static_cast<size_t>(R) * V, 121, 3.0f);
   logits[8 * V + 17] = 0x7fc0;  // row 8: NaN
   std::vector<RowSampling> rs(R);
-  rs[1].adjustments = {{5, 1.3f, 0.0f}, {17, 1.0f, -2.0f}, {200, 2.0f, 5.0f}};
+  // {token, bias, repetition, penalty}
+  rs[1].adjustments = {{5, 0.0f, 1.3f, 0.0f}, {17, 1.5f, 1.0f, 2.0f}, {200, -1.0f, 2.0f, -5.0f}};
   rs[2].temperature = 1.0f;
   rs[3].temperature = 0.7f, rs[3].top_k = 20;
   rs[4].temperature = 1.2f, rs[4].top_p = 0.8f;
   rs[5].temperature = 1.0f, rs[5].min_p = 0.05f;
   rs[6].temperature = 0.9f, rs[6].top_k = 50, rs[6].top_p = 0.9f, rs[6].min_p = 0.01f;
   rs[7].temperature = 1.0f, rs[7].top_k = 1;
-  rs[7].adjustments = {{3, 1.0f, 100.0f}};
+  rs[7].adjustments = {{3, 100.0f, 1.0f, 0.0f}};
   for (int r = 0; r < R; ++r) rs[r].key = 1000 + r, rs[r].step = 3;
   std::vector<DeviceRowSampling> dp(R);
   std::vector<LogitAdjustment> adj;

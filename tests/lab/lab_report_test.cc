@@ -67,6 +67,19 @@ class LabReportCharts : public ::testing::Test {
     json cj = json::array();
     for (const auto& c : checks) cj.push_back(c.ToJson());
     std::ofstream(dir / "checks.json") << cj.dump(2);
+    // What the runner writes beside them: the configuration and the latency distributions.
+    std::ofstream(dir / "manifest.json") << json{{"backend", "cuda"},
+                                                 {"kv_dtype", "fp8"},
+                                                 {"serve_argv",
+                                                  {"/x/decodelab", "serve", "--shape", "xs2", "--host",
+                                                   "127.0.0.1", "--port", "0", "--kv-dtype", "fp8",
+                                                   "--page-size", "32"}}}
+                                                .dump();
+    std::ofstream(dir / "state.json") << json{{"page_size", 32}, {"kv_dtype", "fp8"}}.dump();
+    std::ofstream(dir / "summary.json")
+        << json{{"ttft", {{"median_ms", 12.5 + gap_base_ms}, {"p99_ms", 30.25}}},
+                {"itl", {{"median_ms", gap_base_ms}, {"p99_ms", 1.75}}}}
+               .dump();
     LedgerRun r;
     r.run_id = id;
     r.label = label;
@@ -142,6 +155,55 @@ TEST_F(LabReportCharts, WithoutBundlesKeepsTablesAndSaysChartsAreMissing) {
   EXPECT_NE(html.find("122.00"), std::string::npos);
   EXPECT_EQ(html.find("987.50"), std::string::npos) << "an INVALID run's speed is never shown";
   EXPECT_EQ(html.find("</script><b>"), std::string::npos);
+}
+
+TEST_F(LabReportCharts, RunsTableShowsConfigurationAndLatencies) {
+  const std::string html = Report((root_ / "no-bundles").string());
+  for (const char* header : {"<th>TTFT median / p99 (ms)</th>", "<th>ITL median / p99 (ms)</th>",
+                             "<th>KV dtype</th>", "<th>page size</th>", "<th>serve flags</th>"}) {
+    EXPECT_NE(html.find(header), std::string::npos) << header;
+  }
+  // The 01:05 candidate: TTFT 12.5 + 0.6, ITL 0.6; its configuration, without the lab's address.
+  EXPECT_NE(html.find("<td>13.10 / 30.25</td><td>0.60 / 1.75</td><td>cuda</td><td>fp8</td><td>32</td>"
+                      "<td><code>--shape xs2 --kv-dtype fp8 --page-size 32</code></td>"),
+            std::string::npos);
+  // The INVALID run shows no latency either.
+  EXPECT_EQ(html.find("<td>12.60 / 30.25</td>"), std::string::npos);
+}
+
+TEST_F(LabReportCharts, SpeedAxesSpanTheDataAndTimeTicksAreReadable) {
+  // Inline fallback: ticks from about the slowest to the fastest run, not from zero; time labels.
+  const std::string html = Report((root_ / "no-bundles").string());
+  const size_t svg = html.find("<svg");
+  ASSERT_NE(svg, std::string::npos);
+  const std::string chart = html.substr(svg, html.find("</svg>", svg) - svg);
+  EXPECT_EQ(chart.find(">0</text>"), std::string::npos) << "the speed axis must not start at 0";
+  EXPECT_NE(chart.find(">11-30 01:00</text>"), std::string::npos) << chart;
+  EXPECT_NE(chart.find(">11-30 01:15</text>"), std::string::npos) << chart;
+  if (!HaveBundles()) GTEST_SKIP() << "Vega-Lite bundles not built (no npm?): spec checks skipped";
+  const std::string v = Report(kBundles);
+  const json speed = json::parse(ScriptBlock(v, "vl-spec-speed"));
+  EXPECT_EQ(speed["encoding"]["y"]["scale"]["zero"], false);
+  EXPECT_EQ(speed["encoding"]["x"]["scale"]["type"], "utc");
+  EXPECT_EQ(speed["encoding"]["x"]["axis"]["format"], "%m-%d %H:%M");
+  EXPECT_EQ(speed["encoding"]["x"]["axis"]["labelOverlap"], "greedy");
+  const json compare = json::parse(ScriptBlock(v, "vl-spec-compare"));
+  EXPECT_EQ(compare["layer"][0]["encoding"]["y"]["scale"]["zero"], false);
+}
+
+TEST_F(LabReportCharts, NoGateNoCompareChartButAnExplanation) {
+  // Only screens: no control/candidate pair.
+  fs::remove_all(runs_);
+  fs::create_directories(runs_);
+  AddRun("20261201T010000Z-screen", "screen", "2026-12-01T01:00:00Z", true, 100.0, 0.7);
+  AddRun("20261201T020000Z-screen", "screen", "2026-12-01T02:00:00Z", true, 101.0, 0.7);
+  for (const std::string& dir : {(root_ / "no-bundles").string(), kBundles}) {
+    if (dir == kBundles && !HaveBundles()) continue;
+    const std::string html = Report(dir);
+    EXPECT_NE(html.find("id=\"no-gate\""), std::string::npos);
+    EXPECT_NE(html.find("decodelab lab gate"), std::string::npos);
+    EXPECT_EQ(html.find("id=\"chart-compare\""), std::string::npos);
+  }
 }
 
 TEST_F(LabReportCharts, WithBundlesInlinesThemWithHashesAndData) {

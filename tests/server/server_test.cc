@@ -1,6 +1,10 @@
 // Black-box tests of the OpenAI-compatible server over loopback HTTP (cpp-httplib's client).
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -79,6 +83,115 @@ TEST_F(ServerTest, ModelsHealthMetricsAndState) {
     EXPECT_NE(metrics->body.find(name), std::string::npos) << name;
   }
   EXPECT_NE(metrics->body.find("# TYPE vllm:time_to_first_token_seconds histogram"), std::string::npos);
+  // Preemption does not exist yet: the counter is there and honest.
+  EXPECT_NE(metrics->body.find("# TYPE vllm:num_preemptions_total counter\n"
+                               "vllm:num_preemptions_total{model_name=\"tiny-test\"} 0\n"),
+            std::string::npos)
+      << metrics->body;
+}
+
+TEST(ServerConfigTest, ASecondServerOnABusyPortFailsToStart) {
+  auto first = TestServer::Start({.max_batch = 1});
+  ASSERT_NE(first, nullptr);
+  EngineOptions o;
+  o.model_dir = TinyModelDir();
+  o.backend = BackendKind::kCpu;
+  o.max_seq_len = 64;
+  auto engine = LoadEngine(o);
+  ASSERT_TRUE(engine.ok());
+  Scheduler scheduler(**engine, {.max_batch = 1});
+  ServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = first->port();
+  so.served_model_name = "second";
+  Server second(**engine, scheduler, so, std::nullopt, std::nullopt, "none");
+  Status st = second.Bind();
+  ASSERT_FALSE(st.ok()) << "two servers must not share " << so.port;
+  EXPECT_NE(st.message().find("127.0.0.1:" + std::to_string(so.port)), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("in use"), std::string::npos) << st.message();
+  // The first still answers, alone.
+  auto cli = first->Client();
+  EXPECT_EQ(Get(cli, "/v1/models").json["data"][0]["id"], "tiny-test");
+}
+
+TEST(ServerConfigTest, GenerationConfigGivesTheDefaults) {
+  // A copy of the tiny model whose generation_config.json asks for greedy decoding, 3 new tokens.
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("dl_server_gen_config_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::copy(TinyModelDir(), dir, std::filesystem::copy_options::recursive);
+  std::ofstream(dir / "generation_config.json")
+      << R"({"eos_token_id": [2, 24], "temperature": 0.0, "max_new_tokens": 3})";
+  {
+    auto server = TestServer::Start({.max_batch = 1, .model_dir = dir.string()});
+    ASSERT_NE(server, nullptr);
+    auto cli = server->Client();
+    const json prompt = Prompt(7, 2);
+    auto implicit = PostJson(cli, "/v1/completions", {{"prompt", prompt}, {"ignore_eos", true}});
+    auto greedy = PostJson(cli, "/v1/completions",
+                           {{"prompt", prompt}, {"ignore_eos", true}, {"temperature", 0}, {"max_tokens", 3}});
+    ASSERT_EQ(implicit.status, 200) << implicit.body;
+    EXPECT_EQ(implicit.json["choices"][0]["token_ids"].size(), 3u);
+    EXPECT_EQ(implicit.json["choices"][0]["token_ids"], greedy.json["choices"][0]["token_ids"]);
+    // The request still wins over the file.
+    auto longer = PostJson(cli, "/v1/completions", {{"prompt", prompt}, {"ignore_eos", true}, {"max_tokens", 5}});
+    EXPECT_EQ(longer.json["choices"][0]["token_ids"].size(), 5u);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServerConfigTest, MetricLabelValuesAreEscaped) {
+  auto server = TestServer::Start({.max_batch = 1, .served_model_name = "a \"b\" c\\d\ne"});
+  ASSERT_NE(server, nullptr);
+  auto cli = server->Client();
+  auto metrics = cli.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->body.find("vllm:num_requests_running{model_name=\"a \\\"b\\\" c\\\\d\\ne\"} 0\n"),
+            std::string::npos)
+      << metrics->body;
+  // No raw newline inside any sample line: every line is a comment or "name{labels} value".
+  std::istringstream lines(metrics->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_EQ(line.rfind("vllm:", 0) == 0 || line.rfind("decodelab:", 0) == 0, true) << line;
+  }
+}
+
+TEST_F(ServerTest, TokenizeAndDetokenizeAsVllm) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  auto tok = Tokenizer::FromFile(TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  const std::string text = "Hello, world! 2 + 2 = 4.";
+  auto r = PostJson(cli, "/tokenize", {{"model", "tiny-test"}, {"prompt", text}, {"return_token_strs", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto ids = tok->Encode(text, true);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(Ids(r.json["tokens"]), *ids);
+  EXPECT_EQ(r.json["count"], ids->size());
+  EXPECT_EQ(r.json["max_model_len"], 512);
+  ASSERT_EQ(r.json["token_strs"].size(), ids->size());
+  EXPECT_EQ(r.json["token_strs"][0], *tok->IdToToken((*ids)[0]));
+  auto d = PostJson(cli, "/detokenize", {{"tokens", r.json["tokens"]}});
+  ASSERT_EQ(d.status, 200) << d.body;
+  EXPECT_EQ(d.json["prompt"], tok->Decode(*ids, false));
+  // Chat form: the rendered template, the same ids a chat request would prefill.
+  const json messages = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  auto t = PostJson(cli, "/tokenize", {{"messages", messages}});
+  ASSERT_EQ(t.status, 200) << t.body;
+  auto c = PostJson(cli, "/v1/chat/completions",
+                    {{"messages", messages}, {"max_completion_tokens", 1}, {"temperature", 0}});
+  ASSERT_EQ(c.status, 200) << c.body;
+  EXPECT_EQ(t.json["count"], c.json["usage"]["prompt_tokens"]);
+  auto back = PostJson(cli, "/detokenize", {{"tokens", t.json["tokens"]}});
+  EXPECT_EQ(back.json["prompt"].get<std::string>().rfind("\u3008|EOS|\u3009<system>", 0), 0u)
+      << back.body;
+  // Errors use the envelope.
+  ExpectErrorEnvelope(PostJson(cli, "/detokenize", {{"tokens", {1, 600}}}), 400, "tokens");
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"prompt", 5}}), 400, "prompt");
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", json::object()), 400);
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"model", "other"}, {"prompt", "x"}}), 404, "model");
 }
 
 TEST_F(ServerTest, GreedyCompletionEqualsGenerateGreedyAndTheCli) {
@@ -355,6 +468,158 @@ TEST_F(ServerTest, BadInputGetsTheErrorEnvelopeAndTheServerKeepsServing) {
   EXPECT_EQ(ok.json["choices"][0]["token_ids"].size(), 2u);
 }
 
+std::vector<int32_t> DrainIds(RequestState& st) {
+  std::vector<int32_t> out;
+  for (int i = 0; i < 20000; ++i) {
+    RequestState::Update u;
+    st.Poll(&u, std::chrono::milliseconds(50));
+    for (auto& e : u.tokens) out.push_back(e.token);
+    if (u.finished) break;
+  }
+  return out;
+}
+
+TEST_F(ServerTest, PenaltiesBiasMinPAndMaxCompletionTokensAreHonoured) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  // max_completion_tokens on /v1/completions (16 came back before).
+  auto r = PostJson(cli, "/v1/completions",
+                    {{"prompt", Prompt(6, 3)}, {"max_completion_tokens", 3}, {"temperature", 0},
+                     {"ignore_eos", true}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.json["choices"][0]["token_ids"].size(), 3u);
+  // logit_bias steers greedy decoding.
+  r = PostJson(cli, "/v1/completions",
+               {{"prompt", Prompt(6, 3)}, {"max_tokens", 4}, {"temperature", 0}, {"ignore_eos", true},
+                {"logit_bias", {{"77", 100}}}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), std::vector<int32_t>(4, 77));
+  // Penalties and min_p: the HTTP result equals the scheduler's for the same parameters, and the
+  // penalties change it.
+  json body = {{"prompt", Prompt(10, 4)}, {"max_tokens", 12}, {"temperature", 0.8}, {"seed", 5},
+               {"min_p", 0.05}, {"presence_penalty", 0.6}, {"frequency_penalty", 0.4},
+               {"repetition_penalty", 1.3}, {"ignore_eos", true}};
+  r = PostJson(cli, "/v1/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  GenerationRequest g;
+  g.prompt = Prompt(10, 4);
+  g.sampling.max_tokens = 12;
+  g.sampling.temperature = 0.8f;
+  g.sampling.seed = 5;
+  g.sampling.min_p = 0.05f;
+  g.sampling.presence_penalty = 0.6f;
+  g.sampling.frequency_penalty = 0.4f;
+  g.sampling.repetition_penalty = 1.3f;
+  g.sampling.ignore_eos = true;
+  auto st = server_->scheduler().Submit(g);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), DrainIds(**st));
+  // The penalties change the output: greedily (the sampled draw above is Gumbel-max, where a penalty
+  // changes the token only when it lands on the winner, so a sampled pair can agree by chance), for
+  // at least one of a fixed set of prompts (they bite only where the argmax is a token already seen).
+  int changed = 0;
+  for (int salt = 1; salt <= 12 && changed == 0; ++salt) {
+    json greedy = {{"prompt", Prompt(24, salt)}, {"max_tokens", 16}, {"temperature", 0}, {"ignore_eos", true}};
+    auto plain = PostJson(cli, "/v1/completions", greedy);
+    greedy["presence_penalty"] = 1.5;
+    greedy["frequency_penalty"] = 1.0;
+    greedy["repetition_penalty"] = 2.0;
+    auto penalised = PostJson(cli, "/v1/completions", greedy);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    ASSERT_EQ(penalised.status, 200) << penalised.body;
+    changed += plain.json["choices"][0]["token_ids"] != penalised.json["choices"][0]["token_ids"];
+  }
+  EXPECT_GT(changed, 0) << "the penalties changed no greedy output";
+  // Fields that would change the output and are not implemented: 400 naming them.
+  const json base = {{"prompt", {5, 6}}, {"max_tokens", 2}};
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"response_format", {{"type", "json_object"}}},
+                                                 {"min_tokens", 3},
+                                                 {"guided_regex", "a+"},
+                                                 {"use_beam_search", true}}) {
+    json b = base;
+    b[field] = value;
+    ExpectErrorEnvelope(PostJson(cli, "/v1/completions", b), 400, field);
+  }
+  ExpectErrorEnvelope(PostJson(cli, "/v1/completions", {{"prompt", {5}}, {"min_p", 2}}), 400, "min_p");
+  ExpectErrorEnvelope(PostJson(cli, "/v1/completions", {{"prompt", {5}}, {"logit_bias", {{"600", 1}}}}),
+                      400, "logit_bias");
+  // Documented no-ops.
+  json noop = base;
+  noop["user"] = "u";
+  noop["metadata"] = {{"k", "v"}};
+  noop["store"] = false;
+  noop["response_format"] = {{"type", "text"}};
+  EXPECT_EQ(PostJson(cli, "/v1/completions", noop).status, 200);
+}
+
+TEST_F(ServerTest, ChatSplitsReasoningAndHonoursToolChoice) {
+  ASSERT_NE(server_, nullptr);
+  auto cli = server_->Client();
+  auto tok = Tokenizer::FromFile(TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  const int32_t think = *tok->TokenToId("<think>"), end_think = *tok->TokenToId("</think>");
+  const json user = json::array({{{"role", "user"}, {"content", "Hi"}}});
+  // The Laguna template opens <think> (enable_thinking defaults to true): the output is reasoning.
+  json body = {{"messages", user}, {"max_completion_tokens", 6}, {"temperature", 0},
+               {"ignore_eos", true},
+               {"logit_bias", {{std::to_string(think), -100}, {std::to_string(end_think), -100}}}};
+  auto r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json& m = r.json["choices"][0]["message"];
+  const std::string text = tok->Decode(Ids(r.json["choices"][0]["token_ids"]), true);
+  EXPECT_EQ(m["reasoning_content"], text);
+  EXPECT_EQ(m["content"], "");
+  // Streamed: the same split, one chunk per token.
+  body["stream"] = true;
+  auto s = PostStream(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(s.data.size(), 7u) << s.raw;
+  std::string reasoning, content;
+  for (size_t i = 0; i < 6; ++i) {
+    const json d = json::parse(s.data[i])["choices"][0]["delta"];
+    reasoning += d.value("reasoning_content", "");
+    content += d.value("content", "");
+  }
+  EXPECT_EQ(reasoning, text);
+  EXPECT_EQ(content, "");
+  // enable_thinking false: the template closes </think> itself and everything is content.
+  body.erase("stream");
+  body["chat_template_kwargs"] = {{"enable_thinking", false}};
+  r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.json["choices"][0]["message"]["reasoning_content"].is_null());
+  EXPECT_EQ(r.json["choices"][0]["message"]["content"],
+            tok->Decode(Ids(r.json["choices"][0]["token_ids"]), true));
+  // The model closing its reasoning at once: no reasoning, the rest is content.
+  body.erase("chat_template_kwargs");
+  body["logit_bias"] = {{std::to_string(end_think), 100}};
+  body["max_completion_tokens"] = 1;
+  r = PostJson(cli, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_TRUE(r.json["choices"][0]["message"]["reasoning_content"].is_null());
+  EXPECT_EQ(r.json["choices"][0]["message"]["content"], "");
+  // tool_choice: auto and none run; what needs constrained decoding is refused by name.
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])");
+  for (const char* choice : {"auto", "none"}) {
+    r = PostJson(cli, "/v1/chat/completions",
+                 {{"messages", user}, {"tools", tools}, {"tool_choice", choice},
+                  {"max_completion_tokens", 2}, {"temperature", 0}});
+    EXPECT_EQ(r.status, 200) << choice << " " << r.body;
+  }
+  ExpectErrorEnvelope(PostJson(cli, "/v1/chat/completions",
+                               {{"messages", user}, {"tools", tools}, {"tool_choice", "required"}}),
+                      400, "tool_choice");
+  ExpectErrorEnvelope(
+      PostJson(cli, "/v1/chat/completions",
+               {{"messages", user},
+                {"tools", tools},
+                {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}}),
+      400, "tool_choice");
+  ExpectErrorEnvelope(PostJson(cli, "/v1/chat/completions", {{"messages", user}, {"tools", "x"}}), 400,
+                      "tools");
+}
+
 TEST_F(ServerTest, ClientDisconnectFreesKvPages) {
   ASSERT_NE(server_, nullptr);
   auto cli = server_->Client();
@@ -385,6 +650,9 @@ TEST(ServerConfigTest, ApiKeyChatWithoutTemplateAndOverload) {
   ExpectErrorEnvelope(PostJson(cli, "/v1/completions", body), 401);
   ExpectErrorEnvelope(PostJson(cli, "/v1/completions", body, "wrong"), 401);
   ExpectErrorEnvelope(Get(cli, "/v1/models"), 401);
+  ExpectErrorEnvelope(PostJson(cli, "/tokenize", {{"prompt", "x"}}), 401);
+  ExpectErrorEnvelope(PostJson(cli, "/detokenize", {{"tokens", {5}}}), 401);
+  EXPECT_EQ(PostJson(cli, "/detokenize", {{"tokens", {5}}}, "sekrit").status, 200);
   EXPECT_EQ(Get(cli, "/health").status, 200);  // open, as in vLLM
   EXPECT_EQ(PostJson(cli, "/v1/completions", body, "sekrit").status, 200);
   auto chat = PostJson(cli, "/v1/chat/completions",

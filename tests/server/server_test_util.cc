@@ -84,7 +84,7 @@ const std::string& TinyModelDir() {
 std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   auto ts = std::unique_ptr<TestServer>(new TestServer());
   EngineOptions o;
-  o.model_dir = TinyModelDir();
+  o.model_dir = c.model_dir.empty() ? TinyModelDir() : c.model_dir;
   o.backend = BackendKind::kCpu;
   o.max_seq_len = c.max_seq_len;
   o.prefill_chunk = c.prefill_chunk;
@@ -115,7 +115,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   so.api_key = c.api_key;
   so.max_body_bytes = c.max_body_bytes;
   so.http_threads = c.http_threads;
-  so.served_model_name = "tiny-test";
+  so.served_model_name = c.served_model_name;
   so.model_root = o.model_dir;
   ts->server_ = std::make_unique<Server>(*ts->engine_, *ts->scheduler_, so,
                                          tok.ok() ? std::optional<Tokenizer>(*tok) : std::nullopt,

@@ -32,6 +32,8 @@ struct ServerConfig {
   int prefill_chunk = 16;
   bool with_chat_template = true;
   int http_threads = 160;
+  std::string served_model_name = "tiny-test";
+  std::string model_dir;  // empty: TinyModelDir()
 };
 
 class TestServer {

@@ -538,34 +538,6 @@ __host__ __device__ inline MoeGroupWs MoeGroupWorkspace(const MoeParams& a) {
           reinterpret_cast<uint16_t*>(base + l.shared)};
 }
 
-// Exclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024 threads): returns
-// this thread's offset and sets *total.
-__device__ __forceinline__ int BlockExclusiveScan(int v, int* total) {
-  __shared__ int s_warp[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += n;
-  }
-  __syncthreads();  // s_warp may still be read by an earlier call
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < warps ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += n;
-    }
-    if (lane < warps) s_warp[lane] = w;  // inclusive scan of the warp totals
-  }
-  __syncthreads();
-  *total = s_warp[warps - 1];
-  return incl - v + (warp > 0 ? s_warp[warp - 1] : 0);
-}
-
 constexpr int kGroupThreads = 1024;
 constexpr int kGroupIdTile = 4096;  // topk ids staged in shared memory per pass
 

@@ -20,6 +20,11 @@ __device__ __forceinline__ unsigned OrderedKey(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// The float whose OrderedKey is k.
+__device__ __forceinline__ float KeyValue(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 __device__ __forceinline__ float BlockSumF(float v) {
   __shared__ float s[kSampleWarps];
   v = WarpSum(v);
@@ -76,6 +81,23 @@ __device__ __forceinline__ int BlockArgmaxIndex(float v, int i) {
   return bi;
 }
 
+// Of the tokens whose key is K, keeps the `keep` lowest ids; removes every token below K (z = -inf).
+// Thread t scans the contiguous id range t: a prefix count over the threads puts the ties in id order.
+__device__ __forceinline__ void KeepTiesInIdOrder(float* z, int V, unsigned K, int keep) {
+  const int per = (V + kSampleThreads - 1) / kSampleThreads;
+  const int lo = min(V, static_cast<int>(threadIdx.x) * per), hi = min(V, lo + per);
+  int mine = 0;
+  for (int i = lo; i < hi; ++i) mine += z[i] != -INFINITY && OrderedKey(z[i]) == K;
+  int total = 0;
+  int before = BlockExclusiveScan(mine, &total);
+  for (int i = lo; i < hi; ++i) {
+    if (z[i] == -INFINITY) continue;
+    const unsigned key = OrderedKey(z[i]);
+    if (key < K || (key == K && before++ >= keep)) z[i] = -INFINITY;
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsParams a) {
   DL_TIMELINE_SCOPE(kArgmax);
   AllowDependents();
@@ -94,8 +116,7 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
   // 1. Adjustments (each token listed once: no two threads touch the same element).
   for (int q = threadIdx.x; q < sp.adj_count; q += kSampleThreads) {
     const LogitAdjustment adj = a.adjustments[sp.adj_begin + q];
-    const float x = z[adj.token];
-    z[adj.token] = (x > 0.0f ? x / adj.repetition : x * adj.repetition) + adj.add;
+    z[adj.token] = AdjustedLogit(z[adj.token], adj);
   }
   __syncthreads();
   if (sp.temperature <= 0.0f) {  // 2. greedy
@@ -125,10 +146,10 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
     __syncthreads();
   }
   if (sp.top_k > 0) {
-    // The largest key K with count(key(z) >= K) >= k: the k-th largest value's key.
     int kept = 0;
     for (int i = threadIdx.x; i < V; i += kSampleThreads) kept += z[i] != -INFINITY;
     if (BlockSumI(kept) > sp.top_k) {
+      // K: the k-th largest value's key (the largest K with count(key >= K) >= k).
       unsigned K = 0;
       for (int bit = 31; bit >= 0; --bit) {
         const unsigned cand = K | (1u << bit);
@@ -136,9 +157,9 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
         for (int i = threadIdx.x; i < V; i += kSampleThreads) c += z[i] != -INFINITY && OrderedKey(z[i]) >= cand;
         if (BlockSumI(c) >= sp.top_k) K = cand;
       }
-      for (int i = threadIdx.x; i < V; i += kSampleThreads)
-        if (z[i] != -INFINITY && OrderedKey(z[i]) < K) z[i] = -INFINITY;
-      __syncthreads();
+      int above = 0;
+      for (int i = threadIdx.x; i < V; i += kSampleThreads) above += z[i] != -INFINITY && OrderedKey(z[i]) > K;
+      KeepTiesInIdOrder(z, V, K, sp.top_k - BlockSumI(above));
     }
   }
   if (sp.top_p < 1.0f) {
@@ -150,7 +171,7 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
       m += mass[i];
     }
     const float target = sp.top_p * BlockSumF(m);
-    // The largest key K with mass(key(z) >= K) >= target.
+    // tau's key K: the largest K with mass(key(z) >= K) >= target.
     unsigned K = 0;
     for (int bit = 31; bit >= 0; --bit) {
       const unsigned cand = K | (1u << bit);
@@ -158,9 +179,13 @@ __global__ void __launch_bounds__(kSampleThreads) SampleRowsKernel(SampleRowsPar
       for (int i = threadIdx.x; i < V; i += kSampleThreads) part += OrderedKey(z[i]) >= cand ? mass[i] : 0.0f;
       if (BlockSumF(part) >= target) K = cand;
     }
-    for (int i = threadIdx.x; i < V; i += kSampleThreads)
-      if (z[i] != -INFINITY && OrderedKey(z[i]) < K) z[i] = -INFINITY;
-    __syncthreads();
+    // Tokens above tau stay; of those at tau, the lowest ids until the mass reaches the target.
+    float part = 0.0f;
+    for (int i = threadIdx.x; i < V; i += kSampleThreads) part += OrderedKey(z[i]) > K ? mass[i] : 0.0f;
+    const float above = BlockSumF(part);
+    const float tau_mass = expf(KeyValue(K) - zmax);
+    const int ties = max(1, static_cast<int>(ceilf((target - above) / tau_mass)));
+    KeepTiesInIdOrder(z, V, K, ties);
   }
   // 4. Gumbel-max over the kept tokens.
   const uint64_t row_key = SplitMix64(sp.key ^ SplitMix64(sp.step));

@@ -23,6 +23,8 @@ void Gemv(const GemvParams& p);
 // instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
 void Moe(const MoeParams& p, const float* logits_override = nullptr);
 int32_t Argmax(const bf16* logits, int n);
+// Step 1 of kernels/sampling.h's rule, in place.
+void ApplyLogitAdjustments(float* logits, const std::vector<LogitAdjustment>& adjustments);
 // kernels/sampling.h's rule for one row of FP32 logits; *finite = false when a logit is NaN or Inf
 // (the token is then meaningless).
 int32_t SampleRow(const float* logits, int vocab, const RowSampling& s, bool* finite);

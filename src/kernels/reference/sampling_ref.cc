@@ -10,16 +10,17 @@
 
 namespace dl::kernels::ref {
 
+void ApplyLogitAdjustments(float* logits, const std::vector<LogitAdjustment>& adjustments) {
+  for (const LogitAdjustment& a : adjustments) logits[a.token] = AdjustedLogit(logits[a.token], a);
+}
+
 int32_t SampleRow(const float* logits, int vocab, const RowSampling& s, bool* finite) {
   std::vector<float> l(logits, logits + vocab);
   *finite = true;
   for (float x : l) {
     if (!std::isfinite(x)) *finite = false;
   }
-  for (const LogitAdjustment& a : s.adjustments) {
-    float& x = l[a.token];
-    x = (x > 0.0f ? x / a.repetition : x * a.repetition) + a.add;
-  }
+  ApplyLogitAdjustments(l.data(), s.adjustments);
   auto argmax = [&](const std::vector<float>& v, const std::vector<char>* keep) {
     int32_t best = -1;
     for (int i = 0; i < vocab; ++i) {
@@ -37,36 +38,41 @@ int32_t SampleRow(const float* logits, int vocab, const RowSampling& s, bool* fi
     const float floor = z_max + std::log(s.min_p);
     for (int i = 0; i < vocab; ++i) keep[i] = keep[i] && z[i] >= floor;
   }
-  // Values left, descending (ties adjacent).
+  // The ids left, by descending value, ties by ascending id.
   auto left_sorted = [&] {
-    std::vector<float> v;
+    std::vector<int> ids;
     for (int i = 0; i < vocab; ++i) {
-      if (keep[i]) v.push_back(z[i]);
+      if (keep[i]) ids.push_back(i);
     }
-    std::sort(v.begin(), v.end(), std::greater<float>());
-    return v;
+    std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return z[a] > z[b]; });
+    return ids;
   };
   if (s.top_k > 0) {
-    const std::vector<float> v = left_sorted();
-    if (static_cast<size_t>(s.top_k) < v.size()) {
-      const float kth = v[s.top_k - 1];
-      for (int i = 0; i < vocab; ++i) keep[i] = keep[i] && z[i] >= kth;
-    }
+    const std::vector<int> ids = left_sorted();
+    for (size_t j = static_cast<size_t>(s.top_k); j < ids.size(); ++j) keep[ids[j]] = 0;
   }
   if (s.top_p < 1.0f) {
-    const std::vector<float> v = left_sorted();
+    // The tokens above tau (the largest value whose tokens and those above it hold top_p of the
+    // mass) stay, and of those at tau the lowest ids until the mass reaches the target.
+    const std::vector<int> ids = left_sorted();
     double total = 0.0;
-    for (float x : v) total += std::exp(static_cast<double>(x) - z_max);
+    for (int i : ids) total += std::exp(static_cast<double>(z[i]) - z_max);
+    const double target = s.top_p * total;
     double acc = 0.0;
-    float tau = v.back();
-    for (float x : v) {
-      acc += std::exp(static_cast<double>(x) - z_max);
-      if (acc >= s.top_p * total) {
-        tau = x;
+    size_t j = 0;
+    while (j < ids.size()) {  // over groups of equal values
+      size_t e = j;
+      double group = 0.0;
+      while (e < ids.size() && z[ids[e]] == z[ids[j]]) group += std::exp(static_cast<double>(z[ids[e++]]) - z_max);
+      if (acc + group >= target) {
+        const double w = std::exp(static_cast<double>(z[ids[j]]) - z_max);
+        const size_t ties = std::max<size_t>(1, static_cast<size_t>(std::ceil((target - acc) / w)));
+        for (size_t q = j + std::min(ties, e - j); q < ids.size(); ++q) keep[ids[q]] = 0;
         break;
       }
+      acc += group;
+      j = e;
     }
-    for (int i = 0; i < vocab; ++i) keep[i] = keep[i] && z[i] >= tau;
   }
   const uint64_t row_key = SplitMix64(s.key ^ SplitMix64(s.step));
   std::vector<float> g(vocab);

@@ -1,0 +1,324 @@
+// The decodelab command line as a user meets it: exit codes (usage errors exit 2), --version, and
+// generate with a text prompt.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <csignal>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "base/build_info.h"
+
+namespace dl {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliRun {
+  int rc = -1;
+  std::string out, err;
+};
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs the binary with `args` (shell words), capturing stdout and stderr separately.
+CliRun Decodelab(const std::string& args, const std::string& env = "") {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string cmd = env + " timeout 120 '" + DECODELAB_EXE + "' " + args + " >'" +
+                          (dir / "out").string() + "' 2>'" + (dir / "err").string() + "'";
+  CliRun r;
+  const int status = std::system(cmd.c_str());
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = Slurp(dir / "out");
+  r.err = Slurp(dir / "err");
+  fs::remove_all(dir);
+  return r;
+}
+
+TEST(CliTest, UsageErrorsExitTwo) {
+  for (const char* args : {"", "no-such-command", "generate --bogus", "serve --port 99999",
+                           "serve --max-batch 0", "generate --shape tiny --max-tokens many",
+                           "inspect --shape nope", "lab screen --no-such-flag"}) {
+    const CliRun r = Decodelab(args);
+    EXPECT_EQ(r.rc, 2) << "decodelab " << args << "\n" << r.err;
+    EXPECT_NE(r.err.find("--help"), std::string::npos) << args << ": " << r.err;
+  }
+  // A usage error found after parsing (library InvalidArgument) exits 2 as well.
+  const CliRun both = Decodelab("generate --shape tiny --backend cpu --prompt hi --prompt-ids 1,2");
+  EXPECT_EQ(both.rc, 2) << both.err;
+  const CliRun none = Decodelab("generate --shape tiny --backend cpu");
+  EXPECT_EQ(none.rc, 2) << none.err;
+  EXPECT_NE(none.err.find("--prompt"), std::string::npos) << none.err;
+  // probe's exit codes 2..8 are classes of a probe that ran: its usage errors exit 1.
+  const CliRun probe = Decodelab("probe --ranks abc");
+  EXPECT_EQ(probe.rc, 1) << probe.err;
+  // --help is not an error.
+  EXPECT_EQ(Decodelab("--help").rc, 0);
+  EXPECT_EQ(Decodelab("serve --help").rc, 0);
+}
+
+TEST(CliTest, ServeOnABusyPortIsAStartupErrorNamingTheAddress) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const int port = ntohs(addr.sin_port);
+  // `timeout` turns a server that wrongly starts into exit 124 instead of a hang.
+  const CliRun r = Decodelab("serve --shape tiny --backend cpu --max-seq-len 64 --port " +
+                             std::to_string(port));
+  ::close(fd);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("in use"), std::string::npos) << r.err;
+}
+
+TEST(CliTest, VersionPrintsTheCommitAndBuildFlags) {
+  const CliRun r = Decodelab("--version");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("decodelab ", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("commit " + BuildCommit()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("compilers " + BuildCompilers()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("build " + BuildFlags()), std::string::npos) << r.out;
+  EXPECT_NE(BuildFlags().find("CUDA"), std::string::npos);
+  EXPECT_NE(BuildFlags().find("C++ flags"), std::string::npos);
+}
+
+TEST(CliTest, GenerateTakesTextAndPrintsText) {
+  const CliRun r = Decodelab(
+      "generate --shape tiny --backend cpu --prompt 'Hello, world' --max-tokens 5 --ignore-eos --json");
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const std::string last = r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1);
+  const auto j = nlohmann::json::parse(last, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_EQ(j["tokens"].size(), 5u);
+  EXPECT_TRUE(j["text"].is_string());
+  EXPECT_NE(r.err.find("text: " + j["text"].get<std::string>()), std::string::npos) << r.err;
+  // The same prompt as ids gives the same tokens: --prompt is only a tokenizer in front.
+  const CliRun tok = Decodelab("generate --shape tiny --backend cpu --prompt 'Hello, world' --max-tokens 1 --json");
+  ASSERT_EQ(tok.rc, 0);
+  const auto jt = nlohmann::json::parse(tok.out.substr(tok.out.rfind('\n', tok.out.size() - 2) + 1));
+  EXPECT_GT(jt["prompt_tokens"].get<int>(), 1);
+  // --allow-fallback is accepted by generate as by bench (it only matters on CUDA).
+  const CliRun fb = Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --max-tokens 2 --allow-fallback");
+  EXPECT_EQ(fb.rc, 0) << fb.err;
+}
+
+// `decodelab serve` in the background, its stdout and stderr in files, stopped with SIGTERM.
+class ServeProcess {
+ public:
+  explicit ServeProcess(const std::string& args) {
+    static int instance = 0;
+    dir_ = fs::temp_directory_path() /
+           ("dl_cli_serve_" + std::to_string(::getpid()) + "_" + std::to_string(instance++));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string cmd = std::string("exec '") + DECODELAB_EXE + "' serve " + args + " >'" +
+                              (dir_ / "out").string() + "' 2>'" + (dir_ / "err").string() + "'";
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 600 && port_ == 0; ++i) {
+      const std::string out = Slurp(dir_ / "out");
+      const size_t at = out.find("ready at http://127.0.0.1:");
+      if (at != std::string::npos) port_ = std::atoi(out.c_str() + at + 26);
+      if (port_ == 0) ::usleep(50000);
+    }
+  }
+  ~ServeProcess() {
+    Stop();
+    fs::remove_all(dir_);
+  }
+  int port() const { return port_; }
+  std::string Stop() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+      pid_ = -1;
+    }
+    return Slurp(dir_ / "err");
+  }
+
+ private:
+  fs::path dir_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+TEST(CliTest, ServeLogsAccessLinesAndThroughputThroughOnePath) {
+  ServeProcess serve("--shape tiny --backend cpu --max-seq-len 128 --port 0 --access-log "
+                     "--log-stats-interval 0.2");
+  ASSERT_GT(serve.port(), 0);
+  httplib::Client cli("127.0.0.1", serve.port());
+  auto r = cli.Post("/v1/completions",
+                    R"({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": true})",
+                    "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200);
+  auto s = cli.Post("/v1/completions",
+                    R"({"prompt": [5, 6], "max_tokens": 3, "temperature": 0, "ignore_eos": true,
+                        "stream": true})",
+                    "application/json");
+  ASSERT_TRUE(s);
+  auto h = cli.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  ::usleep(700000);  // at least one throughput interval after the requests
+  const std::string err = serve.Stop();
+  EXPECT_NE(err.find("\"POST /v1/completions\" 200 prompt_tokens=3 completion_tokens=4"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("\"POST /v1/completions\" 200 prompt_tokens=2 completion_tokens=3"),
+            std::string::npos)
+      << "streams are logged when they end\n"
+      << err;
+  EXPECT_NE(err.find("\"GET /health\" 200"), std::string::npos) << err;
+  EXPECT_NE(err.find("Avg prompt throughput: "), std::string::npos) << err;
+  EXPECT_NE(err.find("Avg generation throughput: "), std::string::npos) << err;
+  EXPECT_NE(err.find("KV cache usage: "), std::string::npos) << err;
+  // --log-level warning: the info lines are gone.
+  ServeProcess quiet("--shape tiny --backend cpu --max-seq-len 128 --port 0 --access-log "
+                     "--log-level warning");
+  ASSERT_GT(quiet.port(), 0);
+  httplib::Client qc("127.0.0.1", quiet.port());
+  auto qh = qc.Get("/health");
+  ASSERT_TRUE(qh);
+  EXPECT_EQ(qh->status, 200);
+  const std::string qerr = quiet.Stop();
+  EXPECT_EQ(qerr.find("GET /health"), std::string::npos) << qerr;
+  EXPECT_EQ(qerr.find("loading"), std::string::npos) << qerr;
+}
+
+// A written tiny model whose config.json gets `extra` keys.
+fs::path TinyModelWith(const nlohmann::json& extra, const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_model_" + std::to_string(::getpid()) + name);
+  fs::remove_all(dir);
+  const CliRun made = Decodelab("make-model --shape tiny --out '" + dir.string() + "'");
+  EXPECT_EQ(made.rc, 0) << made.err;
+  auto config = nlohmann::json::parse(Slurp(dir / "config.json"));
+  for (auto& [k, v] : extra.items()) config[k] = v;
+  std::ofstream(dir / "config.json") << config.dump(2);
+  return dir;
+}
+
+TEST(CliTest, ConfigWarningsAtLoadAndLegacyRopeScalingRefused) {
+  const fs::path odd = TinyModelWith({{"frobnicate", 1}}, "odd");
+  const CliRun r = Decodelab("generate --backend cpu --model '" + odd.string() +
+                             "' --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("unknown key 'frobnicate'"), std::string::npos) << r.err;
+  fs::remove_all(odd);
+  const fs::path legacy = TinyModelWith(
+      {{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 8.0}, {"original_max_position_embeddings", 4096}}}},
+      "legacy");
+  const CliRun l = Decodelab("generate --backend cpu --model '" + legacy.string() +
+                             "' --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_NE(l.rc, 0);
+  EXPECT_NE(l.err.find("rope_scaling"), std::string::npos) << l.err;
+  fs::remove_all(legacy);
+}
+
+TEST(CliTest, LabRunsDirDefaultsToTheCacheAsTheReadmeSays) {
+  // README: the report lands under <cache>/runs (~/.cache/decodelab/runs by default), where `lab
+  // screen` put the runs; a bare `lab report` or `lab runs` must look there, not in ./runs.
+  const fs::path cache = fs::temp_directory_path() / ("dl_cli_cache_" + std::to_string(::getpid()));
+  const CliRun r = Decodelab("lab runs", "DECODELAB_CACHE='" + cache.string() + "'");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find((cache / "runs" / "ledger.sqlite").string()), std::string::npos) << r.err;
+  const CliRun help = Decodelab("lab report --help", "DECODELAB_CACHE='" + cache.string() + "'");
+  EXPECT_NE(help.out.find((cache / "runs").string()), std::string::npos) << help.out;
+  EXPECT_FALSE(fs::exists(cache));
+}
+
+TEST(CliTest, ModelFromTheHuggingFaceCacheWithoutDownloading) {
+  const fs::path root = fs::temp_directory_path() / ("dl_cli_hub_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const fs::path model = root / "written";
+  ASSERT_EQ(Decodelab("make-model --shape tiny --out '" + model.string() + "'").rc, 0);
+  // huggingface_hub's layout: snapshots/<rev>/ of symlinks, refs/main naming the revision.
+  const fs::path repo = root / "hub" / "models--acme--laguna-tiny";
+  fs::create_directories(repo / "snapshots" / "0123abcd");
+  fs::create_directories(repo / "refs");
+  std::ofstream(repo / "refs" / "main") << "0123abcd";
+  for (const auto& e : fs::directory_iterator(model)) {
+    fs::create_symlink(e.path(), repo / "snapshots" / "0123abcd" / e.path().filename());
+  }
+  const std::string gen = " --backend cpu --prompt-ids 5,6,7 --max-tokens 3 --ignore-eos --json";
+  const CliRun direct = Decodelab("generate --model '" + model.string() + "'" + gen);
+  ASSERT_EQ(direct.rc, 0) << direct.err;
+  const std::string hub = "HF_HUB_CACHE='" + (root / "hub").string() + "'";
+  const CliRun by_id = Decodelab("generate --model acme/laguna-tiny" + gen, hub);
+  ASSERT_EQ(by_id.rc, 0) << by_id.err;
+  EXPECT_EQ(nlohmann::json::parse(by_id.out)["tokens"], nlohmann::json::parse(direct.out)["tokens"]);
+  const CliRun by_home = Decodelab("generate --model acme/laguna-tiny" + gen,
+                                   "HF_HUB_CACHE= HF_HOME='" + root.string() + "'");
+  EXPECT_EQ(by_home.rc, 0) << by_home.err;
+  const CliRun by_dir = Decodelab("generate --model '" + repo.string() + "'" + gen);
+  EXPECT_EQ(by_dir.rc, 0) << by_dir.err;
+  const CliRun inspect = Decodelab("inspect --config-only --model acme/laguna-tiny", hub);
+  EXPECT_EQ(inspect.rc, 0) << inspect.err;
+  const CliRun missing = Decodelab("generate --model acme/nothing" + gen, hub);
+  EXPECT_NE(missing.rc, 0);
+  EXPECT_NE(missing.err.find("models--acme--nothing"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("does not download"), std::string::npos) << missing.err;
+  fs::remove_all(root);
+}
+
+TEST(CliTest, ServeChatTemplateFileReplacesTheModelsTemplate) {
+  const fs::path file = fs::temp_directory_path() / ("dl_cli_tmpl_" + std::to_string(::getpid()));
+  std::ofstream(file) << "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}";
+  ServeProcess serve("--shape tiny --backend cpu --max-seq-len 128 --port 0 --chat-template '" +
+                     file.string() + "'");
+  ASSERT_GT(serve.port(), 0);
+  httplib::Client cli("127.0.0.1", serve.port());
+  const std::string messages = R"({"messages": [{"role": "user", "content": "hello"}]})";
+  auto t = cli.Post("/tokenize", messages, "application/json");
+  ASSERT_TRUE(t);
+  ASSERT_EQ(t->status, 200) << t->body;
+  auto d = cli.Post("/detokenize",
+                    nlohmann::json{{"tokens", nlohmann::json::parse(t->body)["tokens"]}}.dump(),
+                    "application/json");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(nlohmann::json::parse(d->body)["prompt"], "[user] hello\n[assistant] ");
+  auto c = cli.Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})",
+                    "application/json");
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->status, 200) << c->body;
+  serve.Stop();
+  // A template that does not parse stops the start, with the file's name.
+  std::ofstream(file, std::ios::trunc) << "{% for m in messages %}";
+  const CliRun bad = Decodelab("serve --shape tiny --backend cpu --port 0 --chat-template '" +
+                               file.string() + "'");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.err.find(file.string()), std::string::npos) << bad.err;
+  fs::remove(file);
+}
+
+}  // namespace
+}  // namespace dl
