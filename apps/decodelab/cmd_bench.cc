@@ -25,6 +25,7 @@
 #include "kernels/timeline.h"
 #include "lab/lab_stats.h"
 #include "lab/serve_bench.h"
+#include "lab/serve_child.h"
 #include "model/param_count.h"
 
 namespace dl::app {

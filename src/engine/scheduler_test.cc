@@ -55,42 +55,58 @@ int32_t UsedPages(const Engine& e) {
   return e.kv->used_pages(KvGroup::kFull) + e.kv->used_pages(KvGroup::kSliding);
 }
 
-TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
-  // Reference: one sequence at a time through GenerateGreedy.
-  auto ref_engine = TinyEngine(1);
-  std::vector<std::vector<int32_t>> prompts = {Prompt(5, 1), Prompt(40, 2), Prompt(23, 3),
-                                               Prompt(70, 4)};
-  std::vector<std::vector<int32_t>> expected;
+// Each prompt alone through GenerateGreedy (greedy, ignore_eos, prefill chunks of 16).
+std::vector<std::vector<int32_t>> AloneOutputs(const std::vector<std::vector<int32_t>>& prompts, int32_t max_tokens,
+                                               int32_t max_seq_len) {
+  auto ref_engine = TinyEngine(1, 16, max_seq_len);
+  std::vector<std::vector<int32_t>> out;
   for (const auto& p : prompts) {
     GenerateOptions g;
-    g.max_tokens = 12;
+    g.max_tokens = max_tokens;
     g.ignore_eos = true;
     g.prefill_chunk = 16;
     auto r = GenerateGreedy(*ref_engine, p, g);
-    ASSERT_TRUE(r.ok()) << r.status().message();
-    expected.push_back(r->tokens);
+    EXPECT_TRUE(r.ok()) << r.status().message();
+    out.push_back(r.ok() ? r->tokens : std::vector<int32_t>{});
   }
+  return out;
+}
+
+// Every prompt submitted at once (greedy, ignore_eos); each one's collected output.
+std::vector<Collected> RunTogether(Scheduler& sched, const std::vector<std::vector<int32_t>>& prompts,
+                                   int32_t max_tokens) {
+  std::vector<std::shared_ptr<RequestState>> states;
+  for (const auto& p : prompts) {
+    GenerationRequest r;
+    r.prompt = p;
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.ignore_eos = true;
+    auto st = sched.Submit(r);
+    EXPECT_TRUE(st.ok()) << st.status().message();
+    if (st.ok()) states.push_back(*st);
+  }
+  std::vector<Collected> out;
+  for (auto& st : states) out.push_back(Drain(*st));
+  return out;
+}
+
+TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
+  // Reference: one sequence at a time through GenerateGreedy.
+  std::vector<std::vector<int32_t>> prompts = {Prompt(5, 1), Prompt(40, 2), Prompt(23, 3),
+                                               Prompt(70, 4)};
+  const auto expected = AloneOutputs(prompts, 12, 256);
   // All at once through the scheduler, batch 3 (one waits), with a long prompt prefilled in chunks
   // while others decode.
   auto engine = TinyEngine(3);
   Scheduler sched(*engine, {.max_batch = 3, .max_waiting = 16, .prefill_chunk = 16});
   sched.Start();
-  std::vector<std::shared_ptr<RequestState>> states;
-  for (const auto& p : prompts) {
-    GenerationRequest r;
-    r.prompt = p;
-    r.sampling.max_tokens = 12;
-    r.sampling.ignore_eos = true;
-    auto st = sched.Submit(r);
-    ASSERT_TRUE(st.ok()) << st.status().message();
-    states.push_back(*st);
-  }
+  const auto got = RunTogether(sched, prompts, 12);
+  ASSERT_EQ(got.size(), prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    Collected c = Drain(*states[i]);
-    EXPECT_EQ(c.last.reason, FinishReason::kLength);
-    EXPECT_EQ(c.tokens, expected[i]) << "prompt " << i;
-    EXPECT_EQ(c.last.prompt_tokens, static_cast<int32_t>(prompts[i].size()));
-    EXPECT_EQ(c.last.cached_tokens, 0);
+    EXPECT_EQ(got[i].last.reason, FinishReason::kLength);
+    EXPECT_EQ(got[i].tokens, expected[i]) << "prompt " << i;
+    EXPECT_EQ(got[i].last.prompt_tokens, static_cast<int32_t>(prompts[i].size()));
+    EXPECT_EQ(got[i].last.cached_tokens, 0);
   }
   sched.Stop();
   EXPECT_EQ(UsedPages(*engine), 0);
@@ -104,35 +120,16 @@ TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
 // A KV pool that holds one full-length sequence, four requests at once: steps run out of pages, the
 // newest sequences are preempted and recomputed later, and every output still equals its alone run.
 TEST(SchedulerTest, PreemptionRecomputesAndKeepsEveryOutput) {
-  auto ref_engine = TinyEngine(1, 16, 128);
   std::vector<std::vector<int32_t>> prompts = {Prompt(40, 1), Prompt(33, 2), Prompt(47, 3), Prompt(20, 4)};
-  std::vector<std::vector<int32_t>> expected;
-  for (const auto& p : prompts) {
-    GenerateOptions g;
-    g.max_tokens = 60;
-    g.ignore_eos = true;
-    g.prefill_chunk = 16;
-    auto r = GenerateGreedy(*ref_engine, p, g);
-    ASSERT_TRUE(r.ok()) << r.status().message();
-    expected.push_back(r->tokens);
-  }
+  const auto expected = AloneOutputs(prompts, 60, 128);
   auto engine = TinyEngine(1, 16, 128);
   Scheduler sched(*engine, {.max_batch = 4, .max_waiting = 8, .prefill_chunk = 16});
   sched.Start();
-  std::vector<std::shared_ptr<RequestState>> states;
-  for (const auto& p : prompts) {
-    GenerationRequest r;
-    r.prompt = p;
-    r.sampling.max_tokens = 60;
-    r.sampling.ignore_eos = true;
-    auto st = sched.Submit(r);
-    ASSERT_TRUE(st.ok()) << st.status().message();
-    states.push_back(*st);
-  }
+  const auto got = RunTogether(sched, prompts, 60);
+  ASSERT_EQ(got.size(), prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    Collected c = Drain(*states[i]);
-    EXPECT_EQ(c.last.reason, FinishReason::kLength) << c.last.error.message();
-    EXPECT_EQ(c.tokens, expected[i]) << "prompt " << i;
+    EXPECT_EQ(got[i].last.reason, FinishReason::kLength) << got[i].last.error.message();
+    EXPECT_EQ(got[i].tokens, expected[i]) << "prompt " << i;
   }
   sched.Stop();
   EXPECT_GT(sched.Stats().preemptions_total, 0u) << "the pool should have run out of pages";
@@ -160,14 +157,7 @@ TEST(SchedulerTest, ARequestNeedingTheWholePoolCompletesBesideAnother) {
   EXPECT_EQ(cb.tokens.size(), 5u);
   Collected ca = Drain(**a);
   EXPECT_EQ(ca.last.reason, FinishReason::kLength) << ca.last.error.message();
-  auto ref_engine = TinyEngine(1, 16, 128);
-  GenerateOptions g;
-  g.max_tokens = 28;
-  g.ignore_eos = true;
-  g.prefill_chunk = 16;
-  auto ref = GenerateGreedy(*ref_engine, big.prompt, g);
-  ASSERT_TRUE(ref.ok());
-  EXPECT_EQ(ca.tokens, ref->tokens);
+  EXPECT_EQ(ca.tokens, AloneOutputs({big.prompt}, 28, 128)[0]);
   sched.Stop();
   EXPECT_EQ(UsedPages(*engine), 0);
 }

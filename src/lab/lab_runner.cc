@@ -14,6 +14,7 @@
 #include "comm/process.h"
 #include "kv_cache/kv_scales.h"
 #include "lab/lab_client.h"
+#include "lab/serve_child.h"
 
 namespace dl::lab {
 
@@ -45,8 +46,6 @@ std::string UtcStamp(std::time_t t, const char* fmtstr) {
 // running endpoint.
 class ServerHandle {
  public:
-  ~ServerHandle() { Stop(); }
-
   Status Start(const LabOptions& o, const std::string& log_path) {
     if (!o.endpoint.empty()) {
       DL_ASSIGN_OR_RETURN(ep_, ParseEndpoint(o.endpoint));
@@ -55,78 +54,27 @@ class ServerHandle {
       argv_ = {"(endpoint)", o.endpoint};
       return Status::Ok();
     }
-    comm::SpawnSpec spec;
-    spec.exe = o.binary;
-    spec.argv = {o.binary, "serve"};
-    for (const auto& a : o.model_args) spec.argv.push_back(a);
-    spec.argv.insert(spec.argv.end(),
-                     {"--host", "127.0.0.1", "--port", "0", "--kv-dtype", o.suite.kv_dtype});
+    std::vector<std::string> args = o.model_args;
+    args.insert(args.end(), {"--kv-dtype", o.suite.kv_dtype});
     // Scales only mean something for an FP8 cache (serve refuses them otherwise).
     if (!o.suite.calibration.empty() && o.suite.kv_dtype == "fp8") {
-      spec.argv.insert(spec.argv.end(), {"--kv-scales", o.suite.calibration});
+      args.insert(args.end(), {"--kv-scales", o.suite.calibration});
     }
-    for (const auto& a : o.serve_extra) spec.argv.push_back(a);
-    spec.env = comm::EnvironmentWith({});
-    spec.output_path = log_path;
-    argv_ = spec.argv;
-    DL_ASSIGN_OR_RETURN(child_, comm::ChildProcess::Spawn(spec));
-    const double deadline = MonotonicSeconds() + o.server_start_timeout_s;
-    std::string url;
-    while (MonotonicSeconds() < deadline) {
-      if (child_.Poll()) {
-        auto log = ReadTextFile(log_path);
-        std::string tail = log.ok() ? *log : "";
-        if (tail.size() > 1500) tail = tail.substr(tail.size() - 1500);
-        return Unavailable("decodelab serve exited before it was ready ({}); {}:\n{}",
-                           child_.exit_info().ToString(), log_path, tail);
-      }
-      auto log = ReadTextFile(log_path);
-      if (log.ok()) {
-        const size_t at = log->find("ready at ");
-        if (at != std::string::npos) {
-          const size_t end = log->find('\n', at);
-          if (end != std::string::npos) {
-            url = log->substr(at + 9, end - at - 9);
-            break;
-          }
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    if (url.empty()) {
-      child_.KillAndReap();
-      return Unavailable("decodelab serve did not print its URL within {} s (see {})",
-                         o.server_start_timeout_s, log_path);
-    }
-    DL_ASSIGN_OR_RETURN(ep_, ParseEndpoint(url));
-    while (MonotonicSeconds() < deadline) {
-      if (Healthy(ep_)) return Status::Ok();
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    child_.KillAndReap();
-    return Unavailable("{}: /health did not answer 200 within {} s", url, o.server_start_timeout_s);
+    args.insert(args.end(), o.serve_extra.begin(), o.serve_extra.end());
+    DL_ASSIGN_OR_RETURN(child_, ServeChild::Start(o.binary, args, log_path, o.server_start_timeout_s));
+    ep_ = child_->endpoint();
+    argv_ = child_->argv();
+    return Status::Ok();
   }
-
-  // SIGTERM, then up to 20 s for a clean stop, then a group kill.
   void Stop() {
-    if (!child_.running()) return;
-    ::kill(child_.pid(), SIGTERM);
-    const double deadline = MonotonicSeconds() + 20;
-    while (MonotonicSeconds() < deadline) {
-      if (child_.Poll()) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    child_.KillAndReap();
+    if (child_) child_->Stop();
   }
-
-  std::string StopReason() const {
-    return child_.reaped() ? child_.exit_info().ToString() : "endpoint (not stopped by the lab)";
-  }
+  std::string StopReason() const { return child_ ? child_->ExitReason() : "endpoint (not stopped by the lab)"; }
   const Endpoint& endpoint() const { return ep_; }
   const std::vector<std::string>& argv() const { return argv_; }
 
  private:
-  comm::ChildProcess child_;
+  std::unique_ptr<ServeChild> child_;
   Endpoint ep_;
   std::vector<std::string> argv_;
 };

@@ -16,7 +16,6 @@
 #include <nlohmann/json.hpp>
 
 #include "base/status.h"
-#include "comm/process.h"
 #include "lab/lab_client.h"
 
 namespace dl::lab {
@@ -36,23 +35,5 @@ struct ServeBenchOptions {
 // Runs the benchmark; `progress` gets a line now and then (may be empty).
 Result<nlohmann::json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
                                      const std::function<void(const std::string&)>& progress);
-
-// A `decodelab serve` child on an ephemeral loopback port, stopped (SIGTERM, then a group kill) when
-// destroyed.
-class ServeChild {
- public:
-  // Starts `binary serve <args> --host 127.0.0.1 --port 0`, logging to log_path, and waits until it
-  // prints its URL and answers /health (at most timeout_s).
-  static Result<std::unique_ptr<ServeChild>> Start(const std::string& binary, const std::vector<std::string>& args,
-                                                   const std::string& log_path, double timeout_s);
-  ~ServeChild();
-  const Endpoint& endpoint() const { return ep_; }
-  void Stop();
-
- private:
-  ServeChild() = default;
-  comm::ChildProcess child_;
-  Endpoint ep_;
-};
 
 }  // namespace dl::lab

@@ -4,7 +4,8 @@
 # concurrency 1, 8 and 64 (in process) and the batched-kernel microbenchmarks. Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
 #     bash tools/device/batch_check.sh [--gen-len N] [--skip-tests] [--serve] [--concurrency "1 8 64"]
-#   --serve adds `decodelab bench serve` (HTTP) at concurrency 1 and 64.
+#   --serve adds `decodelab bench serve` (HTTP) at concurrency 1 and 64. KB_SECTIONS="moe" picks the
+#   kernel microbenchmark's sections (default gemv_batch moe argmax; "" for none).
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/batch_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
@@ -55,10 +56,10 @@ if [ -n "${PREFILL_SKIPS:-}" ]; then  # where a 1,024-token prefill goes: TTFT w
     echo "prefill 1024 skip=$s: TTFT ${ttft:-FAILED} ms"
   done
 fi
-timeout 120 ./build/tests/gpu/kernels_bench gemv_batch > "$OUT/kb_gemv_batch.log" 2>&1
-timeout 120 ./build/tests/gpu/kernels_bench moe > "$OUT/kb_moe.log" 2>&1
-timeout 60 ./build/tests/gpu/kernels_bench argmax > "$OUT/kb_argmax.log" 2>&1
-tail -n 52 "$OUT/kb_gemv_batch.log"; tail -n 9 "$OUT/kb_moe.log"; tail -n 6 "$OUT/kb_argmax.log"
+for sec in ${KB_SECTIONS-gemv_batch moe argmax}; do  # the kernel microbenchmark sections
+  timeout 120 ./build/tests/gpu/kernels_bench "$sec" > "$OUT/kb_$sec.log" 2>&1
+  grep -vE "^(kernel|d2d copy|device:|$)" "$OUT/kb_$sec.log" | tail -n 60
+done
 if [ "$SERVE" = 1 ]; then
   for c in 1 64; do
     n=$([ "$c" = 1 ] && echo 4 || echo 128)

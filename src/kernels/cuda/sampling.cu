@@ -25,36 +25,28 @@ __device__ __forceinline__ float KeyValue(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-__device__ __forceinline__ float BlockSumF(float v) {
-  __shared__ float s[kSampleWarps];
-  v = WarpSum(v);
-  __syncthreads();
+// The block's reduction of one value per thread by `op` (associative and commutative): a butterfly in
+// each warp, then the warps' results in warp order, so the same inputs give the same bits.
+template <typename T, typename Op>
+__device__ __forceinline__ T BlockReduce(T v, Op op) {
+  __shared__ T s[kSampleWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();  // s may still be read by an earlier call
   if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
   __syncthreads();
-  float t = 0.0f;
-  for (int w = 0; w < kSampleWarps; ++w) t += s[w];
+  T t = s[0];
+  for (int w = 1; w < kSampleWarps; ++w) t = op(t, s[w]);
   return t;
+}
+__device__ __forceinline__ float BlockSumF(float v) {
+  return BlockReduce(v, [](float a, float b) { return a + b; });
 }
 __device__ __forceinline__ int BlockSumI(int v) {
-  __shared__ int s[kSampleWarps];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-  __syncthreads();
-  int t = 0;
-  for (int w = 0; w < kSampleWarps; ++w) t += s[w];
-  return t;
+  return BlockReduce(v, [](int a, int b) { return a + b; });
 }
 __device__ __forceinline__ float BlockMaxF(float v) {
-  __shared__ float s[kSampleWarps];
-  v = WarpMax(v);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float t = -INFINITY;
-  for (int w = 0; w < kSampleWarps; ++w) t = fmaxf(t, s[w]);
-  return t;
+  return BlockReduce(v, [](float a, float b) { return fmaxf(a, b); });
 }
 // The block's (largest value, lowest index among equals); values that are NaN never win.
 __device__ __forceinline__ int BlockArgmaxIndex(float v, int i) {
