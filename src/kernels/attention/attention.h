@@ -67,7 +67,7 @@ struct AttentionParams {
   // it was measured faster (kernel bench 14.4 -> 11.8 us; 1 chunk 8.7 -> 6.9 us); 8 chunks were
   // slower (13.1 -> 15.2 us, global ctx 1k); 2-4 and 6-7 are not measured.
   int cluster_max_chunks = 5;
-  bool release_after_wait = false;  // PDL release point (DecodeExperiments::late_release)
+  bool release_after_wait = false;  // PDL release point (Tuning::late_release)
 };
 inline constexpr int kAttnMaxClusterChunks = 8;  // the portable cluster size
 

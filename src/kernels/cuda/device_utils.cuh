@@ -107,7 +107,7 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* total) {
 //      kernel's blocks run, so their prologue (weight loads, which depend on nothing) overlaps
 //      this kernel's tail instead of following it (or, for a kernel whose successor's prologue
 //      should not run beside its own wait, just after that wait: AllowDependentsAtStart(late) +
-//      WaitReleasing(late), DecodeExperiments::late_release);
+//      WaitReleasing(late), Tuning::late_release);
 //   2. WaitForPrerequisites() in every block before the first read of anything an earlier kernel
 //      wrote (and before any write another kernel reads). It returns once the previous kernel has
 //      completed and its writes are visible; that kernel waited on its own predecessor before it
@@ -127,7 +127,7 @@ __device__ __forceinline__ void WaitForPrerequisites() {
   WaitForGrid();
   DL_TIMELINE_WAITED();
 }
-// Rule 1 with a movable release point (DecodeExperiments::late_release): AllowDependentsAtStart(late)
+// Rule 1 with a movable release point (Tuning::late_release): AllowDependentsAtStart(late)
 // first, WaitReleasing(late) as the wait, so a late kernel lets its successor launch only once its
 // own predecessor has completed.
 __device__ __forceinline__ void AllowDependentsAtStart(bool late) {
