@@ -48,12 +48,6 @@ void MatVec(const WeightRef& w, const float* x, float* y) {
   }
 }
 
-void MatMul(const WeightRef& w, const float* x, int64_t n, float* y) {
-  const int64_t rows = w.rows();
-  const int64_t cols = w.cols();
-  for (int64_t t = 0; t < n; ++t) MatVec(w, x + t * cols, y + t * rows);
-}
-
 void RmsNorm(const float* x, const WeightRef& w, int64_t size, float eps, float* out) {
   float sum_sq = 0.0f;
   for (int64_t i = 0; i < size; ++i) sum_sq += x[i] * x[i];

@@ -11,8 +11,6 @@ namespace dl::cpu {
 
 // y[out] = W[out, in] . x[in]. Rows are independent; parallel over rows for large matrices.
 void MatVec(const WeightRef& w, const float* x, float* y);
-// Same, for `n` input vectors x[n, in] -> y[n, out].
-void MatMul(const WeightRef& w, const float* x, int64_t n, float* y);
 // out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i]; out may alias x.
 void RmsNorm(const float* x, const WeightRef& w, int64_t size, float eps, float* out);
 float WeightAt(const WeightRef& w, int64_t i);

@@ -168,7 +168,7 @@ Status CpuRunner::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& lw) {
 
 Status CpuRunner::Attention(int32_t l) {
   const int64_t D = cfg_.head_dim, H = cfg_.heads(l), K = cfg_.num_key_value_heads;
-  const int64_t G = H / K, gate_width = cfg_.gate_width(l);
+  const int64_t G = H / K;
   const bool sliding = cfg_.is_sliding(l);
   const KvGroup group = sliding ? KvGroup::kSliding : KvGroup::kFull;
   const int64_t n = batch_->num_rows();
@@ -223,7 +223,6 @@ Status CpuRunner::Attention(int32_t l) {
           attn[hh * D + e] *= cpu::Softplus(gv);
         }
       }
-      (void)gate_width;
     }
   }
   return Status::Ok();

@@ -51,11 +51,6 @@ Result<GraphCache::Entry*> GraphCache::GetOrCapture(const GraphKey& key, cudaStr
   return out;
 }
 
-const GraphCache::Entry* GraphCache::Find(const GraphKey& key) const {
-  auto it = entries_.find(key);
-  return it == entries_.end() ? nullptr : it->second.get();
-}
-
 std::vector<std::pair<GraphKey, int>> GraphCache::Captured() const {
   std::vector<std::pair<GraphKey, int>> out;
   for (const auto& [k, e] : entries_) out.emplace_back(k, e->kernel_nodes);

@@ -45,7 +45,6 @@ class GraphCache {
   };
   // The entry for `key`, capturing it first by running `enqueue` on `stream` under stream capture.
   Result<Entry*> GetOrCapture(const GraphKey& key, cudaStream_t stream, const std::function<Status()>& enqueue);
-  const Entry* Find(const GraphKey& key) const;
   std::vector<std::pair<GraphKey, int>> Captured() const;  // key and kernel nodes
 
  private:

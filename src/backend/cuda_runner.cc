@@ -354,7 +354,7 @@ Status CudaRunner::Impl::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& w
   rp.q = ws.qkvg;
   rp.k = ws.qkvg + H * D;
   rp.v = ws.qkvg + (H + K) * D;
-  rp.qkv_stride = H * D + 2 * K * D + cfg.gate_width(l);
+  rp.qkv_stride = cfg.qkvg_width(l);
   rp.q_norm_weight = Data(w.q_norm);
   rp.k_norm_weight = Data(w.k_norm);
   rp.inv_freq = inv_freq[group].as<float>();
@@ -414,7 +414,7 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.k_scale = scales.k[l];
   ap.v_scale = scales.v[l];
   ap.gate = ws.qkvg + (H + 2 * K) * D;
-  ap.gate_stride = H * D + 2 * K * D + cfg.gate_width(l);
+  ap.gate_stride = cfg.qkvg_width(l);
   ap.gate_per_element = cfg.gating == GatingKind::kPerElement;
   ap.out = ws.attn;
   ap.workspace = ws.attn_ws;

@@ -44,18 +44,6 @@ class ArenaPlan {
 
 }  // namespace
 
-int32_t* CudaWorkspace::host(int32_t* device_ptr) const {
-  return reinterpret_cast<int32_t*>(host_inputs.as<char>() + (reinterpret_cast<char*>(device_ptr) - reinterpret_cast<char*>(ids)));
-}
-kernels::DeviceRowSampling* CudaWorkspace::host(kernels::DeviceRowSampling* p) const {
-  return reinterpret_cast<kernels::DeviceRowSampling*>(host_inputs.as<char>() +
-                                                      (reinterpret_cast<char*>(p) - reinterpret_cast<char*>(ids)));
-}
-kernels::LogitAdjustment* CudaWorkspace::host(kernels::LogitAdjustment* p) const {
-  return reinterpret_cast<kernels::LogitAdjustment*>(host_inputs.as<char>() +
-                                                    (reinterpret_cast<char*>(p) - reinterpret_cast<char*>(ids)));
-}
-
 Result<CudaWorkspace> CudaWorkspace::Create(const ModelConfig& c, const CudaWorkspaceSizes& z) {
   CudaWorkspace w;
   w.sizes = z;
@@ -66,7 +54,7 @@ Result<CudaWorkspace> CudaWorkspace::Create(const ModelConfig& c, const CudaWork
   size_t attn_ws = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const int64_t H = c.heads(l);
-    max_qkvg = std::max(max_qkvg, H * D + 2 * K * D + c.gate_width(l));
+    max_qkvg = std::max(max_qkvg, c.qkvg_width(l));
     max_attn = std::max(max_attn, H * D);
     kernels::AttentionParams ap;
     ap.num_tokens = z.max_rows;

@@ -75,9 +75,12 @@ struct CudaWorkspace {
 
   // Pinned host mirrors: inputs (same layout as the device inputs), outputs, logits and taps.
   cuda::PinnedBuffer host_inputs, host_outputs, host_logits, host_taps;
-  int32_t* host(int32_t* device_ptr) const;  // the mirror of an input array
-  kernels::DeviceRowSampling* host(kernels::DeviceRowSampling* p) const;
-  kernels::LogitAdjustment* host(kernels::LogitAdjustment* p) const;
+  // The mirror of an input array (at the same offset from `ids` in host_inputs).
+  template <typename T>
+  T* host(T* device_ptr) const {
+    return reinterpret_cast<T*>(host_inputs.as<char>() +
+                                (reinterpret_cast<char*>(device_ptr) - reinterpret_cast<char*>(ids)));
+  }
 
   size_t device_bytes = 0;
   cuda::DeviceBuffer arena;

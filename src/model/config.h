@@ -89,6 +89,10 @@ struct ModelConfig {
   int64_t gate_width(int64_t layer) const {
     return gating == GatingKind::kPerHead ? heads(layer) : heads(layer) * head_dim;
   }
+  // Width of the fused q/k/v/g projection's output: q [H*D], k and v [K*D] each, the gate.
+  int64_t qkvg_width(int64_t layer) const {
+    return (heads(layer) + 2 * num_key_value_heads) * head_dim + gate_width(layer);
+  }
 
   static Result<ModelConfig> FromJson(const nlohmann::json& j);
   static Result<ModelConfig> FromFile(const std::string& path);
