@@ -6,6 +6,13 @@
 #include <cstdint>
 #include <string_view>
 
+// Functions the host code (CPU references, launchers) and the kernels share.
+#if defined(__CUDACC__)
+#define DL_HOST_DEVICE __host__ __device__
+#else
+#define DL_HOST_DEVICE
+#endif
+
 // cudaStream_t is `struct CUstream_st*`; naming the struct keeps cuda_runtime.h out of host headers.
 struct CUstream_st;
 
@@ -30,5 +37,12 @@ inline std::string_view WindowKindName(WindowKind w) {
 // results are combined in ascending chunk order. This is what makes results bit-identical across
 // page sizes, prefill chunkings, and decode vs prefill of the same token.
 inline constexpr int kAttnChunk = 128;
+
+// Row t's block table in a batch of several sequences: table token_seq[t] of the [*, stride] tables,
+// or `block_table` itself when every row belongs to one sequence (token_seq null).
+DL_HOST_DEVICE inline const int32_t* RowBlockTable(const int32_t* block_table, const int32_t* token_seq,
+                                                  int32_t stride, int t) {
+  return token_seq ? block_table + static_cast<int64_t>(token_seq[t]) * stride : block_table;
+}
 
 }  // namespace dl::kernels

@@ -25,12 +25,6 @@
 #include "base/status.h"
 #include "kernels/common.h"
 
-#if defined(__CUDACC__)
-#define DL_SAMPLING_HD __host__ __device__
-#else
-#define DL_SAMPLING_HD
-#endif
-
 namespace dl::kernels {
 
 struct LogitAdjustment {
@@ -40,7 +34,7 @@ struct LogitAdjustment {
   float penalty = 0.0f;     // then subtracted (frequency * count + presence)
 };
 // The adjustment's formula, for the CPU statement and the device kernel alike.
-DL_SAMPLING_HD inline float AdjustedLogit(float l, const LogitAdjustment& a) {
+DL_HOST_DEVICE inline float AdjustedLogit(float l, const LogitAdjustment& a) {
   const float x = l + a.bias;
   return (x > 0.0f ? x / a.repetition : x * a.repetition) - a.penalty;
 }

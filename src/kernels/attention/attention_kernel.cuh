@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   const bool active = kSplitRow || half == 0;
   const int first = a.history ? a.history[t] : (a.positions ? a.positions[0] : a.first_position);
   const bool early = a.history_stable && s < first;
-  const int32_t* table = a.block_table + (a.token_seq ? static_cast<size_t>(a.token_seq[t]) * a.block_table_stride : 0);
+  const int32_t* table = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
   unsigned char* v_dst = s_raw + k * kRowBytes + (kSplitRow ? half * kPartBytes : 0);
   constexpr int kLoads = kPartBytes / 16;
   uint4 kv[kLoads];

@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(128) AttentionFallbackKernel(const AttentionPa
   const int pos = a.positions ? a.positions[t] : a.first_position + t;
   const int start = a.window_kind == WindowKind::kSliding ? max(0, pos - a.window + 1) : 0;
   const bool fp8 = a.kv_dtype == KvDtype::kFp8;
-  const int32_t* table = a.block_table + (a.token_seq ? static_cast<size_t>(a.token_seq[t]) * a.block_table_stride : 0);
+  const int32_t* table = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
   __shared__ float s_warp[4];
   float q[2], acc[2] = {0.0f, 0.0f};
   for (int i = 0; i < 2; ++i) {

@@ -68,8 +68,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
       a.q_out[(static_cast<size_t>(t) * H + head) * D + e] = FloatToBf16Bits(y);
     } else {
       const int kvh = kind == 1 ? head - H : head - H - K;
-      const int32_t* table =
-          a.block_table + (a.token_seq ? static_cast<size_t>(a.token_seq[t]) * a.block_table_stride : 0);
+      const int32_t* table = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
       const int page = table[pos / a.page_size];
       const size_t idx =
           ((static_cast<size_t>(page) * a.page_size + pos % a.page_size) * K + kvh) * D + e;

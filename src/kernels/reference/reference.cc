@@ -80,8 +80,7 @@ void QkNormRopeAppend(const QkNormRopeAppendParams& p) {
           p.q_out[(static_cast<size_t>(t) * H + hh) * D + e] = ToB(y[e]);
           continue;
         }
-        const int32_t* table =
-            p.block_table + (p.token_seq ? static_cast<size_t>(p.token_seq[t]) * p.block_table_stride : 0);
+        const int32_t* table = RowBlockTable(p.block_table, p.token_seq, p.block_table_stride, t);
         const int page = table[pos / p.page_size];
         const size_t idx =
             ((static_cast<size_t>(page) * p.page_size + pos % p.page_size) * K + hh) * D + e;
@@ -102,8 +101,7 @@ void Attention(const AttentionParams& p) {
   const double scale =
       p.softmax_scale > 0.0f ? p.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
   auto read = [&](const void* pool, float kv_scale, int t, int s, int kvh, int d) -> double {
-    const int32_t* table =
-        p.block_table + (p.token_seq ? static_cast<size_t>(p.token_seq[t]) * p.block_table_stride : 0);
+    const int32_t* table = RowBlockTable(p.block_table, p.token_seq, p.block_table_stride, t);
     const size_t idx = ((static_cast<size_t>(table[s / P]) * P + s % P) * K + kvh) * D + d;
     if (p.kv_dtype == KvDtype::kFp8) {
       return static_cast<double>(Fp8E4M3ToFloat(static_cast<const uint8_t*>(pool)[idx])) * kv_scale;
