@@ -151,7 +151,6 @@ int RunBench(const BenchFlags& f) {
   so.max_waiting = f.concurrency;
   so.prefill_chunk = opts->prefill_chunk;
   so.max_tokens_per_step = opts->max_rows_per_step;
-
   so.record_step_times = true;
   std::vector<double> run_medians, all_steps, prefill_ms, ttft_ms, out_tok_s, device_ms;
   for (int rep = 0; rep < f.repeat; ++rep) {
@@ -350,11 +349,8 @@ void PrintServeSummary(const nlohmann::json& j) {
         std::tuple{"---------------Inter-token Latency----------------", "itl", "ITL"},
         std::tuple{"----------------End-to-end Latency----------------", "e2el", "E2EL"}}) {
     std::printf("%s\n", title);
-    for (const char* stat : {"mean", "median", "p99"}) {
-      const std::string key = std::string(stat) + "_" + name + "_ms";
-      std::string text = std::string(stat == std::string("mean") ? "Mean" : stat == std::string("median") ? "Median" : "P99") +
-                         " " + label + " (ms):";
-      line(text.c_str(), key);
+    for (auto [stat, title_case] : {std::pair{"mean", "Mean"}, std::pair{"median", "Median"}, std::pair{"p99", "P99"}}) {
+      line(fmt::format("{} {} (ms):", title_case, label).c_str(), fmt::format("{}_{}_ms", stat, name));
     }
   }
   std::printf("==================================================\n");

@@ -30,6 +30,10 @@ constexpr Setting kSettings[] = {
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
 };
 
+std::string ValueOf(const Tuning& t, const Setting& s) {
+  return s.is_bool ? (t.*s.b ? "1" : "0") : std::to_string(t.*s.i);
+}
+
 bool ParseInt(std::string_view s, int* out) {
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
   return ec == std::errc() && p == s.data() + s.size();
@@ -98,9 +102,7 @@ Status SetTuning(Tuning* t, std::string_view assignment) {
 std::vector<std::pair<std::string, std::string>> TuningSettings(const Tuning& t) {
   std::vector<std::pair<std::string, std::string>> out;
   out.emplace_back("late_release", t.late_release ? LateReleaseList(t.late_release) : "none");
-  for (const Setting& s : kSettings) {
-    out.emplace_back(s.name, s.is_bool ? (t.*s.b ? "1" : "0") : std::to_string(t.*s.i));
-  }
+  for (const Setting& s : kSettings) out.emplace_back(s.name, ValueOf(t, s));
   return out;
 }
 
@@ -118,11 +120,7 @@ std::string TuningHelp() {
   out += fmt::format("  late_release (default {}): kernels releasing their successor after their PDL wait: "
                      "a comma list of {} or none\n",
                      LateReleaseList(d.late_release), fmt::join(kLateReleaseNames, ","));
-  for (const auto& [name, value] : TuningSettings(d)) {
-    for (const Setting& s : kSettings) {
-      if (name == s.name) out += fmt::format("  {} (default {}): {}\n", name, value, s.help);
-    }
-  }
+  for (const Setting& s : kSettings) out += fmt::format("  {} (default {}): {}\n", s.name, ValueOf(d, s), s.help);
   return out;
 }
 

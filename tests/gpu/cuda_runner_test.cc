@@ -186,25 +186,36 @@ struct Transcript {
   std::vector<float> last_logits;
 };
 
-Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
-             const std::vector<int32_t>& prompt, int32_t steps) {
+// A KV cache for `sequences` sequences of up to 1,024 tokens (every page of both groups), and fixed
+// FP8 scales, for the runners these tests build by hand around a synthetic checkpoint.
+KvCacheSpec TestKvSpec(const ModelConfig& c, DType kv, int32_t page, int32_t sequences) {
   KvCacheSpec spec;
-  spec.num_layers = static_cast<int32_t>(ck.config().num_hidden_layers);
-  spec.num_kv_heads = static_cast<int32_t>(ck.config().num_key_value_heads);
-  spec.head_dim = static_cast<int32_t>(ck.config().head_dim);
+  spec.num_layers = static_cast<int32_t>(c.num_hidden_layers);
+  spec.num_kv_heads = static_cast<int32_t>(c.num_key_value_heads);
+  spec.head_dim = static_cast<int32_t>(c.head_dim);
   spec.page_size = page;
   spec.dtype = kv;
-  for (int64_t l = 0; l < ck.config().num_hidden_layers; ++l) {
-    spec.layer_groups.push_back(ck.config().is_sliding(l) ? KvGroup::kSliding : KvGroup::kFull);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    spec.layer_groups.push_back(c.is_sliding(l) ? KvGroup::kSliding : KvGroup::kFull);
   }
-  spec.sliding_window = static_cast<int32_t>(ck.config().sliding_window);
-  spec.pages_full = PagesNeededFull(1024, page);
-  spec.pages_sliding = PagesNeededFull(1024, page);
-  auto kvc = KvCache::Create(spec);
-  EXPECT_TRUE(kvc.ok());
-  KvScales scales = KvScales::Unit(spec.num_layers);
+  spec.sliding_window = static_cast<int32_t>(c.sliding_window);
+  spec.pages_full = PagesNeededFull(1024, page) * sequences;
+  spec.pages_sliding = spec.pages_full;
+  return spec;
+}
+KvScales TestKvScales(int32_t layers) {
+  KvScales scales = KvScales::Unit(layers);
   for (auto& s : scales.k) s = 0.05f;
   for (auto& s : scales.v) s = 0.02f;
+  return scales;
+}
+
+Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
+             const std::vector<int32_t>& prompt, int32_t steps) {
+  const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
+  auto kvc = KvCache::Create(spec);
+  EXPECT_TRUE(kvc.ok());
+  const KvScales scales = TestKvScales(spec.num_layers);
   CudaRunnerOptions co;
   co.max_seq_len = 1024;
   co.max_rows = 512;
@@ -310,24 +321,11 @@ TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
       SCOPED_TRACE(testing::Message() << DTypeName(kv) << (graph ? " graphs" : " eager"));
       auto engine = std::make_unique<Engine>();
       // The engine by hand around the synthetic checkpoint (LoadEngine builds from a shape or a directory).
-      KvCacheSpec spec;
-      spec.num_layers = static_cast<int32_t>(ck->config().num_hidden_layers);
-      spec.num_kv_heads = static_cast<int32_t>(ck->config().num_key_value_heads);
-      spec.head_dim = static_cast<int32_t>(ck->config().head_dim);
-      spec.page_size = 32;
-      spec.dtype = kv;
-      for (int64_t l = 0; l < ck->config().num_hidden_layers; ++l) {
-        spec.layer_groups.push_back(ck->config().is_sliding(l) ? KvGroup::kSliding : KvGroup::kFull);
-      }
-      spec.sliding_window = static_cast<int32_t>(ck->config().sliding_window);
-      spec.pages_full = PagesNeededFull(1024, 32) * static_cast<int32_t>(prompts.size());
-      spec.pages_sliding = spec.pages_full;
+      const KvCacheSpec spec = TestKvSpec(ck->config(), kv, 32, static_cast<int32_t>(prompts.size()));
       auto kvc = KvCache::Create(spec);
       ASSERT_TRUE(kvc.ok());
       engine->kv = std::make_unique<KvCache>(std::move(*kvc));
-      KvScales scales = KvScales::Unit(spec.num_layers);
-      for (auto& s : scales.k) s = 0.05f;
-      for (auto& s : scales.v) s = 0.02f;
+      const KvScales scales = TestKvScales(spec.num_layers);
       CudaRunnerOptions co;
       co.max_seq_len = 1024;
       co.max_rows = 96;

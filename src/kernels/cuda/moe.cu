@@ -828,6 +828,7 @@ Status Moe(const MoeParams& p, Stream stream) {
   dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
+  const int fmax = std::max(p.ffn, p.shared_ffn);
   if (T > 1) {
     if (!p.topk_ids) return InvalidArgument("moe: the grouped path (T > 1) needs topk_ids");
     if (p.num_experts > dev::kGroupThreads) {
@@ -837,24 +838,22 @@ Status Moe(const MoeParams& p, Stream stream) {
     if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
     dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
-    const int fmax = std::max(p.ffn, p.shared_ffn);
     const int splits = (T + dev::kGroupSplit - 1) / dev::kGroupSplit;
     // Tokens staged per pass: as many as fit the budget, at most the kernel's register tile.
     auto tile_for = [](int width, int most) {
       return std::max(1, std::min<int>(most, static_cast<int>(dev::kGroupSmemBudget / (static_cast<size_t>(width) * 2))));
     };
-    const int gu_tile = tile_for(p.d, dev::kGuTokens), dn_tile = tile_for(std::max(p.ffn, p.shared_ffn), dev::kDownTokens);
+    const int gu_tile = tile_for(p.d, dev::kGuTokens), dn_tile = tile_for(fmax, dev::kDownTokens);
     dev::LaunchDependentSmem(dev::MoeGroupGateUpKernel, dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
                              dim3(threads), static_cast<size_t>(gu_tile) * p.d * 2, s, p, gu_tile);
     DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up");
     dev::LaunchDependentSmem(dev::MoeGroupDownKernel, dim3((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
-                             dim3(threads), static_cast<size_t>(dn_tile) * std::max(p.ffn, p.shared_ffn) * 2, s, p, dn_tile);
+                             dim3(threads), static_cast<size_t>(dn_tile) * fmax * 2, s, p, dn_tile);
     DL_KERNEL_LAUNCH_CHECK("moe_group_down");
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_combine");
     return Status::Ok();
   }
-  const int fmax = std::max(p.ffn, p.shared_ffn);
   const dev::MoeGateUpStreamGeometry gu =
       p.gate_up_stream_ring_kb > 0 && dev::DeviceHasBulkCopy()
           ? dev::GateUpStreamGeometry(p.d, p.ffn, p.shared_ffn, p.top_k, p.gate_up_stream_ring_kb, dev::SmCount())
