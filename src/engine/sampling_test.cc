@@ -7,9 +7,13 @@
 #include <gtest/gtest.h>
 
 #include "engine/scheduler.h"
+#include "tests/common/scheduler_util.h"
 
 namespace dl {
 namespace {
+
+using testing_scheduler::Drain;
+using testing_scheduler::TinyCpuEngine;
 
 TEST(LogitProcessorsTest, OffByDefault) {
   SamplingParams p;
@@ -133,29 +137,6 @@ TEST(MinPTest, ZeroLeavesSamplingUnchanged) {
 
 // ---- through the scheduler ----
 
-std::unique_ptr<Engine> TinyEngine() {
-  EngineOptions o;
-  o.shape = "tiny";
-  o.seed = 7;
-  o.backend = BackendKind::kCpu;
-  o.max_sequences = 2;
-  o.prefill_chunk = 16;
-  o.max_seq_len = 128;
-  auto e = LoadEngine(o);
-  EXPECT_TRUE(e.ok()) << e.status().message();
-  return std::move(e).value();
-}
-
-std::vector<int32_t> Drain(RequestState& st) {
-  std::vector<int32_t> out;
-  for (int i = 0; i < 20000; ++i) {
-    RequestState::Update u;
-    st.Poll(&u, std::chrono::milliseconds(50));
-    for (auto& e : u.tokens) out.push_back(e.token);
-    if (u.finished) break;
-  }
-  return out;
-}
 
 // One sequence decoded by hand: prefill in chunks of 16, then per step the raw logits back from the
 // backend, processors + sampler on the host.
@@ -189,7 +170,7 @@ std::vector<int32_t> ReferenceDecode(Engine& e, const std::vector<int32_t>& prom
 }
 
 TEST(SchedulerSamplingTest, GreedyPenaltiesSeeThePromptAndEveryGeneratedToken) {
-  auto engine = TinyEngine();
+  auto engine = TinyCpuEngine(2, 16, 128);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 20; ++i) prompt.push_back(40 + (i * 13) % 300);
   SamplingParams p;
@@ -211,12 +192,12 @@ TEST(SchedulerSamplingTest, GreedyPenaltiesSeeThePromptAndEveryGeneratedToken) {
   auto a = sched.Submit({prompt, p});
   auto b = sched.Submit({prompt, plain});
   ASSERT_TRUE(a.ok() && b.ok());
-  EXPECT_EQ(Drain(**a), expected);
-  EXPECT_EQ(Drain(**b), unpenalised);
+  EXPECT_EQ(Drain(**a).tokens, expected);
+  EXPECT_EQ(Drain(**b).tokens, unpenalised);
 }
 
 TEST(SchedulerSamplingTest, RefusesOutOfRangeValues) {
-  auto engine = TinyEngine();
+  auto engine = TinyCpuEngine(2, 16, 128);
   Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 4});
   auto bad = [&](auto set) {
     GenerationRequest r;

@@ -5,50 +5,19 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/scheduler_util.h"
+
 namespace dl {
 namespace {
 
-std::unique_ptr<Engine> TinyEngine(int32_t max_sequences, int32_t prefill_chunk = 16,
-                                   int32_t max_seq_len = 256) {
-  EngineOptions o;
-  o.shape = "tiny";
-  o.seed = 7;
-  o.backend = BackendKind::kCpu;
-  o.max_sequences = max_sequences;
-  o.prefill_chunk = prefill_chunk;
-  o.max_seq_len = max_seq_len;
-  auto e = LoadEngine(o);
-  EXPECT_TRUE(e.ok()) << e.status().message();
-  return std::move(e).value();
-}
+using testing_scheduler::Collected;
+using testing_scheduler::Drain;
+using testing_scheduler::TinyCpuEngine;
 
 std::vector<int32_t> Prompt(int32_t n, int32_t salt) {
   std::vector<int32_t> p(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) p[i] = 30 + (i * 37 + salt * 11) % 400;  // avoids eos ids 2, 24
   return p;
-}
-
-struct Collected {
-  std::vector<int32_t> tokens;
-  std::vector<TokenEvent> events;
-  RequestState::Update last;
-};
-
-Collected Drain(RequestState& st) {
-  Collected c;
-  for (int i = 0; i < 20000; ++i) {
-    RequestState::Update u;
-    st.Poll(&u, std::chrono::milliseconds(50));
-    for (auto& e : u.tokens) {
-      c.tokens.push_back(e.token);
-      c.events.push_back(e);
-    }
-    if (u.finished) {
-      c.last = u;
-      break;
-    }
-  }
-  return c;
 }
 
 int32_t UsedPages(const Engine& e) {
@@ -58,7 +27,7 @@ int32_t UsedPages(const Engine& e) {
 // Each prompt alone through GenerateGreedy (greedy, ignore_eos, prefill chunks of 16).
 std::vector<std::vector<int32_t>> AloneOutputs(const std::vector<std::vector<int32_t>>& prompts, int32_t max_tokens,
                                                int32_t max_seq_len) {
-  auto ref_engine = TinyEngine(1, 16, max_seq_len);
+  auto ref_engine = TinyCpuEngine(1, 16, max_seq_len);
   std::vector<std::vector<int32_t>> out;
   for (const auto& p : prompts) {
     GenerateOptions g;
@@ -97,7 +66,7 @@ TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
   const auto expected = AloneOutputs(prompts, 12, 256);
   // All at once through the scheduler, batch 3 (one waits), with a long prompt prefilled in chunks
   // while others decode.
-  auto engine = TinyEngine(3);
+  auto engine = TinyCpuEngine(3);
   Scheduler sched(*engine, {.max_batch = 3, .max_waiting = 16, .prefill_chunk = 16});
   sched.Start();
   const auto got = RunTogether(sched, prompts, 12);
@@ -122,7 +91,7 @@ TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {
 TEST(SchedulerTest, PreemptionRecomputesAndKeepsEveryOutput) {
   std::vector<std::vector<int32_t>> prompts = {Prompt(40, 1), Prompt(33, 2), Prompt(47, 3), Prompt(20, 4)};
   const auto expected = AloneOutputs(prompts, 60, 128);
-  auto engine = TinyEngine(1, 16, 128);
+  auto engine = TinyCpuEngine(1, 16, 128);
   Scheduler sched(*engine, {.max_batch = 4, .max_waiting = 8, .prefill_chunk = 16});
   sched.Start();
   const auto got = RunTogether(sched, prompts, 60);
@@ -140,7 +109,7 @@ TEST(SchedulerTest, PreemptionRecomputesAndKeepsEveryOutput) {
 // complete (the pool is sized so that any admissible request fits alone), with the greedy tokens the
 // long one gets alone.
 TEST(SchedulerTest, ARequestNeedingTheWholePoolCompletesBesideAnother) {
-  auto engine = TinyEngine(1, 16, 128);
+  auto engine = TinyCpuEngine(1, 16, 128);
   Scheduler sched(*engine, {.max_batch = 2, .max_waiting = 8, .prefill_chunk = 16});
   sched.Start();
   GenerationRequest big;
@@ -163,7 +132,7 @@ TEST(SchedulerTest, ARequestNeedingTheWholePoolCompletesBesideAnother) {
 }
 
 TEST(SchedulerTest, ValidatesRequests) {
-  auto engine = TinyEngine(1, 16, 64);
+  auto engine = TinyCpuEngine(1, 16, 64);
   Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 4});
   sched.Start();
   GenerationRequest r;
@@ -188,7 +157,7 @@ TEST(SchedulerTest, ValidatesRequests) {
 }
 
 TEST(SchedulerTest, CancellationAndShutdownReturnEveryPage) {
-  auto engine = TinyEngine(2, 16, 256);
+  auto engine = TinyCpuEngine(2, 16, 256);
   Scheduler sched(*engine, {.max_batch = 2, .max_waiting = 8});
   sched.Start();
   GenerationRequest r;
@@ -224,7 +193,7 @@ TEST(SchedulerTest, CancellationAndShutdownReturnEveryPage) {
 }
 
 TEST(SchedulerTest, QueueLimitRefusesWithResourceExhausted) {
-  auto engine = TinyEngine(1, 16, 512);
+  auto engine = TinyCpuEngine(1, 16, 512);
   Scheduler sched(*engine, {.max_batch = 1, .max_waiting = 2});
   // Not started: everything stays queued, so the limit is hit deterministically.
   GenerationRequest r;
@@ -237,7 +206,7 @@ TEST(SchedulerTest, QueueLimitRefusesWithResourceExhausted) {
 }
 
 TEST(SchedulerTest, StopTokensAndEos) {
-  auto engine = TinyEngine(1);
+  auto engine = TinyCpuEngine(1);
   Scheduler sched(*engine, {.max_batch = 1});
   sched.Start();
   GenerationRequest r;
@@ -261,7 +230,7 @@ TEST(SchedulerTest, StopTokensAndEos) {
 }
 
 TEST(SchedulerTest, SeededSamplingIsReproducibleAndLogprobsAreNormalised) {
-  auto engine = TinyEngine(2);
+  auto engine = TinyCpuEngine(2);
   Scheduler sched(*engine, {.max_batch = 2});
   sched.Start();
   GenerationRequest r;
@@ -318,7 +287,7 @@ TEST(SchedulerPrefixCacheTest, SharedPrefixLongerThanTheWindowGivesIdenticalOutp
   for (int i = 0; i < 11; ++i) b.push_back(200 + i);
   auto run = [&](bool caching, std::vector<int32_t>* cached_b) {
     // Pools for 4 sequences: room for the cache's pages beside the running one (as serve does).
-    auto engine = TinyEngine(4, 16, 256);
+    auto engine = TinyCpuEngine(4, 16, 256);
     Scheduler sched(*engine, {.max_batch = 1, .prefill_chunk = 16, .enable_prefix_caching = caching});
     sched.Start();
     std::vector<std::vector<int32_t>> outs;

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/scheduler_util.h"
 #include "tests/server/server_test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -468,17 +469,6 @@ TEST_F(ServerTest, BadInputGetsTheErrorEnvelopeAndTheServerKeepsServing) {
   EXPECT_EQ(ok.json["choices"][0]["token_ids"].size(), 2u);
 }
 
-std::vector<int32_t> DrainIds(RequestState& st) {
-  std::vector<int32_t> out;
-  for (int i = 0; i < 20000; ++i) {
-    RequestState::Update u;
-    st.Poll(&u, std::chrono::milliseconds(50));
-    for (auto& e : u.tokens) out.push_back(e.token);
-    if (u.finished) break;
-  }
-  return out;
-}
-
 TEST_F(ServerTest, PenaltiesBiasMinPAndMaxCompletionTokensAreHonoured) {
   ASSERT_NE(server_, nullptr);
   auto cli = server_->Client();
@@ -513,7 +503,7 @@ TEST_F(ServerTest, PenaltiesBiasMinPAndMaxCompletionTokensAreHonoured) {
   g.sampling.ignore_eos = true;
   auto st = server_->scheduler().Submit(g);
   ASSERT_TRUE(st.ok());
-  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), DrainIds(**st));
+  EXPECT_EQ(Ids(r.json["choices"][0]["token_ids"]), testing_scheduler::Drain(**st).tokens);
   // The penalties change the output: greedily (the sampled draw above is Gumbel-max, where a penalty
   // changes the token only when it lands on the winner, so a sampled pair can agree by chance), for
   // at least one of a fixed set of prompts (they bite only where the argmax is a token already seen).
