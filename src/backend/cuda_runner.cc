@@ -16,6 +16,7 @@
 #include "kernels/ops.h"
 #include "kernels/sampling.h"
 #include "kernels/timeline.h"
+#include "model/backend_support.h"
 #include "model/laguna_forward.h"
 #endif
 
@@ -121,10 +122,8 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   DL_ASSIGN_OR_RETURN(step_start, cuda::Event::Create());
   DL_ASSIGN_OR_RETURN(step_end, cuda::Event::Create());
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
-  const int64_t d = c.hidden_size, D = c.head_dim;
-  if (d % 8 != 0 || D % 8 != 0) {
-    return InvalidArgument("CUDA backend needs hidden_size and head_dim divisible by 8 ({}, {})", d, D);
-  }
+  DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
+  const int64_t D = c.head_dim;
   DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
   rope[0] = ComputeRopeTable(c.rope_full, D);
   rope[1] = ComputeRopeTable(c.rope_sliding, D);
