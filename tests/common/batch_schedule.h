@@ -36,7 +36,6 @@ inline RowSampling SamplingFor(size_t i, int32_t step) {
 
 struct SchedSeq {
   std::vector<int32_t> context;  // prompt + generated
-  size_t prompt_len = 0;
   SequenceKv kv;
   SeqTrace trace;
   int arrival = 0;
@@ -84,7 +83,6 @@ inline Result<SeqTrace> RunAlone(Engine& e, const std::vector<int32_t>& prompt, 
   std::vector<SchedSeq> seqs(index + 1);
   SchedSeq& s = seqs[index];
   s.context = prompt;
-  s.prompt_len = prompt.size();
   while (!s.done) {
     const int32_t remaining = static_cast<int32_t>(s.context.size()) - s.kv.length();
     DL_RETURN_IF_ERROR(Step(e, seqs, {{index, std::min(remaining, chunk)}}, steps));
@@ -100,7 +98,6 @@ inline Result<std::vector<SeqTrace>> RunRandomSchedule(Engine& e, const std::vec
   std::vector<SchedSeq> seqs(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     seqs[i].context = prompts[i];
-    seqs[i].prompt_len = prompts[i].size();
     seqs[i].arrival = static_cast<int>(rng() % 12);
   }
   for (int step = 0; step < 100000; ++step) {
