@@ -55,6 +55,17 @@ ApiError FromStatus(const Status& s, std::optional<std::string> param) {
 
 namespace {
 
+// A request body as a JSON object (every route's first check).
+Result<ojson> ParseBody(const std::string& text) {
+  try {
+    ojson body = ojson::parse(text);
+    if (!body.is_object()) return InvalidArgument("the request body must be a JSON object");
+    return body;
+  } catch (const std::exception& e) {
+    return InvalidArgument("the request body is not valid JSON: {}", e.what());
+  }
+}
+
 std::string TypeName(const ojson& v) {
   if (v.is_null()) return "null";
   if (v.is_boolean()) return "boolean";
@@ -503,13 +514,9 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
                                      const ParseContext& ctx, ParsedRequest* out) {
   *out = ParsedRequest{};
   out->chat = chat;
-  ojson body;
-  try {
-    body = ojson::parse(body_text);
-  } catch (const std::exception& e) {
-    return BadRequest(fmt::format("the request body is not valid JSON: {}", e.what()));
-  }
-  if (!body.is_object()) return BadRequest("the request body must be a JSON object");
+  auto parsed = ParseBody(body_text);
+  if (!parsed.ok()) return BadRequest(parsed.status().message());
+  const ojson& body = *parsed;
   try {
     if (auto e = CheckFields(body, chat, out)) return e;
     if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
@@ -670,16 +677,6 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
 // ---- /tokenize, /detokenize ----
 
 namespace {
-
-Result<ojson> ParseBody(const std::string& text) {
-  try {
-    ojson body = ojson::parse(text);
-    if (!body.is_object()) return InvalidArgument("the request body must be a JSON object");
-    return body;
-  } catch (const std::exception& e) {
-    return InvalidArgument("the request body is not valid JSON: {}", e.what());
-  }
-}
 
 void ListUnknown(const ojson& body, std::initializer_list<const char*> known,
                  std::vector<std::string>* ignored) {
