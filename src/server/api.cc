@@ -53,18 +53,17 @@ ApiError FromStatus(const Status& s, std::optional<std::string> param) {
   return e;
 }
 
-namespace {
-
-// A request body as a JSON object (every route's first check).
-Result<ojson> ParseBody(const std::string& text) {
+std::optional<ApiError> ParseBody(const std::string& text, ojson* body) {
   try {
-    ojson body = ojson::parse(text);
-    if (!body.is_object()) return InvalidArgument("the request body must be a JSON object");
-    return body;
+    *body = ojson::parse(text);
   } catch (const std::exception& e) {
-    return InvalidArgument("the request body is not valid JSON: {}", e.what());
+    return BadRequest(fmt::format("the request body is not valid JSON: {}", e.what()));
   }
+  if (!body->is_object()) return BadRequest("the request body must be a JSON object");
+  return std::nullopt;
 }
+
+namespace {
 
 std::string TypeName(const ojson& v) {
   if (v.is_null()) return "null";
@@ -514,9 +513,8 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
                                      const ParseContext& ctx, ParsedRequest* out) {
   *out = ParsedRequest{};
   out->chat = chat;
-  auto parsed = ParseBody(body_text);
-  if (!parsed.ok()) return BadRequest(parsed.status().message());
-  const ojson& body = *parsed;
+  ojson body;
+  if (auto e = ParseBody(body_text, &body)) return e;
   try {
     if (auto e = CheckFields(body, chat, out)) return e;
     if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
@@ -690,17 +688,14 @@ void ListUnknown(const ojson& body, std::initializer_list<const char*> known,
 
 }  // namespace
 
-std::string RequestedModel(const std::string& body) {
-  auto b = ParseBody(body);
-  if (!b.ok() || !b->contains("model") || !(*b)["model"].is_string()) return "";
-  return (*b)["model"].get<std::string>();
+std::string RequestedModel(const ojson& body) {
+  auto it = body.find("model");
+  if (it == body.end() || !it->is_string()) return "";
+  return it->get<std::string>();
 }
 
-std::optional<ApiError> Tokenize(const std::string& body_text, const ParseContext& ctx,
+std::optional<ApiError> Tokenize(const ojson& body, const ParseContext& ctx,
                                  nlohmann::json* response, std::vector<std::string>* ignored) {
-  auto parsed = ParseBody(body_text);
-  if (!parsed.ok()) return BadRequest(parsed.status().message());
-  const ojson& body = *parsed;
   if (!ctx.tokenizer) {
     return BadRequest("this model has no tokenizer (tokenizer.json): nothing to tokenize with");
   }
@@ -745,11 +740,8 @@ std::optional<ApiError> Tokenize(const std::string& body_text, const ParseContex
   return std::nullopt;
 }
 
-std::optional<ApiError> Detokenize(const std::string& body_text, const ParseContext& ctx,
+std::optional<ApiError> Detokenize(const ojson& body, const ParseContext& ctx,
                                    nlohmann::json* response, std::vector<std::string>* ignored) {
-  auto parsed = ParseBody(body_text);
-  if (!parsed.ok()) return BadRequest(parsed.status().message());
-  const ojson& body = *parsed;
   if (!ctx.tokenizer) {
     return BadRequest("this model has no tokenizer (tokenizer.json): nothing to detokenize with");
   }

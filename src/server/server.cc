@@ -631,7 +631,10 @@ void Server::Routes() {
   auto tokens_route = [this, model_name](bool tokenize) {
     return [this, model_name, tokenize](const httplib::Request& req, httplib::Response& res) {
       if (auto e = BodyError(req.body)) return SendError(res, *e);
-      const std::string requested = api::RequestedModel(req.body);
+      // Parsed once: an unparsable body is a 400 before any model check, as it always was.
+      nlohmann::ordered_json body;
+      if (auto e = api::ParseBody(req.body, &body)) return SendError(res, *e);
+      const std::string requested = api::RequestedModel(body);
       if (!requested.empty() && requested != model_name) {
         api::ApiError e;
         e.http_status = 404;
@@ -644,8 +647,8 @@ void Server::Routes() {
       json out;
       std::vector<std::string> ignored;
       const api::ParseContext ctx = Context();
-      auto e = tokenize ? api::Tokenize(req.body, ctx, &out, &ignored)
-                        : api::Detokenize(req.body, ctx, &out, &ignored);
+      auto e = tokenize ? api::Tokenize(body, ctx, &out, &ignored)
+                        : api::Detokenize(body, ctx, &out, &ignored);
       if (!ignored.empty()) {
         spdlog::warn("{}: the following fields were present in the request but ignored: {}",
                      req.path, fmt::join(ignored, ", "));
