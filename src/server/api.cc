@@ -1,11 +1,9 @@
 #include "server/api.h"
 
 #include <algorithm>
-#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <random>
 
 #include <fmt/format.h>
 
@@ -921,13 +919,6 @@ nlohmann::json ChatLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>&
     content.push_back({{"token", s}, {"logprob", e.logprob}, {"bytes", Bytes(s)}, {"top_logprobs", top}});
   }
   return {{"content", content}};
-}
-
-std::string NewRequestId(bool chat) {
-  static std::atomic<uint64_t> counter{0};
-  static const uint64_t salt = (static_cast<uint64_t>(std::random_device{}()) << 32) ^
-                               std::random_device{}();
-  return fmt::format("{}-{:016x}{:08x}", chat ? "chatcmpl" : "cmpl", salt, counter.fetch_add(1));
 }
 
 }  // namespace dl::api

@@ -163,6 +163,4 @@ nlohmann::json CompletionLogprobs(const Tokenizer* tok, const std::vector<TokenE
 // Chat logprobs object ({content: [{token, logprob, bytes, top_logprobs}]}).
 nlohmann::json ChatLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>& events);
 
-std::string NewRequestId(bool chat);
-
 }  // namespace dl::api

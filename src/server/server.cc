@@ -15,6 +15,7 @@
 #include "server/api.h"
 #include "server/http_guard.h"
 #include "server/stats_log.h"
+#include "server/unique_id.h"
 
 namespace dl {
 
@@ -680,7 +681,7 @@ void Server::Routes() {
         e.code = "model_not_found";
         return SendError(res, e);
       }
-      job->id = api::NewRequestId(chat);
+      job->id = api::UniqueId(chat ? "chatcmpl" : "cmpl");
       job->model = model_name;
       job->created = static_cast<int64_t>(std::time(nullptr));
       job->tokenizer = ctx.tokenizer;

@@ -60,6 +60,4 @@ class ToolCallParser {
   bool in_call_ = false;
 };
 
-std::string NewToolCallId();
-
 }  // namespace dl::api
