@@ -802,17 +802,11 @@ std::string ChoiceText::Release(bool final) {
       return out;
     }
   }
+  // Unsent text that could still become a stop string stays back (the longest such end).
   size_t hold = 0;
   if (!final) {
-    const size_t unsent = text_.size() - sent_;
-    for (const auto& s : stops_) {
-      for (size_t k = std::min(s.size() - 1, unsent); k > hold; --k) {
-        if (text_.compare(text_.size() - k, k, s, 0, k) == 0) {
-          hold = k;
-          break;
-        }
-      }
-    }
+    const std::string_view unsent = std::string_view(text_).substr(sent_);
+    for (const auto& s : stops_) hold = std::max(hold, PartialMarkerSuffix(unsent, s));
   }
   const size_t end = text_.size() - hold;
   std::string out = text_.substr(sent_, end - sent_);
