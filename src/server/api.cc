@@ -851,15 +851,8 @@ ChatDelta ChatOutput::Add(std::string_view text) {
 ChatDelta ChatOutput::Finish() {
   ChatDelta out;
   if (reasoning_) Take(reasoning_->Finish(), &out);
-  if (tools_) {
-    ToolParse t = tools_->Finish();
-    out.content += t.content;
-    for (auto& c : t.calls) {
-      if (!parallel_ && calls_ > 0) continue;
-      ++calls_;
-      out.tool_calls.push_back(std::move(c));
-    }
-  }
+  // Calls come only from Add (Take above); Finish gives back held or unclosed text.
+  if (tools_) out.content += tools_->Finish().content;
   return out;
 }
 

@@ -122,9 +122,7 @@ ToolParse ToolCallParser::Finish() {
 ToolParse ToolCallParser::Parse(std::string_view text, const nlohmann::json& tools) {
   ToolCallParser p(tools);
   ToolParse a = p.Add(text);
-  ToolParse b = p.Finish();
-  a.content += b.content;
-  for (auto& c : b.calls) a.calls.push_back(std::move(c));
+  a.content += p.Finish().content;  // Finish never has calls
   return a;
 }
 
