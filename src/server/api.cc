@@ -816,6 +816,12 @@ std::string ChoiceText::Release(bool final) {
 
 // ---- ChatOutput ----
 
+void ChatDelta::Append(ChatDelta&& later) {
+  reasoning += later.reasoning;
+  content += later.content;
+  for (auto& c : later.tool_calls) tool_calls.push_back(std::move(c));
+}
+
 ChatOutput::ChatOutput(const ParsedRequest& req)
     : include_reasoning_(req.include_reasoning), parallel_(req.parallel_tool_calls) {
   if (req.parse_reasoning) reasoning_.emplace(req.reasoning_start);

@@ -100,6 +100,8 @@ struct ChatDelta {
   std::string reasoning;
   std::string content;
   std::vector<ToolCall> tool_calls;
+  // `later` after this one: its text appended, its calls after these.
+  void Append(ChatDelta&& later);
 };
 class ChatOutput {
  public:

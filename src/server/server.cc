@@ -132,10 +132,7 @@ struct Job {
     if (req.chat) {
       p.chat = chat_out[i].Add(p.text);
       if (!finish[i].empty()) {
-        api::ChatDelta rest = chat_out[i].Finish();
-        p.chat.reasoning += rest.reasoning;
-        p.chat.content += rest.content;
-        for (auto& c : rest.tool_calls) p.chat.tool_calls.push_back(std::move(c));
+        p.chat.Append(chat_out[i].Finish());
         if (chat_out[i].tool_calls() > 0) finish[i] = "tool_calls";
       }
     }
@@ -728,9 +725,7 @@ void Server::Routes() {
               if (!job->finish[i].empty()) break;
               Job::Piece p = job->Consume(i, ev);
               text[i] += p.text;
-              message[i].reasoning += p.chat.reasoning;
-              message[i].content += p.chat.content;
-              for (auto& c : p.chat.tool_calls) message[i].tool_calls.push_back(std::move(c));
+              message[i].Append(std::move(p.chat));
               job->events[i].push_back(std::move(ev));
             }
             if (!ok && job->finish[i].empty()) {
