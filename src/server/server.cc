@@ -106,7 +106,6 @@ struct Job {
   std::vector<int32_t> prompt_tokens;
   std::vector<int64_t> stop_ids;                // ids that end a sequence (eos unless ignored, stop ids)
   std::vector<api::ChatOutput> chat_out;        // chat: reasoning / content / tool calls per choice
-  std::vector<int> calls_sent;                  // chat: tool calls reported per choice so far
   std::string id;
   std::string model;
   int64_t created = 0;
@@ -168,7 +167,8 @@ json ToolCallsJson(const std::vector<api::ToolCall>& calls, int first_index) {
   return out;
 }
 
-json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
+// `piece` is choice i's latest Consume: ChatOutput's count of calls already includes its calls.
+json ChunkJson(const Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
   const std::string& delta = piece.text;
   json choice = {{"index", i}};
   if (job.req.chat) {
@@ -177,8 +177,10 @@ json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev
     d["content"] = piece.chat.content;
     if (!piece.chat.reasoning.empty()) d["reasoning_content"] = piece.chat.reasoning;
     if (!piece.chat.tool_calls.empty()) {
-      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, job.calls_sent[i]);
-      job.calls_sent[i] += static_cast<int>(piece.chat.tool_calls.size());
+      // Every earlier call of the choice went out in an earlier chunk.
+      const int first_index =
+          job.chat_out[i].tool_calls() - static_cast<int>(piece.chat.tool_calls.size());
+      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, first_index);
     }
     choice["delta"] = d;
     choice["logprobs"] = job.req.logprobs >= 0 ? api::ChatLogprobs(job.tokenizer, {ev}) : json(nullptr);
@@ -704,7 +706,6 @@ void Server::Routes() {
                                                        : std::vector<int32_t>{});
         if (chat) job->chat_out.emplace_back(job->req);
       }
-      job->calls_sent.assign(n, 0);
       job->events.resize(n);
       job->counts.assign(n, 0);
       job->finish.assign(n, "");
