@@ -785,12 +785,15 @@ void Server::Routes() {
 
       res.set_header("Cache-Control", "no-cache");
       res.set_header("X-Accel-Buffering", "no");
+      const bool access_log = options_.access_log;
       res.set_chunked_content_provider(
           "text/event-stream",
-          GuardedStream(job, [job](size_t, httplib::DataSink& sink) -> bool {
+          GuardedStream(job, [job, access_log](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
-            // The worker thread writing this stream is the one httplib's logger runs on next.
+            // The worker thread writing this stream is the one httplib's logger runs on next; only
+            // the access log reads the counts.
             auto count_tokens = [&] {
+              if (!access_log) return;
               const json usage = UsageOf(*job);
               t_access.prompt_tokens = usage["prompt_tokens"];
               t_access.completion_tokens = usage["completion_tokens"];
