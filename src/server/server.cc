@@ -39,6 +39,14 @@ void SendError(httplib::Response& res, const api::ApiError& e) {
 
 std::string Sse(const json& j) { return "data: " + Dump(j) + "\n\n"; }
 
+// How a stream ends on an error once 200 is sent: an in-band error event (vLLM's form, with the
+// HTTP status as its code), then the terminator.
+std::string SseErrorTail(const api::ApiError& e) {
+  json body = api::ErrorBody(e);
+  body["error"]["code"] = e.http_status;
+  return Sse(body) + "data: [DONE]\n\n";
+}
+
 // The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
 void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
   std::string what = "unknown exception";
@@ -244,9 +252,8 @@ httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
     } catch (...) {
       job->CancelAll();
       try {
-        json body = api::ErrorBody(api::FromStatus(Internal("internal error while streaming")));
-        body["error"]["code"] = 500;
-        const std::string tail = Sse(body) + "data: [DONE]\n\n";
+        const std::string tail =
+            SseErrorTail(api::FromStatus(Internal("internal error while streaming")));
         if (sink.write(tail.data(), tail.size())) sink.done();
       } catch (...) {
       }
@@ -825,13 +832,8 @@ void Server::Routes() {
                   first[i] = false;
                 }
                 if (!ok && job->finish[i].empty()) {
-                  // Once 200 is sent, errors travel in-band (vLLM's form), then the terminator.
                   job->CancelAll();
-                  api::ApiError e = api::FromStatus(error);
-                  json body = api::ErrorBody(e);
-                  body["error"]["code"] = e.http_status;
-                  write(Sse(body));
-                  write("data: [DONE]\n\n");
+                  write(SseErrorTail(api::FromStatus(error)));
                   count_tokens();
                   sink.done();
                   return true;
