@@ -47,6 +47,17 @@ std::string SseErrorTail(const api::ApiError& e) {
   return Sse(body) + "data: [DONE]\n\n";
 }
 
+// 413 for a body of `bytes` over --max-body-bytes (announced by Content-Length or read whole).
+api::ApiError BodyTooLarge(uint64_t bytes, size_t limit) {
+  api::ApiError e;
+  e.http_status = 413;
+  e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of {} "
+                          "bytes (--max-body-bytes)",
+                          bytes, limit);
+  e.code = "request_too_large";
+  return e;
+}
+
 // The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
 void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
   std::string what = "unknown exception";
@@ -438,13 +449,7 @@ std::optional<api::ApiError> Server::BodyError(const std::string& body) const {
   // The decoded size (a chunked body has no Content-Length to check up front) and the nesting depth:
   // parsing, copying and converting request JSON all recurse over it.
   if (body.size() > options_.max_body_bytes) {
-    api::ApiError e;
-    e.http_status = 413;
-    e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of {} bytes "
-                            "(--max-body-bytes)",
-                            body.size(), options_.max_body_bytes);
-    e.code = "request_too_large";
-    return e;
+    return BodyTooLarge(body.size(), options_.max_body_bytes);
   }
   if (http::JsonNestingExceeds(body, options_.max_json_depth)) {
     return api::BadRequest(
@@ -512,13 +517,9 @@ void Server::Routes() {
                            std::all_of(len.begin(), len.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (numeric) n = std::stoull(len);
       if (!numeric || n > options_.max_body_bytes) {
-        api::ApiError e;
-        e.http_status = numeric ? 413 : 400;
-        e.message = numeric ? fmt::format("the request body ({} bytes) is larger than the server's "
-                                          "limit of {} bytes (--max-body-bytes)",
-                                          n, options_.max_body_bytes)
-                            : "Content-Length is not a number";
-        e.code = numeric ? "request_too_large" : "bad_request";
+        api::ApiError e = numeric ? BodyTooLarge(n, options_.max_body_bytes)
+                                  : api::BadRequest("Content-Length is not a number");
+        if (!numeric) e.code = "bad_request";
         http::CloseCurrentConnectionAfterResponse();
         res.set_header("Connection", "close");
         SendError(res, e);
