@@ -58,6 +58,17 @@ api::ApiError BodyTooLarge(uint64_t bytes, size_t limit) {
   return e;
 }
 
+// 404 for a request naming a model this server does not serve.
+api::ApiError ModelNotFound(const std::string& requested, const std::string& served) {
+  api::ApiError e;
+  e.http_status = 404;
+  e.message =
+      fmt::format("The model `{}` does not exist; this server serves `{}`.", requested, served);
+  e.param = "model";
+  e.code = "model_not_found";
+  return e;
+}
+
 // The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
 void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
   std::string what = "unknown exception";
@@ -644,13 +655,7 @@ void Server::Routes() {
       if (auto e = api::ParseBody(req.body, &body)) return SendError(res, *e);
       const std::string requested = api::RequestedModel(body);
       if (!requested.empty() && requested != model_name) {
-        api::ApiError e;
-        e.http_status = 404;
-        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
-                                requested, model_name);
-        e.param = "model";
-        e.code = "model_not_found";
-        return SendError(res, e);
+        return SendError(res, ModelNotFound(requested, model_name));
       }
       json out;
       std::vector<std::string> ignored;
@@ -680,13 +685,7 @@ void Server::Routes() {
                      req.path, fmt::join(job->req.ignored_fields, ", "));
       }
       if (!job->req.model.empty() && job->req.model != model_name) {
-        api::ApiError e;
-        e.http_status = 404;
-        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
-                                job->req.model, model_name);
-        e.param = "model";
-        e.code = "model_not_found";
-        return SendError(res, e);
+        return SendError(res, ModelNotFound(job->req.model, model_name));
       }
       job->id = api::UniqueId(chat ? "chatcmpl" : "cmpl");
       job->model = model_name;
