@@ -69,6 +69,14 @@ api::ApiError ModelNotFound(const std::string& requested, const std::string& ser
   return e;
 }
 
+// Fields a request carried that this server does not know: accepted with a warning, vLLM's
+// behaviour (docs/api.md).
+void WarnIgnoredFields(const std::string& path, const std::vector<std::string>& fields) {
+  if (fields.empty()) return;
+  spdlog::warn("{}: the following fields were present in the request but ignored: {}", path,
+               fmt::join(fields, ", "));
+}
+
 // The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
 void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
   std::string what = "unknown exception";
@@ -662,10 +670,7 @@ void Server::Routes() {
       const api::ParseContext ctx = Context();
       auto e = tokenize ? api::Tokenize(body, ctx, &out, &ignored)
                         : api::Detokenize(body, ctx, &out, &ignored);
-      if (!ignored.empty()) {
-        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
-                     req.path, fmt::join(ignored, ", "));
-      }
+      WarnIgnoredFields(req.path, ignored);
       if (e) return SendError(res, *e);
       SendJson(res, 200, out);
     };
@@ -679,11 +684,7 @@ void Server::Routes() {
       const api::ParseContext ctx = Context();
       auto job = std::make_shared<Job>();
       if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
-      if (!job->req.ignored_fields.empty()) {
-        // vLLM's behaviour for fields it does not know (docs/api.md).
-        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
-                     req.path, fmt::join(job->req.ignored_fields, ", "));
-      }
+      WarnIgnoredFields(req.path, job->req.ignored_fields);
       if (!job->req.model.empty() && job->req.model != model_name) {
         return SendError(res, ModelNotFound(job->req.model, model_name));
       }
