@@ -317,17 +317,12 @@ std::string ServeMustFail(const std::string& model_dir) {
   spec.argv = {spec.exe, "serve", "--model", model_dir, "--backend", "cpu", "--port", "0"};
   spec.env = comm::EnvironmentWith({});
   spec.output_path = model_dir + "/../serve.log";
-  auto child = comm::ChildProcess::Spawn(spec);
-  EXPECT_TRUE(child.ok());
-  if (!child.ok()) return "";
-  const auto t0 = Clock::now();
-  while (!child->Poll() && SecondsSince(t0) < 10) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Not spawned, or still running after 10 s (then killed): a failure either way.
+  auto exit = comm::RunToCompletion(spec, 10);
+  EXPECT_TRUE(exit.ok()) << exit.status().message();
+  if (exit.ok()) {
+    EXPECT_TRUE(exit->exited && exit->code != 0) << exit->ToString();
   }
-  EXPECT_TRUE(child->reaped()) << "serve still running after 10 s";
-  if (!child->reaped()) child->KillAndReap();
-  EXPECT_TRUE(child->exit_info().exited && child->exit_info().code != 0)
-      << child->exit_info().ToString();
   std::ifstream in(spec.output_path);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
