@@ -1,11 +1,9 @@
 #include "server/api.h"
 
 #include <algorithm>
-#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <random>
 
 #include <fmt/format.h>
 
@@ -51,6 +49,16 @@ ApiError FromStatus(const Status& s, std::optional<std::string> param) {
       e.param.reset();
   }
   return e;
+}
+
+std::optional<ApiError> ParseBody(const std::string& text, ojson* body) {
+  try {
+    *body = ojson::parse(text);
+  } catch (const std::exception& e) {
+    return BadRequest(fmt::format("the request body is not valid JSON: {}", e.what()));
+  }
+  if (!body->is_object()) return BadRequest("the request body must be a JSON object");
+  return std::nullopt;
 }
 
 namespace {
@@ -504,12 +512,7 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
   *out = ParsedRequest{};
   out->chat = chat;
   ojson body;
-  try {
-    body = ojson::parse(body_text);
-  } catch (const std::exception& e) {
-    return BadRequest(fmt::format("the request body is not valid JSON: {}", e.what()));
-  }
-  if (!body.is_object()) return BadRequest("the request body must be a JSON object");
+  if (auto e = ParseBody(body_text, &body)) return e;
   try {
     if (auto e = CheckFields(body, chat, out)) return e;
     if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
@@ -671,16 +674,6 @@ std::optional<ApiError> ParseRequest(const std::string& body_text, bool chat,
 
 namespace {
 
-Result<ojson> ParseBody(const std::string& text) {
-  try {
-    ojson body = ojson::parse(text);
-    if (!body.is_object()) return InvalidArgument("the request body must be a JSON object");
-    return body;
-  } catch (const std::exception& e) {
-    return InvalidArgument("the request body is not valid JSON: {}", e.what());
-  }
-}
-
 void ListUnknown(const ojson& body, std::initializer_list<const char*> known,
                  std::vector<std::string>* ignored) {
   for (auto it = body.begin(); it != body.end(); ++it) {
@@ -693,17 +686,14 @@ void ListUnknown(const ojson& body, std::initializer_list<const char*> known,
 
 }  // namespace
 
-std::string RequestedModel(const std::string& body) {
-  auto b = ParseBody(body);
-  if (!b.ok() || !b->contains("model") || !(*b)["model"].is_string()) return "";
-  return (*b)["model"].get<std::string>();
+std::string RequestedModel(const ojson& body) {
+  auto it = body.find("model");
+  if (it == body.end() || !it->is_string()) return "";
+  return it->get<std::string>();
 }
 
-std::optional<ApiError> Tokenize(const std::string& body_text, const ParseContext& ctx,
+std::optional<ApiError> Tokenize(const ojson& body, const ParseContext& ctx,
                                  nlohmann::json* response, std::vector<std::string>* ignored) {
-  auto parsed = ParseBody(body_text);
-  if (!parsed.ok()) return BadRequest(parsed.status().message());
-  const ojson& body = *parsed;
   if (!ctx.tokenizer) {
     return BadRequest("this model has no tokenizer (tokenizer.json): nothing to tokenize with");
   }
@@ -748,11 +738,8 @@ std::optional<ApiError> Tokenize(const std::string& body_text, const ParseContex
   return std::nullopt;
 }
 
-std::optional<ApiError> Detokenize(const std::string& body_text, const ParseContext& ctx,
+std::optional<ApiError> Detokenize(const ojson& body, const ParseContext& ctx,
                                    nlohmann::json* response, std::vector<std::string>* ignored) {
-  auto parsed = ParseBody(body_text);
-  if (!parsed.ok()) return BadRequest(parsed.status().message());
-  const ojson& body = *parsed;
   if (!ctx.tokenizer) {
     return BadRequest("this model has no tokenizer (tokenizer.json): nothing to detokenize with");
   }
@@ -815,17 +802,11 @@ std::string ChoiceText::Release(bool final) {
       return out;
     }
   }
+  // Unsent text that could still become a stop string stays back (the longest such end).
   size_t hold = 0;
   if (!final) {
-    const size_t unsent = text_.size() - sent_;
-    for (const auto& s : stops_) {
-      for (size_t k = std::min(s.size() - 1, unsent); k > hold; --k) {
-        if (text_.compare(text_.size() - k, k, s, 0, k) == 0) {
-          hold = k;
-          break;
-        }
-      }
-    }
+    const std::string_view unsent = std::string_view(text_).substr(sent_);
+    for (const auto& s : stops_) hold = std::max(hold, PartialMarkerSuffix(unsent, s));
   }
   const size_t end = text_.size() - hold;
   std::string out = text_.substr(sent_, end - sent_);
@@ -834,6 +815,12 @@ std::string ChoiceText::Release(bool final) {
 }
 
 // ---- ChatOutput ----
+
+void ChatDelta::Append(ChatDelta&& later) {
+  reasoning += later.reasoning;
+  content += later.content;
+  for (auto& c : later.tool_calls) tool_calls.push_back(std::move(c));
+}
 
 ChatOutput::ChatOutput(const ParsedRequest& req)
     : include_reasoning_(req.include_reasoning), parallel_(req.parallel_tool_calls) {
@@ -870,15 +857,8 @@ ChatDelta ChatOutput::Add(std::string_view text) {
 ChatDelta ChatOutput::Finish() {
   ChatDelta out;
   if (reasoning_) Take(reasoning_->Finish(), &out);
-  if (tools_) {
-    ToolParse t = tools_->Finish();
-    out.content += t.content;
-    for (auto& c : t.calls) {
-      if (!parallel_ && calls_ > 0) continue;
-      ++calls_;
-      out.tool_calls.push_back(std::move(c));
-    }
-  }
+  // Calls come only from Add (Take above); Finish gives back held or unclosed text.
+  if (tools_) out.content += tools_->Finish().content;
   return out;
 }
 
@@ -932,13 +912,6 @@ nlohmann::json ChatLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>&
     content.push_back({{"token", s}, {"logprob", e.logprob}, {"bytes", Bytes(s)}, {"top_logprobs", top}});
   }
   return {{"content", content}};
-}
-
-std::string NewRequestId(bool chat) {
-  static std::atomic<uint64_t> counter{0};
-  static const uint64_t salt = (static_cast<uint64_t>(std::random_device{}()) << 32) ^
-                               std::random_device{}();
-  return fmt::format("{}-{:016x}{:08x}", chat ? "chatcmpl" : "cmpl", salt, counter.fetch_add(1));
 }
 
 }  // namespace dl::api

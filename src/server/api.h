@@ -80,15 +80,19 @@ struct ParseContext {
 std::optional<ApiError> ParseRequest(const std::string& body, bool chat, const ParseContext& ctx,
                                      ParsedRequest* out);
 
+// A request body as a JSON object, or the 400 for one that is not valid JSON or not an object.
+std::optional<ApiError> ParseBody(const std::string& text, nlohmann::ordered_json* body);
+
 // vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat template) to
-// {"count", "max_model_len", "tokens", "token_strs"}. `ignored` receives unknown fields.
-std::optional<ApiError> Tokenize(const std::string& body, const ParseContext& ctx,
+// {"count", "max_model_len", "tokens", "token_strs"}. `body` comes from ParseBody (parsed once for
+// the served-name check and the fields). `ignored` receives unknown fields.
+std::optional<ApiError> Tokenize(const nlohmann::ordered_json& body, const ParseContext& ctx,
                                  nlohmann::json* response, std::vector<std::string>* ignored);
 // vLLM's /detokenize: {"tokens": [ids]} to {"prompt": text} (special tokens included, as vLLM).
-std::optional<ApiError> Detokenize(const std::string& body, const ParseContext& ctx,
+std::optional<ApiError> Detokenize(const nlohmann::ordered_json& body, const ParseContext& ctx,
                                    nlohmann::json* response, std::vector<std::string>* ignored);
 // The "model" field of a body, when it is a string ("" otherwise), for the served-name check.
-std::string RequestedModel(const std::string& body);
+std::string RequestedModel(const nlohmann::ordered_json& body);
 
 // The text of one chat choice split for the response: reasoning, content and tool calls, in the
 // order the text arrives (ChoiceText's output goes in).
@@ -96,6 +100,8 @@ struct ChatDelta {
   std::string reasoning;
   std::string content;
   std::vector<ToolCall> tool_calls;
+  // `later` after this one: its text appended, its calls after these.
+  void Append(ChatDelta&& later);
 };
 class ChatOutput {
  public:
@@ -158,7 +164,5 @@ nlohmann::json CompletionLogprobs(const Tokenizer* tok, const std::vector<TokenE
                                   size_t offset0);
 // Chat logprobs object ({content: [{token, logprob, bytes, top_logprobs}]}).
 nlohmann::json ChatLogprobs(const Tokenizer* tok, const std::vector<TokenEvent>& events);
-
-std::string NewRequestId(bool chat);
 
 }  // namespace dl::api

@@ -179,14 +179,9 @@ TEST(ChatOutputTest, TokenByTokenToolCallsAndReasoning) {
     ChoiceText text(&tok, {}, ChatMarkerIds(tok));
     ChatOutput out(req);
     ChatDelta all;
-    auto take = [&](ChatDelta d) {
-      all.reasoning += d.reasoning;
-      all.content += d.content;
-      for (auto& c : d.tool_calls) all.tool_calls.push_back(c);
-    };
-    for (int32_t id : *ids) take(out.Add(text.Add(id, false)));
-    take(out.Add(text.Finish()));
-    take(out.Finish());
+    for (int32_t id : *ids) all.Append(out.Add(text.Add(id, false)));
+    all.Append(out.Add(text.Finish()));
+    all.Append(out.Finish());
     EXPECT_EQ(all.reasoning, "Need the file.");
     EXPECT_EQ(all.content, "Reading it.");
     ASSERT_EQ(all.tool_calls.size(), parallel ? 2u : 1u);

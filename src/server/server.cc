@@ -15,6 +15,7 @@
 #include "server/api.h"
 #include "server/http_guard.h"
 #include "server/stats_log.h"
+#include "server/unique_id.h"
 
 namespace dl {
 
@@ -37,6 +38,44 @@ void SendError(httplib::Response& res, const api::ApiError& e) {
 }
 
 std::string Sse(const json& j) { return "data: " + Dump(j) + "\n\n"; }
+
+// How a stream ends on an error once 200 is sent: an in-band error event (vLLM's form, with the
+// HTTP status as its code), then the terminator.
+std::string SseErrorTail(const api::ApiError& e) {
+  json body = api::ErrorBody(e);
+  body["error"]["code"] = e.http_status;
+  return Sse(body) + "data: [DONE]\n\n";
+}
+
+// 413 for a body of `bytes` over --max-body-bytes (announced by Content-Length or read whole).
+api::ApiError BodyTooLarge(uint64_t bytes, size_t limit) {
+  api::ApiError e;
+  e.http_status = 413;
+  e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of {} "
+                          "bytes (--max-body-bytes)",
+                          bytes, limit);
+  e.code = "request_too_large";
+  return e;
+}
+
+// 404 for a request naming a model this server does not serve.
+api::ApiError ModelNotFound(const std::string& requested, const std::string& served) {
+  api::ApiError e;
+  e.http_status = 404;
+  e.message =
+      fmt::format("The model `{}` does not exist; this server serves `{}`.", requested, served);
+  e.param = "model";
+  e.code = "model_not_found";
+  return e;
+}
+
+// Fields a request carried that this server does not know: accepted with a warning, vLLM's
+// behaviour (docs/api.md).
+void WarnIgnoredFields(const std::string& path, const std::vector<std::string>& fields) {
+  if (fields.empty()) return;
+  spdlog::warn("{}: the following fields were present in the request but ignored: {}", path,
+               fmt::join(fields, ", "));
+}
 
 // The OpenAI envelope for whatever escaped a route: an exception must never leave a handler.
 void SendUnexpected(httplib::Response& res, std::exception_ptr ep) {
@@ -105,7 +144,6 @@ struct Job {
   std::vector<int32_t> prompt_tokens;
   std::vector<int64_t> stop_ids;                // ids that end a sequence (eos unless ignored, stop ids)
   std::vector<api::ChatOutput> chat_out;        // chat: reasoning / content / tool calls per choice
-  std::vector<int> calls_sent;                  // chat: tool calls reported per choice so far
   std::string id;
   std::string model;
   int64_t created = 0;
@@ -131,10 +169,7 @@ struct Job {
     if (req.chat) {
       p.chat = chat_out[i].Add(p.text);
       if (!finish[i].empty()) {
-        api::ChatDelta rest = chat_out[i].Finish();
-        p.chat.reasoning += rest.reasoning;
-        p.chat.content += rest.content;
-        for (auto& c : rest.tool_calls) p.chat.tool_calls.push_back(std::move(c));
+        p.chat.Append(chat_out[i].Finish());
         if (chat_out[i].tool_calls() > 0) finish[i] = "tool_calls";
       }
     }
@@ -170,7 +205,8 @@ json ToolCallsJson(const std::vector<api::ToolCall>& calls, int first_index) {
   return out;
 }
 
-json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
+// `piece` is choice i's latest Consume: ChatOutput's count of calls already includes its calls.
+json ChunkJson(const Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev, bool first) {
   const std::string& delta = piece.text;
   json choice = {{"index", i}};
   if (job.req.chat) {
@@ -179,8 +215,10 @@ json ChunkJson(Job& job, size_t i, const Job::Piece& piece, const TokenEvent& ev
     d["content"] = piece.chat.content;
     if (!piece.chat.reasoning.empty()) d["reasoning_content"] = piece.chat.reasoning;
     if (!piece.chat.tool_calls.empty()) {
-      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, job.calls_sent[i]);
-      job.calls_sent[i] += static_cast<int>(piece.chat.tool_calls.size());
+      // Every earlier call of the choice went out in an earlier chunk.
+      const int first_index =
+          job.chat_out[i].tool_calls() - static_cast<int>(piece.chat.tool_calls.size());
+      d["tool_calls"] = ToolCallsJson(piece.chat.tool_calls, first_index);
     }
     choice["delta"] = d;
     choice["logprobs"] = job.req.logprobs >= 0 ? api::ChatLogprobs(job.tokenizer, {ev}) : json(nullptr);
@@ -244,9 +282,8 @@ httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
     } catch (...) {
       job->CancelAll();
       try {
-        json body = api::ErrorBody(api::FromStatus(Internal("internal error while streaming")));
-        body["error"]["code"] = 500;
-        const std::string tail = Sse(body) + "data: [DONE]\n\n";
+        const std::string tail =
+            SseErrorTail(api::FromStatus(Internal("internal error while streaming")));
         if (sink.write(tail.data(), tail.size())) sink.done();
       } catch (...) {
       }
@@ -431,13 +468,7 @@ std::optional<api::ApiError> Server::BodyError(const std::string& body) const {
   // The decoded size (a chunked body has no Content-Length to check up front) and the nesting depth:
   // parsing, copying and converting request JSON all recurse over it.
   if (body.size() > options_.max_body_bytes) {
-    api::ApiError e;
-    e.http_status = 413;
-    e.message = fmt::format("the request body ({} bytes) is larger than the server's limit of {} bytes "
-                            "(--max-body-bytes)",
-                            body.size(), options_.max_body_bytes);
-    e.code = "request_too_large";
-    return e;
+    return BodyTooLarge(body.size(), options_.max_body_bytes);
   }
   if (http::JsonNestingExceeds(body, options_.max_json_depth)) {
     return api::BadRequest(
@@ -505,13 +536,9 @@ void Server::Routes() {
                            std::all_of(len.begin(), len.end(), [](char c) { return c >= '0' && c <= '9'; });
       if (numeric) n = std::stoull(len);
       if (!numeric || n > options_.max_body_bytes) {
-        api::ApiError e;
-        e.http_status = numeric ? 413 : 400;
-        e.message = numeric ? fmt::format("the request body ({} bytes) is larger than the server's "
-                                          "limit of {} bytes (--max-body-bytes)",
-                                          n, options_.max_body_bytes)
-                            : "Content-Length is not a number";
-        e.code = numeric ? "request_too_large" : "bad_request";
+        api::ApiError e = numeric ? BodyTooLarge(n, options_.max_body_bytes)
+                                  : api::BadRequest("Content-Length is not a number");
+        if (!numeric) e.code = "bad_request";
         http::CloseCurrentConnectionAfterResponse();
         res.set_header("Connection", "close");
         SendError(res, e);
@@ -631,25 +658,19 @@ void Server::Routes() {
   auto tokens_route = [this, model_name](bool tokenize) {
     return [this, model_name, tokenize](const httplib::Request& req, httplib::Response& res) {
       if (auto e = BodyError(req.body)) return SendError(res, *e);
-      const std::string requested = api::RequestedModel(req.body);
+      // Parsed once: an unparsable body is a 400 before any model check, as it always was.
+      nlohmann::ordered_json body;
+      if (auto e = api::ParseBody(req.body, &body)) return SendError(res, *e);
+      const std::string requested = api::RequestedModel(body);
       if (!requested.empty() && requested != model_name) {
-        api::ApiError e;
-        e.http_status = 404;
-        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
-                                requested, model_name);
-        e.param = "model";
-        e.code = "model_not_found";
-        return SendError(res, e);
+        return SendError(res, ModelNotFound(requested, model_name));
       }
       json out;
       std::vector<std::string> ignored;
       const api::ParseContext ctx = Context();
-      auto e = tokenize ? api::Tokenize(req.body, ctx, &out, &ignored)
-                        : api::Detokenize(req.body, ctx, &out, &ignored);
-      if (!ignored.empty()) {
-        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
-                     req.path, fmt::join(ignored, ", "));
-      }
+      auto e = tokenize ? api::Tokenize(body, ctx, &out, &ignored)
+                        : api::Detokenize(body, ctx, &out, &ignored);
+      WarnIgnoredFields(req.path, ignored);
       if (e) return SendError(res, *e);
       SendJson(res, 200, out);
     };
@@ -663,21 +684,11 @@ void Server::Routes() {
       const api::ParseContext ctx = Context();
       auto job = std::make_shared<Job>();
       if (auto e = api::ParseRequest(req.body, chat, ctx, &job->req)) return SendError(res, *e);
-      if (!job->req.ignored_fields.empty()) {
-        // vLLM's behaviour for fields it does not know (docs/api.md).
-        spdlog::warn("{}: the following fields were present in the request but ignored: {}",
-                     req.path, fmt::join(job->req.ignored_fields, ", "));
-      }
+      WarnIgnoredFields(req.path, job->req.ignored_fields);
       if (!job->req.model.empty() && job->req.model != model_name) {
-        api::ApiError e;
-        e.http_status = 404;
-        e.message = fmt::format("The model `{}` does not exist; this server serves `{}`.",
-                                job->req.model, model_name);
-        e.param = "model";
-        e.code = "model_not_found";
-        return SendError(res, e);
+        return SendError(res, ModelNotFound(job->req.model, model_name));
       }
-      job->id = api::NewRequestId(chat);
+      job->id = api::UniqueId(chat ? "chatcmpl" : "cmpl");
       job->model = model_name;
       job->created = static_cast<int64_t>(std::time(nullptr));
       job->tokenizer = ctx.tokenizer;
@@ -703,7 +714,6 @@ void Server::Routes() {
                                                        : std::vector<int32_t>{});
         if (chat) job->chat_out.emplace_back(job->req);
       }
-      job->calls_sent.assign(n, 0);
       job->events.resize(n);
       job->counts.assign(n, 0);
       job->finish.assign(n, "");
@@ -724,9 +734,7 @@ void Server::Routes() {
               if (!job->finish[i].empty()) break;
               Job::Piece p = job->Consume(i, ev);
               text[i] += p.text;
-              message[i].reasoning += p.chat.reasoning;
-              message[i].content += p.chat.content;
-              for (auto& c : p.chat.tool_calls) message[i].tool_calls.push_back(std::move(c));
+              message[i].Append(std::move(p.chat));
               job->events[i].push_back(std::move(ev));
             }
             if (!ok && job->finish[i].empty()) {
@@ -785,12 +793,15 @@ void Server::Routes() {
 
       res.set_header("Cache-Control", "no-cache");
       res.set_header("X-Accel-Buffering", "no");
+      const bool access_log = options_.access_log;
       res.set_chunked_content_provider(
           "text/event-stream",
-          GuardedStream(job, [job](size_t, httplib::DataSink& sink) -> bool {
+          GuardedStream(job, [job, access_log](size_t, httplib::DataSink& sink) -> bool {
             auto last_write = Clock::now();
-            // The worker thread writing this stream is the one httplib's logger runs on next.
+            // The worker thread writing this stream is the one httplib's logger runs on next; only
+            // the access log reads the counts.
             auto count_tokens = [&] {
+              if (!access_log) return;
               const json usage = UsageOf(*job);
               t_access.prompt_tokens = usage["prompt_tokens"];
               t_access.completion_tokens = usage["completion_tokens"];
@@ -822,13 +833,8 @@ void Server::Routes() {
                   first[i] = false;
                 }
                 if (!ok && job->finish[i].empty()) {
-                  // Once 200 is sent, errors travel in-band (vLLM's form), then the terminator.
                   job->CancelAll();
-                  api::ApiError e = api::FromStatus(error);
-                  json body = api::ErrorBody(e);
-                  body["error"]["code"] = e.http_status;
-                  write(Sse(body));
-                  write("data: [DONE]\n\n");
+                  write(SseErrorTail(api::FromStatus(error)));
                   count_tokens();
                   sink.done();
                   return true;

@@ -1,12 +1,9 @@
 #include "server/tool_parser.h"
 
 #include <algorithm>
-#include <atomic>
-#include <random>
-
-#include <fmt/format.h>
 
 #include "server/reasoning_parser.h"
+#include "server/unique_id.h"
 
 namespace dl::api {
 namespace {
@@ -32,13 +29,6 @@ nlohmann::ordered_json Deserialize(std::string_view raw) {
 }
 
 }  // namespace
-
-std::string NewToolCallId() {
-  static std::atomic<uint64_t> counter{0};
-  static const uint64_t salt = (static_cast<uint64_t>(std::random_device{}()) << 32) ^
-                               std::random_device{}();
-  return fmt::format("chatcmpl-tool-{:016x}{:08x}", salt, counter.fetch_add(1));
-}
 
 bool ToolCallParser::IsStringParam(const std::string& tool, const std::string& key) const {
   if (!tools_.is_array()) return false;
@@ -88,7 +78,7 @@ bool ToolCallParser::ParseBlock(std::string_view body, ToolCall* call) const {
     args[key] = IsStringParam(name, key) ? nlohmann::ordered_json(std::string(raw)) : Deserialize(raw);
     pos = ve + kArgValueEnd.size();
   }
-  call->id = NewToolCallId();
+  call->id = UniqueId("chatcmpl-tool");
   call->name = name;
   call->arguments = args.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   return true;
@@ -132,9 +122,7 @@ ToolParse ToolCallParser::Finish() {
 ToolParse ToolCallParser::Parse(std::string_view text, const nlohmann::json& tools) {
   ToolCallParser p(tools);
   ToolParse a = p.Add(text);
-  ToolParse b = p.Finish();
-  a.content += b.content;
-  for (auto& c : b.calls) a.calls.push_back(std::move(c));
+  a.content += p.Finish().content;  // Finish never has calls
   return a;
 }
 

@@ -46,6 +46,8 @@ class ToolCallParser {
   // `tools`: the request's tools array (OpenAI shape), used for the parameter types.
   explicit ToolCallParser(nlohmann::json tools = nlohmann::json::array()) : tools_(std::move(tools)) {}
   ToolParse Add(std::string_view text);
+  // End of output: the held-back text as content (an unclosed block raw). Never calls: a call is
+  // complete only at its `</tool_call>`, which Add reports.
   ToolParse Finish();
   // Whole text at once: Add + Finish.
   static ToolParse Parse(std::string_view text, const nlohmann::json& tools);
@@ -59,7 +61,5 @@ class ToolCallParser {
   std::string buf_;
   bool in_call_ = false;
 };
-
-std::string NewToolCallId();
 
 }  // namespace dl::api

@@ -2,9 +2,6 @@
 // random, mutated and hostile request bodies (tests/common/fuzz_gen.h) at every route, and random
 // chat templates served by their own processes. The server must answer every request with an HTTP
 // status (never a 500 for client input) and stay alive throughout. About a minute in total.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -100,15 +97,8 @@ std::string RandomBody(fuzz::Rng& r, bool chat, bool* stream) {
 
 // A raw HTTP exchange with random header damage; returns the status line's code (0: none).
 int RawRequest(int port, fuzz::Rng& r, const std::string& body) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return -1;
-  }
+  const int fd = Connect(port);
+  if (fd < 0) return -1;
   static const std::vector<std::string> lines = {
       "Content-Encoding: gzip\r\n", "Transfer-Encoding: chunked\r\n", "Content-Length: -5\r\n",
       "Content-Length: 99999999999999999999\r\n", "Expect: 100-continue\r\n",
@@ -120,20 +110,11 @@ int RawRequest(int port, fuzz::Rng& r, const std::string& body) {
                     r.Pick(std::vector<std::string>{" HTTP/1.1\r\n", " HTTP/1.0\r\n", " HTTP/9\r\n", "\r\n"});
   for (int64_t i = 0, n = r.Int(0, 3); i < n; ++i) req += r.Pick(lines);
   req += "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-  (void)::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  (void)SendAll(fd, req);
   ::shutdown(fd, SHUT_WR);
-  std::string out;
-  char buf[4096];
-  const auto t0 = Clock::now();
-  while (std::chrono::duration<double>(Clock::now() - t0).count() < 15) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
+  const std::string out = ReadAll(fd, 15);
   ::close(fd);
-  return out.rfind("HTTP/1.1 ", 0) == 0 ? std::atoi(out.c_str() + 9) : 0;
+  return StatusOf(out);
 }
 
 TEST(ServerFuzzTest, RandomAndMutatedRequestsNeverTakeTheServerDown) {

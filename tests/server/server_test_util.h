@@ -120,6 +120,16 @@ class ServeProcess {
   int port_ = 0;
 };
 
+// Raw sockets, for requests an HTTP client will not send (damaged, slow, oversized).
+// A connection to 127.0.0.1:`port`; -1 when it is refused.
+int Connect(int port);
+// Sends all of `data`; false when the peer stops taking it.
+bool SendAll(int fd, const std::string& data);
+// Reads until the peer closes or `timeout_s` passes.
+std::string ReadAll(int fd, double timeout_s);
+// The status code of a raw HTTP/1.1 response; 0 when it has no status line.
+int StatusOf(const std::string& response);
+
 // Writes a copy of the tiny model into a fresh temporary directory with `chat_template` as its
 // chat_template.jinja (empty: none); returns the directory (removed at exit).
 std::string TinyModelCopy(const std::string& chat_template);
