@@ -1,0 +1,132 @@
+// Speculative decoding's drafters: given a sequence's tokens so far (prompt + generated), propose up
+// to K tokens that may follow. The target model then checks them all in one verify forward (K + 1
+// rows: the last accepted token and the drafts) and keeps the longest prefix it agrees with, plus the
+// token of the first row that disagreed (docs/speculative.md). A drafter only changes how many
+// forwards a sequence takes, never its tokens: whatever it proposes, the output equals plain decoding.
+//
+// Drafters are stateless functions of the context (so one drafter serves every sequence of a batch,
+// and a preempted, recomputed sequence gets the same drafts) and must be safe to call from the
+// engine thread while tests hold them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+
+namespace dl {
+
+enum class SpecMethod : uint8_t { kNone, kNgram };
+const char* SpecMethodName(SpecMethod m);
+
+// The user's choice: `--spec`, `--spec-k`, `--spec-ngram-min`, `--spec-ngram-max`.
+struct SpecOptions {
+  SpecMethod method = SpecMethod::kNone;
+  int32_t k = 4;          // draft tokens per verify step (at most)
+  int32_t ngram_min = 2;  // shortest suffix n-gram the n-gram drafter matches
+  int32_t ngram_max = 4;  // longest
+  // "none" or "ngram"; "dflash" is refused as not implemented yet (never ignored).
+  static Result<SpecMethod> ParseMethod(const std::string& name);
+  // k in [1, 64], 1 <= ngram_min <= ngram_max <= 64 (only checked when a method is on).
+  Status Validate() const;
+  bool enabled() const { return method != SpecMethod::kNone; }
+};
+
+class Drafter {
+ public:
+  virtual ~Drafter() = default;
+  // Up to `max_tokens` proposed continuations of `context` (prompt + generated so far, the last
+  // entry the token the verify step's first row feeds). May return fewer, or none.
+  virtual std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const = 0;
+  virtual std::string name() const = 0;
+};
+
+// Prompt lookup (vLLM's ngram proposer): for n from ngram_max down to ngram_min, the context's last n
+// tokens are searched for earlier in the context; at the longest n with a match, the most recent
+// earlier occurrence is taken and the tokens that followed it are proposed (up to max_tokens, fewer
+// when the context ends first). No model, no weights.
+class NgramDrafter : public Drafter {
+ public:
+  NgramDrafter(int32_t ngram_min, int32_t ngram_max) : min_(ngram_min), max_(ngram_max) {}
+  std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const override;
+  std::string name() const override;
+
+ private:
+  int32_t min_, max_;
+};
+
+// The drafter `options` asks for; nullptr for SpecMethod::kNone.
+Result<std::shared_ptr<const Drafter>> MakeDrafter(const SpecOptions& options);
+
+// ---- Drafters for tests: they know the true continuation (a plain run's output) ----
+
+// Holds full sequences (prompt + the plain run's tokens). For a context that is a prefix of one of
+// them, `Truth` is what follows it there (empty when the context matches none).
+class TruthTable {
+ public:
+  void Add(std::vector<int32_t> prompt, std::span<const int32_t> continuation);
+  std::span<const int32_t> Truth(std::span<const int32_t> context) const;
+
+ private:
+  std::vector<std::vector<int32_t>> sequences_;
+};
+
+// Always right: proposes the true continuation.
+class OracleDrafter : public Drafter {
+ public:
+  explicit OracleDrafter(TruthTable truth) : truth_(std::move(truth)) {}
+  std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const override;
+  std::string name() const override { return "oracle"; }
+
+ private:
+  TruthTable truth_;
+};
+
+// Always wrong: proposes max_tokens tokens, each differing from the true one ((t + 1) mod vocab; an
+// arbitrary token where the truth has ended).
+class WrongDrafter : public Drafter {
+ public:
+  WrongDrafter(TruthTable truth, int32_t vocab) : truth_(std::move(truth)), vocab_(vocab) {}
+  std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const override;
+  std::string name() const override { return "always-wrong"; }
+
+ private:
+  TruthTable truth_;
+  int32_t vocab_;
+};
+
+// The truth with each proposed token replaced, with probability `p_corrupt`, by a random other token;
+// a random number of drafts (0..max_tokens). Deterministic: a function of (seed, context length,
+// draft index).
+class CorruptingDrafter : public Drafter {
+ public:
+  CorruptingDrafter(TruthTable truth, int32_t vocab, double p_corrupt, uint64_t seed)
+      : truth_(std::move(truth)), vocab_(vocab), p_(p_corrupt), seed_(seed) {}
+  std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const override;
+  std::string name() const override { return "random-corrupt"; }
+
+ private:
+  TruthTable truth_;
+  int32_t vocab_;
+  double p_;
+  uint64_t seed_;
+};
+
+// Counters of speculative decoding, named as vLLM's (vllm:spec_decode_*): a draft is one verify of a
+// sequence with at least one draft token.
+struct SpecStats {
+  uint64_t num_drafts = 0;
+  uint64_t num_draft_tokens = 0;
+  uint64_t num_accepted_tokens = 0;
+  std::vector<uint64_t> accepted_per_pos;  // [k]: drafts whose token at this position was accepted
+  // Records one verify: `drafted` tokens proposed, the first `accepted` of them accepted.
+  void Record(int32_t drafted, int32_t accepted);
+  // Tokens per verify step: 1 + accepted / drafts (vLLM's mean acceptance length); 0 without drafts.
+  double mean_acceptance_length() const;
+  double acceptance_rate() const;  // accepted / drafted; 0 without drafts
+};
+
+}  // namespace dl
