@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <functional>
 
 #include <spdlog/spdlog.h>
 
@@ -224,8 +226,11 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;
   co.max_seq_len = o.max_seq_len;
-  co.max_rows = std::max({o.max_rows_per_step, o.prefill_chunk, o.max_batch, 1});
-  co.max_outputs = std::max(o.max_batch, 1);
+  if (o.max_draft_tokens < 0) return InvalidArgument("max_draft_tokens must be >= 0");
+  // A verify step: 1 + max_draft_tokens rows and outputs for each of max_batch sequences.
+  const int32_t verify_rows = std::max(o.max_batch, 1) * (1 + o.max_draft_tokens);
+  co.max_rows = std::max({o.max_rows_per_step, o.prefill_chunk, verify_rows, 1});
+  co.max_outputs = verify_rows;
   co.synthetic_seed = o.seed;
   co.skip_ops = o.skip_ops;
   co.tuning = o.tuning;
@@ -273,6 +278,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
   using Clock = std::chrono::steady_clock;
   if (prompt.empty()) return InvalidArgument("empty prompt");
   if (opts.max_tokens < 0) return InvalidArgument("max_tokens must be >= 0");
+  if (opts.num_draft_tokens < 0) return InvalidArgument("num_draft_tokens must be >= 0");
   const int64_t total = static_cast<int64_t>(prompt.size()) + opts.max_tokens;
   if (total > engine.options.max_seq_len) {
     return InvalidArgument("prompt ({} tokens) + max_tokens ({}) exceeds the context limit of {}",
@@ -283,58 +289,108 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
   SequenceKv seq;
   KvCache& kv = *engine.kv;
   ModelRunner& runner = *engine.runner;
-  std::vector<float> logits;
-  int32_t device_token = -1;
-  // One forward of `rows` for this sequence; with `output`, the last row's greedy token and logits.
-  auto run = [&](std::span<const int32_t> rows, bool output) -> Status {
+  // Rows whose outputs are computed but not yet emitted: the last forward's last row, or a verify
+  // step's rows up to the first one whose token differs from the next draft. Each holds the
+  // backend's greedy token and the row's logits.
+  struct RowOutput {
+    int32_t token = -1;
+    std::vector<float> logits;
+  };
+  std::deque<RowOutput> pending;
+  // One forward of `rows` for this sequence with outputs on the last `outputs` rows; commits the
+  // first `commit(result)` rows' KV (the rows the caller keeps) and queues their outputs.
+  auto run = [&](std::span<const int32_t> rows, int32_t outputs, ForwardMode mode,
+                 const std::function<int32_t(const ForwardResult&)>& accepted) -> Status {
     const int32_t n = static_cast<int32_t>(rows.size());
     DL_RETURN_IF_ERROR(kv.Reserve(seq, n));
     ForwardBatch batch;
-    batch.mode = n == 1 ? ForwardMode::kDecode : ForwardMode::kPrefill;
+    batch.mode = mode;
     batch.AddSequence(seq, rows);
-    if (output) batch.AddOutput(n - 1).want_logits = true;
+    for (int32_t i = n - outputs; i < n; ++i) batch.AddOutput(i).want_logits = true;
     ForwardResult result;
     DL_RETURN_IF_ERROR(runner.Forward(batch, &result));
-    DL_RETURN_IF_ERROR(kv.Commit(seq, n));
-    if (output) {
-      if (!result.rows[0].finite) {
-        return DataLoss("position {}: the model produced non-finite logits (NaN or Inf)", seq.length() - 1);
+    // A verify step keeps the rows up to the first rejected draft; the pages reserved for the rest
+    // stay in the block tables and their positions are written again by the next forward.
+    const int32_t keep_outputs = accepted ? accepted(result) : outputs;
+    DL_RETURN_IF_ERROR(kv.Commit(seq, n - outputs + keep_outputs));
+    for (int32_t i = 0; i < keep_outputs; ++i) {
+      if (!result.rows[i].finite) {
+        return DataLoss("position {}: the model produced non-finite logits (NaN or Inf)",
+                        seq.length() - keep_outputs + i);
       }
-      logits = std::move(result.rows[0].logits);
-      device_token = result.rows[0].token;
+      pending.push_back({result.rows[i].token, std::move(result.rows[i].logits)});
     }
     return Status::Ok();
   };
+  const bool speculate = opts.drafter != nullptr && opts.num_draft_tokens > 0 && opts.forced_tokens.empty();
+  // A verify step's rows and outputs must fit one forward of the backend.
+  const int32_t draft_cap =
+      std::min({opts.num_draft_tokens, runner.max_rows() - 1, runner.max_outputs() - 1});
+  std::vector<int32_t> context(prompt.begin(), prompt.end());
   Status status = [&]() -> Status {
     const auto t0 = Clock::now();
     const size_t chunk = static_cast<size_t>(std::max(1, opts.prefill_chunk));
     for (size_t i = 0; i < prompt.size(); i += chunk) {
       const size_t n = std::min(chunk, prompt.size() - i);
-      DL_RETURN_IF_ERROR(run(prompt.subspan(i, n), i + n == prompt.size()));
+      const bool last = i + n == prompt.size();
+      DL_RETURN_IF_ERROR(run(prompt.subspan(i, n), last ? 1 : 0, ForwardMode::kPrefill, nullptr));
     }
     r.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    r.last_prompt_logits = logits;
+    r.last_prompt_logits = pending.front().logits;
     r.finish_reason = "length";
     for (int32_t step = 0; step < opts.max_tokens; ++step) {
-      DL_RETURN_IF_ERROR(CheckFiniteLogits(logits, fmt::format("generation step {}", step)));
-      auto [tok, margin] = ArgmaxWithMargin(logits);
-      if (tok != device_token) {
-        return Internal("the backend's greedy token {} is not the argmax {} of its logits", device_token, tok);
+      RowOutput out = std::move(pending.front());
+      pending.pop_front();
+      DL_RETURN_IF_ERROR(CheckFiniteLogits(out.logits, fmt::format("generation step {}", step)));
+      auto [tok, margin] = ArgmaxWithMargin(out.logits);
+      if (tok != out.token) {
+        return Internal("the backend's greedy token {} is not the argmax {} of its logits", out.token, tok);
       }
       r.tokens.push_back(tok);
       r.margins.push_back(margin);
-      if (opts.keep_step_logits) r.step_logits.push_back(logits);
+      if (opts.keep_step_logits) r.step_logits.push_back(std::move(out.logits));
       if (!opts.ignore_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) {
         r.finish_reason = "stop";
         break;
       }
       if (step + 1 == opts.max_tokens) break;
+      if (!pending.empty()) continue;  // an accepted draft: the next token's row is already computed
       const int32_t next = step < static_cast<int32_t>(opts.forced_tokens.size())
                                ? opts.forced_tokens[step]
                                : tok;
+      context.push_back(next);
+      // Drafts: never more than the tokens still to come after this step's one (max_tokens - step
+      // - 2), so a verify never writes past prompt + max_tokens - 1.
+      std::vector<int32_t> rows = {next};
+      if (speculate) {
+        const int32_t room = std::min(draft_cap, opts.max_tokens - step - 2);
+        if (room > 0) {
+          std::vector<int32_t> drafts = opts.drafter->Propose(context, room);
+          if (static_cast<int32_t>(drafts.size()) > room) drafts.resize(static_cast<size_t>(room));
+          rows.insert(rows.end(), drafts.begin(), drafts.end());
+        }
+      }
+      const int32_t n = static_cast<int32_t>(rows.size());
+      const int32_t before = static_cast<int32_t>(pending.size());
       const auto ts = Clock::now();
-      DL_RETURN_IF_ERROR(run(std::span<const int32_t>(&next, 1), true));
+      if (n == 1) {
+        DL_RETURN_IF_ERROR(run(rows, 1, ForwardMode::kDecode, nullptr));
+      } else {
+        // Accept while row i's token equals draft i + 1 (rows[i + 1]); row `accepted` gives the bonus
+        // (or correcting) token.
+        DL_RETURN_IF_ERROR(run(rows, n, ForwardMode::kVerify, [&](const ForwardResult& res) {
+          int32_t accepted = 0;
+          while (accepted + 1 < n && res.rows[accepted].finite && res.rows[accepted].token == rows[accepted + 1]) {
+            ++accepted;
+          }
+          r.spec.Record(n - 1, accepted);
+          return accepted + 1;
+        }));
+      }
       r.decode_step_seconds.push_back(std::chrono::duration<double>(Clock::now() - ts).count());
+      r.decode_step_tokens.push_back(static_cast<int32_t>(pending.size()) - before);
+      // The accepted drafts are the context's next tokens (the last kept row's token is not yet).
+      for (size_t i = 1; i < pending.size(); ++i) context.push_back(rows[i]);
     }
     return Status::Ok();
   }();

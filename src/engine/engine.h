@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/drafter.h"
 #include "model/checkpoint.h"
 #include "kernels/tuning.h"
 #include "model/runner.h"
@@ -37,6 +38,10 @@ struct EngineOptions {
   // sequences (output rows). The scheduler's max batch and per-step token budget stay within them.
   int32_t max_rows_per_step = 512;
   int32_t max_batch = 1;
+  // Speculative decoding: draft tokens a verify step may add per sequence (0 = none). A verify step
+  // has 1 + this many rows and outputs per sequence, so the CUDA workspace and graph buckets are
+  // sized for max_batch * (1 + max_draft_tokens) of each.
+  int32_t max_draft_tokens = 0;
   bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
   bool use_graph = true;        // CUDA: one captured graph per decode step
   bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales
@@ -76,6 +81,11 @@ struct GenerateOptions {
   // reported), for checking logits along a fixed sequence.
   std::vector<int32_t> forced_tokens;
   bool keep_step_logits = false;
+  // Speculative decoding (not with forced_tokens): each decode step proposes up to num_draft_tokens
+  // tokens from `drafter` and verifies them in one forward; the output is the same token for token
+  // and logit for logit (docs/speculative.md). nullptr or 0: plain decoding.
+  const Drafter* drafter = nullptr;
+  int32_t num_draft_tokens = 0;
 };
 
 struct GenerateResult {
@@ -85,7 +95,9 @@ struct GenerateResult {
   std::vector<std::vector<float>> step_logits;  // when keep_step_logits
   std::string finish_reason;           // "length" or "stop"
   double prefill_seconds = 0;
-  std::vector<double> decode_step_seconds;  // steps after the first token
+  std::vector<double> decode_step_seconds;  // forwards after the first token
+  std::vector<int32_t> decode_step_tokens;  // tokens each of those forwards produced (1 without speculation)
+  SpecStats spec;                           // with a drafter
 };
 
 // Greedy decoding of one prompt through the batch interface (one sequence, logits of every step

@@ -120,8 +120,9 @@ struct Scheduler::Sequence {
   bool done = false;
   uint64_t stamp = 0;  // prefix-cache recency of this request
   Clock::time_point arrival, admitted, last_emit;
-  // This step's rows (set while planning).
+  // This step's rows (set while planning), and its drafts when it verifies (rows = 1 + drafts).
   int32_t step_rows = 0;
+  std::vector<int32_t> drafts;
   int32_t computed() const { return kv.length(); }
 };
 
@@ -372,6 +373,7 @@ void Scheduler::Preempt(size_t index) {
   s.registered_blocks = 0;
   s.block_hashes.clear();
   s.step_rows = 0;
+  s.drafts.clear();
   {
     std::lock_guard slock(stats_mu_);
     ++stats_.preemptions_total;
@@ -392,9 +394,19 @@ void Scheduler::Step() {
   std::vector<Sequence*> in_batch;
   int32_t budget = options_.max_tokens_per_step;
   bool any_prefill = false;
-  for (auto& s : running_) s->step_rows = 0;
-  // Two passes in admission order: decode rows first (one each), then prefill chunks from what is left
-  // of the budget.
+  bool any_verify = false;
+  // Rows and outputs drafts may take: what is left after one row and one output for every running
+  // sequence (drafts never push a decode row or a finishing prompt's output out of the step).
+  int32_t active = 0;
+  for (auto& s : running_) {
+    s->step_rows = 0;
+    s->drafts.clear();
+    if (!s->done) ++active;
+  }
+  int32_t spare_rows = budget - active;
+  int32_t spare_outputs = runner.max_outputs() - active;
+  // Two passes in admission order: decode rows first (one each, plus drafts), then prefill chunks
+  // from what is left of the budget.
   for (int pass = 0; pass < 2; ++pass) {
     for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
       Sequence& s = *running_[i];
@@ -402,8 +414,31 @@ void Scheduler::Step() {
       const int32_t remaining = static_cast<int32_t>(s.tokens.size()) - s.computed();
       const bool decode = remaining == 1;
       if (decode != (pass == 0)) continue;
-      const int32_t n = decode ? 1 : std::min({remaining, options_.prefill_chunk, budget});
-      Status st = ReserveForStep(s, n, i);
+      int32_t n = decode ? 1 : std::min({remaining, options_.prefill_chunk, budget});
+      Status st = Status::Ok();
+      bool reserved = false;
+      if (decode && options_.drafter && options_.num_draft_tokens > 0) {
+        // At most the tokens the request still needs after this step's first one, so a verify
+        // never writes past prompt + max_tokens - 1 (within the context limit Submit checked).
+        const int32_t room = std::min({options_.num_draft_tokens, s.req.sampling.max_tokens - s.generated - 1,
+                                       spare_rows, spare_outputs});
+        if (room > 0) {
+          s.drafts = options_.drafter->Propose(s.tokens, room);
+          if (static_cast<int32_t>(s.drafts.size()) > room) s.drafts.resize(static_cast<size_t>(room));
+        }
+        // Short of pages: fewer drafts (halving), never a preemption for the sake of drafts.
+        while (!s.drafts.empty()) {
+          if (kv.Reserve(s.kv, 1 + static_cast<int32_t>(s.drafts.size())).ok()) {
+            reserved = true;
+            break;
+          }
+          s.drafts.resize(s.drafts.size() / 2);
+        }
+        n = 1 + static_cast<int32_t>(s.drafts.size());
+        spare_rows -= n - 1;
+        spare_outputs -= n - 1;
+      }
+      if (!reserved) st = ReserveForStep(s, n, i);
       if (!st.ok()) {
         if (st.code() == StatusCode::kResourceExhausted && !in_batch.empty()) {
           Preempt(i);  // others hold the pages: wait for them, recomputing later
@@ -417,6 +452,28 @@ void Scheduler::Step() {
         continue;
       }
       s.step_rows = n;
+      if (!s.drafts.empty()) {
+        // A verify: the last token and the drafts, an output on every row. Row j samples token
+        // number generated + j as if drafts [0, j) had been emitted: the same key and step, and
+        // logit processors over the same generated tokens, as plain decoding would give it.
+        std::vector<int32_t> rows = {s.tokens.back()};
+        rows.insert(rows.end(), s.drafts.begin(), s.drafts.end());
+        const int32_t first = batch.AddSequence(s.kv, rows);
+        const SamplingParams& p = s.req.sampling;
+        const size_t prompt_len = s.req.prompt.size();
+        std::vector<int32_t> generated(s.tokens.begin() + static_cast<std::ptrdiff_t>(prompt_len), s.tokens.end());
+        for (int32_t j = 0; j < n; ++j) {
+          if (j > 0) generated.push_back(s.drafts[static_cast<size_t>(j - 1)]);
+          OutputRequest& out = batch.AddOutput(first + j);
+          out.sampling = RowSamplingFor(p, s.key, static_cast<uint64_t>(s.generated + j),
+                                        std::span<const int32_t>(s.req.prompt), generated);
+          out.want_logits = p.logprobs >= 0;
+        }
+        any_verify = true;
+        in_batch.push_back(&s);
+        budget -= n;
+        continue;
+      }
       const int32_t first = batch.AddSequence(
           s.kv, std::span<const int32_t>(s.tokens.data() + s.computed(), static_cast<size_t>(n)));
       if (s.computed() + n == static_cast<int32_t>(s.tokens.size())) {
@@ -434,7 +491,7 @@ void Scheduler::Step() {
     }
   }
   if (in_batch.empty()) return;
-  batch.mode = any_prefill ? ForwardMode::kPrefill : ForwardMode::kDecode;
+  batch.mode = any_prefill ? ForwardMode::kPrefill : (any_verify ? ForwardMode::kVerify : ForwardMode::kDecode);
   ForwardResult result;
   Status st = runner.Launch(batch);
   if (st.ok()) st = runner.Wait(&result);
@@ -446,13 +503,37 @@ void Scheduler::Step() {
   {
     std::lock_guard slock(stats_mu_);
     ++stats_.steps_total;
-    if (options_.record_step_times && !any_prefill && stats_.decode_steps.size() < (1u << 20)) {
+    if (options_.record_step_times && !any_prefill && !any_verify && stats_.decode_steps.size() < (1u << 20)) {
       stats_.decode_steps.emplace_back(batch.num_rows(), static_cast<float>(result.device_ms));
     }
   }
   size_t out = 0;
   for (Sequence* s : in_batch) {
     const int32_t begin = s->computed();
+    if (!s->drafts.empty()) {
+      const RowResult* rows = &result.rows[out];
+      out += static_cast<size_t>(s->step_rows);
+      // Accept while row j's token equals draft j; row `accepted` gives the next token. Only the
+      // kept rows' KV is committed: the rejected rows' pages stay reserved and are written again.
+      int32_t accepted = 0;
+      while (accepted < static_cast<int32_t>(s->drafts.size()) && rows[accepted].finite &&
+             rows[accepted].token == s->drafts[static_cast<size_t>(accepted)]) {
+        ++accepted;
+      }
+      {
+        std::lock_guard slock(stats_mu_);
+        stats_.spec.Record(static_cast<int32_t>(s->drafts.size()), accepted);
+      }
+      if (options_.enable_prefix_caching) RegisterPromptBlocks(*s, begin, begin + 1 + accepted);
+      if (Status cst = kv.Commit(s->kv, 1 + accepted); !cst.ok()) {
+        FinishSequence(*s, FinishReason::kError, cst);
+        continue;
+      }
+      // Emitted one by one with plain decoding's stop checks: a stop or max_tokens inside the
+      // accepted run ends the sequence there (its pages are released with the rest).
+      for (int32_t j = 0; j <= accepted && !s->done; ++j) Emit(*s, rows[j]);
+      continue;
+    }
     // Register before Commit: Commit lets go of sliding pages the cache may want to keep.
     if (options_.enable_prefix_caching) RegisterPromptBlocks(*s, begin, begin + s->step_rows);
     Status cst = kv.Commit(s->kv, s->step_rows);

@@ -11,6 +11,11 @@
 // backend computes each row on its own, so a sequence's tokens and logits do not depend on what else
 // runs or on how its prompt was chunked: greedy outputs equal GenerateGreedy's for the same prompt.
 //
+// Speculative decoding (SchedulerOptions::drafter): a decoding sequence with drafts runs K + 1 rows
+// (its last token and the drafts) with an output on each; the longest prefix of drafts equal to the
+// rows' chosen tokens is accepted plus the next row's token, and only those rows' KV is committed.
+// Several sequences verify in the same forward, beside plain decode rows and prefill chunks.
+//
 // KV pages are reserved per step and returned when a sequence finishes, fails or is cancelled
 // (RequestState::Cancel, e.g. on client disconnect). When a step cannot get the pages it needs, the
 // most recently admitted running sequences are preempted: their pages are returned and they go back
@@ -117,6 +122,7 @@ struct SchedulerStats {
   std::vector<std::pair<int32_t, float>> decode_steps;
   std::map<std::string, uint64_t> finished_total;  // by finish reason
   uint64_t steps_total = 0;
+  SpecStats spec;  // speculative decoding (vllm:spec_decode_*)
   Histogram ttft, itl, e2e, queue_time;
 };
 
@@ -128,6 +134,12 @@ struct SchedulerOptions {
   // Token rows of one forward (decode rows + prefill chunks); clamped to what the runner takes.
   int32_t max_tokens_per_step = 512;
   bool record_step_times = false;  // keep SchedulerStats::decode_steps (bench)
+  // Speculative decoding (docs/speculative.md): a decoding sequence's step becomes a verify of its
+  // last token plus up to num_draft_tokens drafts from `drafter`, sampled row by row with the same
+  // (seed, token index) as plain decoding, so every request's output is unchanged. Drafts shrink
+  // (to none) when the step's rows, outputs or free KV pages run short; they never preempt.
+  std::shared_ptr<const Drafter> drafter = nullptr;
+  int32_t num_draft_tokens = 0;
 };
 
 class Scheduler {

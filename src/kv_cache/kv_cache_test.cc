@@ -106,6 +106,57 @@ TEST(KvCacheTest, SlidingPagesNeededCoversChunkedWrites) {
   }
 }
 
+// Speculative decoding's rollback: a verify reserves 1 + K positions, writes them all and commits
+// only the accepted ones. The pages reserved beyond the committed length stay in the block tables
+// (the next reserve reuses them, so their ids do not change and nothing leaks); the sliding group
+// frees pages only from the committed length, so every key a future query can see keeps its page;
+// and the sliding pool bound for chunks of K + 1 still holds.
+TEST(KvCacheTest, CommittingFewerRowsThanReservedRollsBackCleanly) {
+  std::mt19937 rng(5);
+  for (int32_t P : {16, 32, 64}) {
+    for (int32_t W : {8, 100}) {
+      for (int32_t K : {2, 4, 8, 15}) {
+        const int32_t max_len = 600;
+        const int32_t bound = PagesNeededSliding(max_len, W, K + 1, P);
+        auto cache = KvCache::Create(TwoGroupSpec(P, W, 64));
+        ASSERT_TRUE(cache.ok());
+        SequenceKv seq;
+        ASSERT_TRUE(cache->Reserve(seq, 20).ok());  // a prompt
+        ASSERT_TRUE(cache->Commit(seq, 20).ok());
+        int32_t peak = 0;
+        while (seq.length() + K + 1 <= max_len) {
+          ASSERT_TRUE(cache->Reserve(seq, K + 1).ok());
+          const auto full_before = seq.block_table(KvGroup::kFull);
+          const auto sliding_before = seq.block_table(KvGroup::kSliding);
+          peak = std::max(peak, cache->used_pages(KvGroup::kSliding));
+          const int32_t kept = 1 + static_cast<int32_t>(rng() % static_cast<uint32_t>(K + 1));
+          ASSERT_TRUE(cache->Commit(seq, kept).ok());
+          const int32_t len = seq.length();
+          // Reserving the next verify again: the rejected rows' pages are the same pages.
+          ASSERT_TRUE(cache->Reserve(seq, K + 1).ok());
+          const auto& full = seq.block_table(KvGroup::kFull);
+          const auto& sliding = seq.block_table(KvGroup::kSliding);
+          for (size_t i = 0; i < full_before.size(); ++i) ASSERT_EQ(full[i], full_before[i]);
+          for (size_t i = 0; i < sliding_before.size(); ++i) {
+            if (sliding[i] >= 0) ASSERT_EQ(sliding[i], sliding_before[i]);
+          }
+          // Every position the next verify's rows can see (from len - W + 1) or write has its page.
+          for (int32_t pos = std::max(0, len - W + 1); pos < len + K + 1; ++pos) {
+            ASSERT_GE(LocatePosition(sliding, P, pos).page, 0) << "pos " << pos << " len " << len;
+            ASSERT_GE(LocatePosition(full, P, pos).page, 0) << "pos " << pos;
+          }
+          EXPECT_EQ(cache->used_pages(KvGroup::kFull), static_cast<int32_t>(full.size()));
+          EXPECT_EQ(cache->used_pages(KvGroup::kSliding), seq.pages_held() - static_cast<int32_t>(full.size()));
+        }
+        EXPECT_LE(peak, bound) << "P=" << P << " W=" << W << " K=" << K;
+        ASSERT_TRUE(cache->Release(seq).ok());
+        EXPECT_EQ(cache->used_pages(KvGroup::kFull), 0);
+        EXPECT_EQ(cache->used_pages(KvGroup::kSliding), 0);
+      }
+    }
+  }
+}
+
 TEST(HostKvStorageTest, RoundTripsPerDtype) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 2.0f);
