@@ -18,6 +18,7 @@ namespace {
 
 struct GenerateFlags {
   EngineFlags engine;
+  SpecFlags spec;
   std::string prompt_ids;
   std::string prompt;
   int max_tokens = 16;
@@ -30,6 +31,11 @@ int RunGenerate(const GenerateFlags& f) {
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
   opts->allow_fallback = f.allow_fallback;
+  auto spec = f.spec.ToOptions();
+  if (!spec.ok()) return ReportError(spec.status());
+  auto drafter = MakeDrafter(*spec);
+  if (!drafter.ok()) return ReportError(drafter.status());
+  SpecFlags::Size(*spec, &*opts);
   if (f.prompt.empty() == f.prompt_ids.empty()) {
     return ReportError(InvalidArgument("give exactly one of --prompt TEXT or --prompt-ids IDS"));
   }
@@ -61,10 +67,21 @@ int RunGenerate(const GenerateFlags& f) {
   g.max_tokens = f.max_tokens;
   g.ignore_eos = f.ignore_eos;
   g.prefill_chunk = opts->prefill_chunk;
+  g.drafter = drafter->get();
+  g.num_draft_tokens = spec->enabled() ? spec->k : 0;
   auto r = GenerateGreedy(**engine, *prompt, g);
   if (!r.ok()) return ReportError(r.status());
 
-  const double tpot = lab::Median(r->decode_step_seconds);
+  // Without speculation every decode forward gives one token: the median forward is the TPOT. With
+  // it a forward gives 1 + accepted tokens: decode time over decoded tokens.
+  double decode_s = 0;
+  int64_t decode_tokens = 0;
+  for (size_t i = 0; i < r->decode_step_seconds.size(); ++i) {
+    decode_s += r->decode_step_seconds[i];
+    decode_tokens += r->decode_step_tokens[i];
+  }
+  const double tpot = spec->enabled() ? (decode_tokens > 0 ? decode_s / decode_tokens : 0.0)
+                                      : lab::Median(r->decode_step_seconds);
   const double tok_s = tpot > 0 ? 1.0 / tpot : 0.0;
   FILE* text_out = f.json ? stderr : stdout;
   std::string ids;
@@ -79,10 +96,28 @@ int RunGenerate(const GenerateFlags& f) {
     std::fprintf(text_out, "text: %s\n", text->c_str());
   }
   std::fprintf(text_out,
-               "generated %zu tokens (finish: %s); prefill %zu tokens in %.3f ms; decode median "
+               "generated %zu tokens (finish: %s); prefill %zu tokens in %.3f ms; decode %s "
                "%.3f ms/token = %.1f tok/s\n",
                r->tokens.size(), r->finish_reason.c_str(), prompt->size(), r->prefill_seconds * 1e3,
-               tpot * 1e3, tok_s);
+               spec->enabled() ? "mean" : "median", tpot * 1e3, tok_s);
+  nlohmann::json spec_json = SpecFlags::ToJson(*spec);
+  if (spec->enabled()) {
+    const SpecStats& st = r->spec;
+    std::fprintf(text_out,
+                 "speculative (%s, k %d): %llu verify steps with drafts, %llu drafted, %llu accepted (%.1f%%), "
+                 "mean acceptance length %.2f\n",
+                 (*drafter)->name().c_str(), spec->k, static_cast<unsigned long long>(st.num_drafts),
+                 static_cast<unsigned long long>(st.num_draft_tokens),
+                 static_cast<unsigned long long>(st.num_accepted_tokens), 100.0 * st.acceptance_rate(),
+                 st.mean_acceptance_length());
+    spec_json["drafter"] = (*drafter)->name();
+    spec_json["num_drafts"] = st.num_drafts;
+    spec_json["num_draft_tokens"] = st.num_draft_tokens;
+    spec_json["num_accepted_tokens"] = st.num_accepted_tokens;
+    spec_json["num_accepted_tokens_per_pos"] = st.accepted_per_pos;
+    spec_json["mean_acceptance_length"] = st.mean_acceptance_length();
+    spec_json["decode_forwards"] = r->decode_step_seconds.size();
+  }
   if (f.json) {
     nlohmann::json j = {
         {"tokens", r->tokens},
@@ -91,6 +126,7 @@ int RunGenerate(const GenerateFlags& f) {
         {"prompt_tokens", prompt->size()},
         {"prefill_ms", r->prefill_seconds * 1e3},
         {"decode_median_tpot_ms", tpot * 1e3},
+        {"speculative", spec_json},
         {"decode_tok_s", tok_s},
         {"decode_step_ms", [&] {
            std::vector<double> ms;
@@ -116,6 +152,7 @@ void AddGenerateCommand(CLI::App& root, CommandContext& ctx) {
       "generate",
       "Greedy decoding of one prompt (text or token ids); prints the generated ids, text and speed");
   flags->engine.Add(cmd);
+  flags->spec.Add(cmd);
   auto* ids = cmd->add_option("--prompt-ids", flags->prompt_ids,
                               "Prompt token ids, comma-separated: 5,17,42");
   auto* text = cmd->add_option("--prompt", flags->prompt,

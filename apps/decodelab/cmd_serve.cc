@@ -25,6 +25,7 @@ namespace {
 
 struct ServeFlags {
   EngineFlags engine;
+  SpecFlags spec;
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
@@ -87,6 +88,11 @@ int RunServe(const ServeFlags& f) {
 
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
+  auto spec = f.spec.ToOptions();
+  if (!spec.ok()) return ReportError(spec.status());
+  auto drafter = MakeDrafter(*spec);
+  if (!drafter.ok()) return ReportError(drafter.status());
+  SpecFlags::Size(*spec, &*opts);
   auto api_key = ResolveApiKey(f);
   if (!api_key.ok()) return ReportError(api_key.status());
   if (api_key->empty() && !IsLoopbackHost(f.host)) {
@@ -121,6 +127,9 @@ int RunServe(const ServeFlags& f) {
   so.prefill_chunk = opts->prefill_chunk;
   so.enable_prefix_caching = f.prefix_caching;
   so.max_tokens_per_step = opts->max_rows_per_step;
+  so.drafter = *drafter;
+  so.num_draft_tokens = spec->enabled() ? spec->k : 0;
+  if (spec->enabled()) spdlog::info("speculative decoding: {} drafter, up to {} draft tokens per step", (*drafter)->name(), spec->k);
 
   // Tokenizer and chat template: from the model directory; --shape gets the generated small
   // tokenizer make-model would write for the same vocabulary (and no chat template).
@@ -243,6 +252,7 @@ void AddServeCommand(CLI::App& root, CommandContext& ctx) {
       "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, "
       "/metrics, /v1/decodelab/state");
   flags->engine.Add(cmd);
+  flags->spec.Add(cmd);
   cmd->add_option("--host", flags->host, "Address to bind (loopback by default)")
       ->default_val("127.0.0.1");
   cmd->add_option("--port", flags->port, "TCP port (0 = any free port; the URL is printed)")

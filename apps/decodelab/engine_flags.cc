@@ -42,6 +42,56 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
 }
 
+void SpecFlags::Add(CLI::App* cmd) {
+  cmd->add_option("--spec", method,
+                  "Speculative decoding: none, or ngram (prompt lookup: drafts are what followed the latest "
+                  "earlier occurrence of the context's last n tokens). Output is unchanged, token for token; "
+                  "dflash is not implemented yet")
+      ->default_val("none");
+  cmd->add_option("--spec-k", k, "Draft tokens per verify step (at most)")->default_val(4);
+  cmd->add_option("--spec-ngram-min", ngram_min, "--spec ngram: shortest n-gram to match")->default_val(2);
+  cmd->add_option("--spec-ngram-max", ngram_max, "--spec ngram: longest n-gram to match")->default_val(5);
+  cmd->add_option("--spec-model", model, "Drafter checkpoint (DFlash; not implemented yet: refused)");
+}
+
+Result<SpecOptions> SpecFlags::ToOptions() const {
+  if (!model.empty()) {
+    return Unimplemented("--spec-model {}: DFlash drafter checkpoints are not implemented yet (only --spec ngram)",
+                         model);
+  }
+  SpecOptions o;
+  DL_ASSIGN_OR_RETURN(o.method, SpecOptions::ParseMethod(method));
+  o.k = k;
+  o.ngram_min = ngram_min;
+  o.ngram_max = ngram_max;
+  DL_RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+std::vector<std::string> SpecFlags::ToArgs() const {
+  std::vector<std::string> a = {"--spec", method};
+  if (method != "none") {
+    a.insert(a.end(), {"--spec-k", std::to_string(k), "--spec-ngram-min", std::to_string(ngram_min),
+                       "--spec-ngram-max", std::to_string(ngram_max)});
+  }
+  if (!model.empty()) a.insert(a.end(), {"--spec-model", model});
+  return a;
+}
+
+void SpecFlags::Size(const SpecOptions& spec, EngineOptions* engine) {
+  engine->max_draft_tokens = spec.enabled() ? spec.k : 0;
+}
+
+nlohmann::json SpecFlags::ToJson(const SpecOptions& spec) {
+  nlohmann::json j = {{"method", SpecMethodName(spec.method)}};
+  if (spec.enabled()) {
+    j["num_speculative_tokens"] = spec.k;
+    j["prompt_lookup_min"] = spec.ngram_min;
+    j["prompt_lookup_max"] = spec.ngram_max;
+  }
+  return j;
+}
+
 std::string HubCacheDir() {
   // huggingface_hub's order: HF_HUB_CACHE (HUGGINGFACE_HUB_CACHE, its older name), HF_HOME/hub,
   // $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub.

@@ -5,7 +5,9 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
+#include "engine/drafter.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 
@@ -30,6 +32,25 @@ struct EngineFlags {
   Result<EngineOptions> ToOptions() const;
   // The same settings as command-line flags (for a `decodelab serve` child).
   std::vector<std::string> ToArgs() const;
+};
+
+// Speculative decoding flags (generate, bench, bench serve, serve): --spec, --spec-k,
+// --spec-ngram-min, --spec-ngram-max, and --spec-model (refused: DFlash is not implemented yet).
+struct SpecFlags {
+  std::string method = "none";
+  int k = 4;
+  int ngram_min = 2;
+  int ngram_max = 5;
+  std::string model;  // --spec-model DIR (DFlash drafter): refused
+
+  void Add(CLI::App* cmd);
+  // Validates; --spec dflash and --spec-model are refused as not implemented yet.
+  Result<SpecOptions> ToOptions() const;
+  // The same settings as command-line flags (for a `decodelab serve` child).
+  std::vector<std::string> ToArgs() const;
+  // Applies the options: the engine's workspace is sized for verify steps of 1 + k rows.
+  static void Size(const SpecOptions& spec, EngineOptions* engine);
+  static nlohmann::json ToJson(const SpecOptions& spec);
 };
 
 // The Hugging Face hub cache directory from the environment, as huggingface_hub finds it.

@@ -27,7 +27,7 @@ struct SpecOptions {
   SpecMethod method = SpecMethod::kNone;
   int32_t k = 4;          // draft tokens per verify step (at most)
   int32_t ngram_min = 2;  // shortest suffix n-gram the n-gram drafter matches
-  int32_t ngram_max = 4;  // longest
+  int32_t ngram_max = 5;  // longest
   // "none" or "ngram"; "dflash" is refused as not implemented yet (never ignored).
   static Result<SpecMethod> ParseMethod(const std::string& name);
   // k in [1, 64], 1 <= ngram_min <= ngram_max <= 64 (only checked when a method is on).

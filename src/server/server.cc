@@ -293,6 +293,18 @@ httplib::ContentProviderWithoutLength GuardedStream(std::shared_ptr<Job> job,
 }
 
 // A label value in the Prometheus text format: backslash, double quote and newline escaped.
+json SpecJson(const SchedulerOptions& o, const SpecStats& st) {
+  const bool on = o.drafter != nullptr && o.num_draft_tokens > 0;
+  return {{"drafter", on ? o.drafter->name() : "none"},
+          {"num_speculative_tokens", on ? o.num_draft_tokens : 0},
+          {"num_drafts", st.num_drafts},
+          {"num_draft_tokens", st.num_draft_tokens},
+          {"num_accepted_tokens", st.num_accepted_tokens},
+          {"num_accepted_tokens_per_pos", st.accepted_per_pos},
+          {"mean_acceptance_length", st.mean_acceptance_length()},
+          {"acceptance_rate", st.acceptance_rate()}};
+}
+
 std::string PrometheusLabelValue(const std::string& v) {
   std::string out;
   for (char c : v) {
@@ -309,7 +321,9 @@ std::string PrometheusLabelValue(const std::string& v) {
   return out;
 }
 
-std::string MetricsText(const SchedulerStats& s, const std::string& model) {
+// `num_draft_tokens` > 0: speculative decoding is on and its counters are exported (vLLM exports
+// them only with a speculative config too).
+std::string MetricsText(const SchedulerStats& s, const std::string& model, int32_t num_draft_tokens) {
   std::string out;
   const std::string label = fmt::format("model_name=\"{}\"", PrometheusLabelValue(model));
   auto gauge = [&](const char* name, const char* help, double v) {
@@ -361,6 +375,24 @@ std::string MetricsText(const SchedulerStats& s, const std::string& model) {
   gauge("decodelab:kv_pages_total", "KV pages in the pools (all groups).", s.kv_pages_total);
   gauge("decodelab:prefix_cache_blocks", "Blocks held by the prefix cache.", s.prefix_cache_blocks);
   counter("decodelab:engine_steps_total", "Scheduler steps run.", static_cast<double>(s.steps_total));
+  if (num_draft_tokens > 0) {
+    // vLLM's names (vllm/v1/spec_decode/metrics.py); a draft is one verify of a sequence with drafts.
+    counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
+            static_cast<double>(s.spec.num_drafts));
+    counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+            static_cast<double>(s.spec.num_draft_tokens));
+    counter("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+            static_cast<double>(s.spec.num_accepted_tokens));
+    out += "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n"
+           "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n";
+    for (int32_t pos = 0; pos < num_draft_tokens; ++pos) {
+      const uint64_t v = static_cast<size_t>(pos) < s.spec.accepted_per_pos.size() ? s.spec.accepted_per_pos[pos] : 0;
+      out += fmt::format("vllm:spec_decode_num_accepted_tokens_per_pos_total{{{},position=\"{}\"}} {}\n", label, pos, v);
+    }
+    gauge("decodelab:spec_decode_mean_acceptance_length",
+          "Tokens per verify step so far: 1 + accepted / drafts (0 before the first draft).",
+          s.spec.mean_acceptance_length());
+  }
   return out;
 }
 
@@ -600,7 +632,7 @@ void Server::Routes() {
   }));
 
   svr.Get("/metrics", Guarded([this, model_name](const httplib::Request&, httplib::Response& res) {
-    res.set_content(MetricsText(scheduler_.Stats(), model_name), "text/plain; version=0.0.4");
+    res.set_content(MetricsText(scheduler_.Stats(), model_name, scheduler_.options().num_draft_tokens), "text/plain; version=0.0.4");
   }));
 
   svr.Get("/v1/models", Guarded([this, model_name](const httplib::Request&, httplib::Response& res) {
@@ -649,6 +681,7 @@ void Server::Routes() {
         {"kv_pages", {{"used", stats.kv_pages_used}, {"total", stats.kv_pages_total},
                       {"prefix_cache", scheduler_.prefix_cache_pages()}}},
         {"requests", {{"running", stats.running}, {"waiting", stats.waiting}}},
+        {"speculative", SpecJson(scheduler_.options(), stats.spec)},
         {"runner", d},
     };
     SendJson(res, 200, state);

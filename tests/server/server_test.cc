@@ -159,6 +159,100 @@ TEST(ServerConfigTest, MetricLabelValuesAreEscaped) {
   }
 }
 
+// Speculative decoding through serve (n-gram drafter): the same completions as a plain server, for
+// greedy and seeded sampled requests with logprobs and penalties, a stop string and streaming, sent
+// at once so several sequences verify in one forward; the vLLM spec-decode counters count drafts.
+TEST(ServerConfigTest, SpeculativeServeReturnsThePlainCompletions) {
+  auto plain = TestServer::Start({.max_batch = 4});
+  auto spec = TestServer::Start({.max_batch = 4, .spec_ngram = true, .spec_k = 4});
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(spec, nullptr);
+  std::vector<int32_t> repetitive;
+  for (int i = 0; i < 48; ++i) repetitive.push_back(60 + (i % 7) * 31);
+  std::vector<json> bodies = {
+      {{"prompt", repetitive}, {"max_tokens", 30}, {"temperature", 0}, {"ignore_eos", true}, {"logprobs", 2}},
+      {{"prompt", "def f(x):\n    return x\ndef f(x):\n    return x\ndef f("}, {"max_tokens", 24},
+       {"temperature", 0}, {"ignore_eos", true}},
+      {{"prompt", repetitive}, {"max_tokens", 20}, {"temperature", 0.9}, {"seed", 5}, {"ignore_eos", true},
+       {"logprobs", 1}, {"frequency_penalty", 0.4}, {"repetition_penalty", 1.1}},
+      {{"prompt", Prompt(20, 9)}, {"max_tokens", 16}, {"temperature", 0}}};
+  auto run_all = [](TestServer& server, const std::vector<json>& reqs) {
+    std::vector<HttpResult> out(reqs.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      threads.emplace_back([&, i] {
+        auto cli = server.Client();
+        out[i] = PostJson(cli, "/v1/completions", reqs[i]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  };
+  const auto want = run_all(*plain, bodies);
+  ASSERT_EQ(want[0].status, 200) << want[0].body;
+  // A stop string from the middle of the first greedy text, and the same request streamed.
+  const std::string text0 = want[0].json["choices"][0]["text"];
+  if (text0.size() >= 8) {
+    json stopped = bodies[0];
+    stopped["stop"] = json::array({text0.substr(text0.size() / 2, 3)});
+    bodies.push_back(stopped);
+  }
+  const auto want_all = run_all(*plain, bodies);
+  const auto got_all = run_all(*spec, bodies);
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    ASSERT_EQ(want_all[i].status, 200) << want_all[i].body;
+    ASSERT_EQ(got_all[i].status, 200) << got_all[i].body;
+    EXPECT_EQ(got_all[i].json["choices"], want_all[i].json["choices"]) << "request " << i;
+    EXPECT_EQ(got_all[i].json["usage"], want_all[i].json["usage"]) << "request " << i;
+  }
+  // Streaming: the same text, token by token.
+  {
+    auto cp = plain->Client();
+    auto cs = spec->Client();
+    json body = bodies[1];
+    body["stream"] = true;
+    auto a = PostStream(cp, "/v1/completions", body);
+    auto b = PostStream(cs, "/v1/completions", body);
+    ASSERT_EQ(a.status, 200);
+    ASSERT_EQ(b.status, 200);
+    auto texts = [](const SseResult& r) {
+      std::string t;
+      for (const auto& d : r.data) {
+        if (d == "[DONE]") continue;
+        auto j = json::parse(d, nullptr, false);
+        if (j.is_object() && j.contains("choices") && !j["choices"].empty()) t += j["choices"][0].value("text", "");
+      }
+      return t;
+    };
+    EXPECT_EQ(texts(b), texts(a));
+    EXPECT_EQ(texts(a), want_all[1].json["choices"][0]["text"]);
+  }
+  // Counters: vLLM's names, with drafts on the speculative server only.
+  auto cs = spec->Client();
+  auto metrics = cs.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  for (const char* name : {"vllm:spec_decode_num_drafts_total{", "vllm:spec_decode_num_draft_tokens_total{",
+                           "vllm:spec_decode_num_accepted_tokens_total{",
+                           "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=\"tiny-test\",position=\"3\"}"}) {
+    EXPECT_NE(metrics->body.find(name), std::string::npos) << name << "\n" << metrics->body;
+  }
+  EXPECT_EQ(metrics->body.find("vllm:spec_decode_num_drafts_total{model_name=\"tiny-test\"} 0\n"), std::string::npos)
+      << "the n-gram drafter should have drafted on repetitive prompts";
+  auto cp = plain->Client();
+  auto plain_metrics = cp.Get("/metrics");
+  ASSERT_TRUE(plain_metrics);
+  EXPECT_EQ(plain_metrics->body.find("spec_decode"), std::string::npos);
+  auto state = Get(cs, "/v1/decodelab/state");
+  ASSERT_EQ(state.status, 200);
+  const json& sp = state.json["speculative"];
+  EXPECT_EQ(sp["drafter"], "ngram[1,3]");
+  EXPECT_EQ(sp["num_speculative_tokens"], 4);
+  EXPECT_GT(sp["num_drafts"].get<uint64_t>(), 0u);
+  EXPECT_GE(sp["mean_acceptance_length"].get<double>(), 1.0);
+  EXPECT_EQ(Get(cp, "/v1/decodelab/state").json["speculative"]["drafter"], "none");
+  EXPECT_EQ(KvPagesUsed(cs), 0);
+}
+
 TEST_F(ServerTest, TokenizeAndDetokenizeAsVllm) {
   ASSERT_NE(server_, nullptr);
   auto cli = server_->Client();

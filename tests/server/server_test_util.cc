@@ -93,6 +93,8 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   o.max_seq_len = c.max_seq_len;
   o.prefill_chunk = c.prefill_chunk;
   o.max_sequences = c.max_batch * (c.prefix_caching ? 2 : 1);
+  o.max_batch = c.max_batch;
+  o.max_draft_tokens = c.spec_ngram ? c.spec_k : 0;
   auto engine = LoadEngine(o);
   if (!engine.ok()) {
     ADD_FAILURE() << engine.status().message();
@@ -103,7 +105,9 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
       *ts->engine_, SchedulerOptions{.max_batch = c.max_batch,
                                      .max_waiting = c.max_waiting,
                                      .prefill_chunk = c.prefill_chunk,
-                                     .enable_prefix_caching = c.prefix_caching});
+                                     .enable_prefix_caching = c.prefix_caching,
+                                     .drafter = c.spec_ngram ? std::make_shared<NgramDrafter>(1, 3) : nullptr,
+                                     .num_draft_tokens = c.spec_ngram ? c.spec_k : 0});
   ts->scheduler_->Start();
   auto tok = Tokenizer::FromFile(o.model_dir);
   EXPECT_TRUE(tok.ok()) << tok.status().message();

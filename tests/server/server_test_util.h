@@ -34,6 +34,8 @@ struct ServerConfig {
   int http_threads = 160;
   std::string served_model_name = "tiny-test";
   std::string model_dir;  // empty: TinyModelDir()
+  bool spec_ngram = false;   // speculative decoding with the n-gram drafter (--spec ngram)
+  int spec_k = 4;
 };
 
 class TestServer {
