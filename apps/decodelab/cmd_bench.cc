@@ -17,6 +17,7 @@
 #include "apps/decodelab/engine_flags.h"
 #include "backend/cuda_runner.h"
 #include "base/build_info.h"
+#include "base/file_util.h"
 #include "base/rng.h"
 #include "base/sha256.h"
 #include "cuda/bandwidth.h"
@@ -27,12 +28,19 @@
 #include "lab/serve_bench.h"
 #include "lab/serve_child.h"
 #include "model/param_count.h"
+#include "model/shapes.h"
 
 namespace dl::app {
 namespace {
 
 struct BenchFlags {
   EngineFlags engine;
+  SpecFlags spec;
+  std::string prompt_file;  // text, encoded with the model's tokenizer, replaces the random prompt
+  bool verify_cost = false;
+  std::vector<int> verify_k = {2, 4, 8, 15};
+  std::vector<int> verify_batch = {1, 8};
+  int verify_iters = 20;
   int prompt_len = 1024;
   int gen_len = 1024;
   int repeat = 3;
@@ -58,9 +66,12 @@ struct RunResult {
   std::vector<double> ttft_ms;  // per request
   double duration_s = 0;        // first submit to last token
   int64_t tokens = 0;
+  double decode_tok_s = 0;      // per stream: (tokens - 1) / (last token - first token), averaged
+  SpecStats spec;
 };
 
-Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOptions& so) {
+Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOptions& so,
+                          const std::vector<int32_t>& file_prompt) {
   using Clock = std::chrono::steady_clock;
   Scheduler sched(engine, so);
   sched.Start();
@@ -68,7 +79,7 @@ Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOp
   const auto t0 = Clock::now();
   for (int i = 0; i < f.concurrency; ++i) {
     GenerationRequest r;
-    r.prompt = BenchPrompt(f.prompt_len, engine.config().vocab_size, i);
+    r.prompt = file_prompt.empty() ? BenchPrompt(f.prompt_len, engine.config().vocab_size, i) : file_prompt;
     r.sampling.max_tokens = f.gen_len;
     r.sampling.ignore_eos = true;
     DL_ASSIGN_OR_RETURN(auto st, sched.Submit(std::move(r)));
@@ -76,6 +87,7 @@ Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOp
   }
   RunResult out;
   Clock::time_point last = t0;
+  double decode_s = 0;
   for (auto& st : states) {
     std::vector<Clock::time_point> times;
     RequestState::Update u;
@@ -95,13 +107,137 @@ Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOp
     }
     last = std::max(last, times.back());
     out.tokens += static_cast<int64_t>(times.size());
+    decode_s += std::chrono::duration<double>(times.back() - times.front()).count();
   }
+  // Per stream, first token to last (what speculation speeds up; TPOT percentiles are not, since a
+  // verify step emits its accepted tokens together).
+  out.decode_tok_s = decode_s > 0 ? static_cast<double>(out.tokens - f.concurrency) / decode_s * f.concurrency : 0.0;
+  out.spec = sched.Stats().spec;
   for (const auto& [rows, ms] : sched.Stats().decode_steps) {
     if (rows == f.concurrency && ms > 0) out.device_ms.push_back(ms);
   }
   sched.Stop();
   out.duration_s = std::chrono::duration<double>(last - t0).count();
   return out;
+}
+
+// One verify forward of `batch` sequences with 1 + k rows each (every row an output, greedy) against
+// one decode forward of `batch` rows, at a context of --prompt-len: the cost of checking k drafts.
+// The pages are reserved but never committed, so every timed forward writes the same positions.
+int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu) {
+  using Clock = std::chrono::steady_clock;
+  KvCache& kv = *engine.kv;
+  ModelRunner& runner = *engine.runner;
+  const int max_batch = *std::max_element(f.verify_batch.begin(), f.verify_batch.end());
+  std::vector<SequenceKv> seqs(static_cast<size_t>(max_batch));
+  auto release = [&] {
+    for (auto& s : seqs) (void)kv.Release(s);
+  };
+  // Prefill every sequence's context once (chunks of --prefill-chunk).
+  for (int b = 0; b < max_batch; ++b) {
+    const std::vector<int32_t> prompt = BenchPrompt(f.prompt_len, engine.config().vocab_size, b);
+    for (size_t i = 0; i < prompt.size(); i += static_cast<size_t>(engine.options.prefill_chunk)) {
+      const size_t n = std::min<size_t>(engine.options.prefill_chunk, prompt.size() - i);
+      ForwardBatch batch;
+      batch.mode = ForwardMode::kPrefill;
+      Status st = kv.Reserve(seqs[b], static_cast<int32_t>(n));
+      if (st.ok()) {
+        batch.AddSequence(seqs[b], std::span<const int32_t>(prompt).subspan(i, n));
+        ForwardResult r;
+        st = runner.Forward(batch, &r);
+      }
+      if (st.ok()) st = kv.Commit(seqs[b], static_cast<int32_t>(n));
+      if (!st.ok()) {
+        release();
+        return ReportError(st.WithContext("verify-cost prefill"));
+      }
+    }
+  }
+  const bool on_device = !gpu.is_null();
+  // Median time of `iters` forwards of `rows_per_seq` rows for each of `batch` sequences.
+  auto time_forward = [&](int batch_size, int rows_per_seq, double* median_ms) -> Status {
+    ForwardBatch batch;
+    batch.mode = rows_per_seq == 1 ? ForwardMode::kDecode : ForwardMode::kVerify;
+    for (int b = 0; b < batch_size; ++b) {
+      DL_RETURN_IF_ERROR(kv.Reserve(seqs[b], rows_per_seq));
+      std::vector<int32_t> rows(static_cast<size_t>(rows_per_seq));
+      for (int j = 0; j < rows_per_seq; ++j) rows[j] = (7 + 31 * j + 101 * b) % static_cast<int32_t>(engine.config().vocab_size);
+      const int32_t first = batch.AddSequence(seqs[b], rows);
+      for (int j = 0; j < rows_per_seq; ++j) batch.AddOutput(first + j);
+    }
+    std::vector<double> ms;
+    for (int it = 0; it < 3 + f.verify_iters; ++it) {
+      ForwardResult r;
+      const auto t0 = Clock::now();
+      DL_RETURN_IF_ERROR(runner.Forward(batch, &r));
+      const double host_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (it >= 3) ms.push_back(on_device && r.device_ms > 0 ? r.device_ms : host_ms);
+    }
+    *median_ms = lab::Median(ms);
+    return Status::Ok();
+  };
+  nlohmann::json points = nlohmann::json::array();
+  std::printf("decodelab bench --verify-cost  commit %s  %s\n", BuildCommit().c_str(),
+              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+  std::printf("  model %s, %lld layers, kv %s, context %d, %s time, median of %d forwards\n",
+              f.engine.model_dir.empty() ? ("shape " + f.engine.shape).c_str() : f.engine.model_dir.c_str(),
+              static_cast<long long>(engine.config().num_hidden_layers),
+              std::string(DTypeName(kv.spec().dtype)).c_str(), f.prompt_len, on_device ? "device (CUDA events)" : "host",
+              f.verify_iters);
+  std::printf("  %6s %4s %12s %12s %8s %22s\n", "batch", "K", "decode ms", "verify ms", "ratio", "break-even accept len");
+  for (int batch_size : f.verify_batch) {
+    double decode_ms = 0;
+    if (Status st = time_forward(batch_size, 1, &decode_ms); !st.ok()) {
+      release();
+      return ReportError(st.WithContext("decode forward"));
+    }
+    for (int k : f.verify_k) {
+      double verify_ms = 0;
+      if (Status st = time_forward(batch_size, 1 + k, &verify_ms); !st.ok()) {
+        release();
+        return ReportError(st.WithContext(fmt::format("verify forward, K {}", k)));
+      }
+      const double ratio = decode_ms > 0 ? verify_ms / decode_ms : 0.0;
+      // A verify step yields (mean acceptance length) tokens where decode steps yield one each: it
+      // pays off above a mean acceptance length of `ratio` (the n-gram drafter's own cost is host
+      // time, not counted).
+      // Above K + 1 no acceptance can pay for the verify.
+      const std::string even = ratio <= k + 1 ? fmt::format("{:.2f}", ratio) : fmt::format("never (> {})", k + 1);
+      std::printf("  %6d %4d %12.4f %12.4f %8.3f %22s\n", batch_size, k, decode_ms, verify_ms, ratio, even.c_str());
+      points.push_back({{"batch", batch_size},
+                        {"k", k},
+                        {"decode_ms", decode_ms},
+                        {"verify_ms", verify_ms},
+                        {"ratio", ratio},
+                        {"break_even_mean_acceptance_length", ratio <= k + 1 ? nlohmann::json(ratio) : nlohmann::json(nullptr)},
+                        {"break_even_acceptance_rate",
+                         ratio <= k + 1 ? nlohmann::json(std::max(0.0, (ratio - 1.0) / k)) : nlohmann::json(nullptr)}});
+    }
+  }
+  release();
+  const nlohmann::json describe = runner.Describe();
+  nlohmann::json j = {{"verify_cost", points},
+                      {"time_source", on_device ? "device" : "host"},
+                      {"context", f.prompt_len},
+                      {"iters", f.verify_iters},
+                      {"backend", describe},
+                      {"fallback", describe.value("fallback", false)},
+                      {"commit", BuildCommit()},
+                      {"gpu", gpu},
+                      {"settings",
+                       {{"model", f.engine.model_dir},
+                        {"shape", f.engine.shape},
+                        {"num_layers", engine.config().num_hidden_layers},
+                        {"kv_dtype", std::string(DTypeName(kv.spec().dtype))},
+                        {"page_size", kv.spec().page_size},
+                        {"graph", !f.no_graph}}}};
+  if (!f.json_out.empty()) {
+    std::ofstream out(f.json_out);
+    out << j.dump(2) << "\n";
+    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
+    std::printf("  wrote %s\n", f.json_out.c_str());
+  }
+  return 0;
 }
 
 int RunBench(const BenchFlags& f) {
@@ -116,12 +252,49 @@ int RunBench(const BenchFlags& f) {
         "--shape s21 at BF16 (235 GB) does not fit one H200: it needs TP >= 2 or FP8 weights, which "
         "this version does not have yet"));
   }
-  opts->max_seq_len = f.prompt_len + f.gen_len + 1;
+  auto spec = f.spec.ToOptions();
+  if (!spec.ok()) return ReportError(spec.status());
+  auto drafter = MakeDrafter(*spec);
+  if (!drafter.ok()) return ReportError(drafter.status());
+  if (f.verify_cost && (spec->enabled() || !f.prompt_file.empty())) {
+    return ReportError(InvalidArgument("--verify-cost times forwards of --verify-k drafts itself: it takes no --spec "
+                                       "or --prompt-file"));
+  }
+  std::vector<int32_t> file_prompt;
+  if (!f.prompt_file.empty()) {
+    int64_t vocab_size = 0;
+    if (!opts->shape.empty()) {
+      auto c = ShapeConfig(opts->shape, opts->num_layers);
+      if (!c.ok()) return ReportError(c.status());
+      vocab_size = c->vocab_size;
+    }
+    std::string no_tokenizer;
+    auto tokenizer = LoadModelTokenizer(*opts, vocab_size, &no_tokenizer);
+    if (!tokenizer.ok()) return ReportError(tokenizer.status());
+    if (!*tokenizer) return ReportError(InvalidArgument("--prompt-file needs the model's tokenizer ({})", no_tokenizer));
+    auto text = ReadRegularFile(f.prompt_file, 16 << 20);
+    if (!text.ok()) return ReportError(text.status());
+    auto ids = (*tokenizer)->Encode(*text, true);
+    if (!ids.ok()) return ReportError(ids.status().WithContext(f.prompt_file));
+    if (ids->empty()) return ReportError(InvalidArgument("--prompt-file {} encodes to no tokens", f.prompt_file));
+    file_prompt = std::move(*ids);
+  }
+  const int prompt_len = file_prompt.empty() ? f.prompt_len : static_cast<int>(file_prompt.size());
+  opts->max_seq_len = prompt_len + f.gen_len + 1;
+  SpecFlags::Size(*spec, &*opts);
+  if (f.verify_cost) {
+    opts->max_draft_tokens = *std::max_element(f.verify_k.begin(), f.verify_k.end());
+    opts->max_seq_len = f.prompt_len + opts->max_draft_tokens + 2;
+  }
   opts->allow_fallback = f.allow_fallback;
   opts->use_graph = !f.no_graph;
   opts->skip_ops = f.skip_ops;
   opts->max_batch = f.concurrency;
   opts->max_sequences = f.concurrency;
+  if (f.verify_cost) {
+    opts->max_batch = *std::max_element(f.verify_batch.begin(), f.verify_batch.end());
+    opts->max_sequences = opts->max_batch;
+  }
   opts->max_rows_per_step = f.max_num_batched_tokens > 0 ? f.max_num_batched_tokens
                                                          : std::max(opts->prefill_chunk, f.concurrency);
   if (opts->backend == BackendKind::kAuto && f.engine.kv_dtype == "f32" &&
@@ -146,16 +319,28 @@ int RunBench(const BenchFlags& f) {
                (*engine)->backend_choice_reason.c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
   const ModelConfig& cfg = (*engine)->config();
+  if (f.verify_cost) return RunVerifyCost(**engine, f, gpu);
   SchedulerOptions so;
+  so.drafter = *drafter;
+  so.num_draft_tokens = spec->enabled() ? spec->k : 0;
   so.max_batch = f.concurrency;
   so.max_waiting = f.concurrency;
   so.prefill_chunk = opts->prefill_chunk;
   so.max_tokens_per_step = opts->max_rows_per_step;
   so.record_step_times = true;
-  std::vector<double> run_medians, all_steps, prefill_ms, ttft_ms, out_tok_s, device_ms;
+  std::vector<double> run_medians, all_steps, prefill_ms, ttft_ms, out_tok_s, device_ms, decode_tok_s;
+  SpecStats spec_total;
   for (int rep = 0; rep < f.repeat; ++rep) {
-    auto run = RunOnce(**engine, f, so);
+    auto run = RunOnce(**engine, f, so, file_prompt);
     if (!run.ok()) return ReportError(run.status());
+    decode_tok_s.push_back(run->decode_tok_s);
+    spec_total.num_drafts += run->spec.num_drafts;
+    spec_total.num_draft_tokens += run->spec.num_draft_tokens;
+    spec_total.num_accepted_tokens += run->spec.num_accepted_tokens;
+    spec_total.accepted_per_pos.resize(std::max(spec_total.accepted_per_pos.size(), run->spec.accepted_per_pos.size()));
+    for (size_t i = 0; i < run->spec.accepted_per_pos.size(); ++i) {
+      spec_total.accepted_per_pos[i] += run->spec.accepted_per_pos[i];
+    }
     run_medians.push_back(lab::Median(run->itl_ms));
     all_steps.insert(all_steps.end(), run->itl_ms.begin(), run->itl_ms.end());
     ttft_ms.insert(ttft_ms.end(), run->ttft_ms.begin(), run->ttft_ms.end());
@@ -173,7 +358,7 @@ int RunBench(const BenchFlags& f) {
   // give: 1 - (1 - k/E)^C), and every sequence's KV, averaged over the decoded contexts.
   double kv_bytes = 0;
   for (int s = 1; s < f.gen_len; ++s) {
-    kv_bytes += static_cast<double>(KvBytesReadPerToken(cfg, f.prompt_len + s, kv_elem));
+    kv_bytes += static_cast<double>(KvBytesReadPerToken(cfg, prompt_len + s, kv_elem));
   }
   kv_bytes = kv_bytes / (f.gen_len - 1) * f.concurrency;
   const double routed_active = 2.0 * static_cast<double>(pc.active_routed);
@@ -200,6 +385,20 @@ int RunBench(const BenchFlags& f) {
       {"tpot_ms_p90", lab::Percentile(all_steps, 90)},
       {"tok_s", 1e3 / tpot},
       {"output_tok_s", lab::Median(out_tok_s)},
+      {"decode_tok_s_per_stream", lab::Median(decode_tok_s)},
+      {"speculative", [&] {
+         nlohmann::json sj = SpecFlags::ToJson(*spec);
+         if (spec->enabled()) {
+           sj["drafter"] = (*drafter)->name();
+           sj["vllm:spec_decode_num_drafts_total"] = spec_total.num_drafts;
+           sj["vllm:spec_decode_num_draft_tokens_total"] = spec_total.num_draft_tokens;
+           sj["vllm:spec_decode_num_accepted_tokens_total"] = spec_total.num_accepted_tokens;
+           sj["vllm:spec_decode_num_accepted_tokens_per_pos_total"] = spec_total.accepted_per_pos;
+           sj["mean_acceptance_length"] = spec_total.mean_acceptance_length();
+           sj["acceptance_rate"] = spec_total.acceptance_rate();
+         }
+         return sj;
+       }()},
       {"device_step_ms_median", lab::Median(device_ms)},
       {"device_steps", device_ms.size()},
       {"concurrency", f.concurrency},
@@ -234,7 +433,8 @@ int RunBench(const BenchFlags& f) {
         {"shape", f.engine.shape},
         {"num_layers", cfg.num_hidden_layers},
         {"seed", f.engine.seed},
-        {"prompt_len", f.prompt_len},
+        {"prompt_len", prompt_len},
+        {"prompt_file", f.prompt_file},
         {"gen_len", f.gen_len},
         {"repeat", f.repeat},
         {"kv_dtype", std::string(DTypeName((*engine)->kv->spec().dtype))},
@@ -251,7 +451,7 @@ int RunBench(const BenchFlags& f) {
               f.engine.model_dir.empty() ? ("shape " + f.engine.shape).c_str() : f.engine.model_dir.c_str(),
               static_cast<long long>(cfg.num_hidden_layers),
               std::string(DTypeName((*engine)->kv->spec().dtype)).c_str(),
-              (*engine)->kv->spec().page_size, f.prompt_len, f.gen_len, f.concurrency, f.repeat,
+              (*engine)->kv->spec().page_size, prompt_len, f.gen_len, f.concurrency, f.repeat,
               describe.value("fallback", false) ? "  ** FALLBACK: not a speed result **" : "");
   if (!f.skip_ops.empty()) {
     std::printf("  ** SKIPPED OPS: %s (timing experiment; outputs are wrong; not a speed result) **\n",
@@ -261,6 +461,17 @@ int RunBench(const BenchFlags& f) {
               tpot, lab::Percentile(all_steps, 10), lab::Percentile(all_steps, 90), 1e3 / tpot, 100 * spread);
   std::printf("  throughput   %.1f output tok/s (median of runs, all %d streams, prefill included)\n",
               lab::Median(out_tok_s), f.concurrency);
+  std::printf("  decode       %.1f tok/s per stream (first to last token; median of runs)\n", lab::Median(decode_tok_s));
+  if (spec->enabled()) {
+    std::printf("  speculative  %s, k %d: %llu drafts, %llu draft tokens, %llu accepted (%.1f%%), mean acceptance "
+                "length %.2f tokens per verify\n",
+                (*drafter)->name().c_str(), spec->k, static_cast<unsigned long long>(spec_total.num_drafts),
+                static_cast<unsigned long long>(spec_total.num_draft_tokens),
+                static_cast<unsigned long long>(spec_total.num_accepted_tokens), 100.0 * spec_total.acceptance_rate(),
+                spec_total.mean_acceptance_length());
+    std::printf("               (TPOT percentiles count the zero gaps between tokens of one verify; compare decode "
+                "tok/s)\n");
+  }
   if (!device_ms.empty()) {
     std::printf("  device step  median %.4f ms over %zu steps with all %d streams decoding (host and sync: TPOT - this)\n",
                 lab::Median(device_ms), device_ms.size(), f.concurrency);
@@ -319,6 +530,7 @@ int RunBench(const BenchFlags& f) {
 
 struct BenchServeFlags {
   EngineFlags engine;
+  SpecFlags spec;
   std::string endpoint;
   int max_batch = 0;  // 0: the concurrency (or 64 for unbounded)
   int max_num_batched_tokens = 0;
@@ -361,9 +573,9 @@ int RunBenchServe(const BenchServeFlags& f) {
   std::unique_ptr<lab::ServeChild> child;
   lab::Endpoint ep;
   if (!f.endpoint.empty()) {
-    if (!f.engine.model_dir.empty() || !f.engine.shape.empty()) {
+    if (!f.engine.model_dir.empty() || !f.engine.shape.empty() || f.spec.method != "none" || !f.spec.model.empty()) {
       return ReportError(InvalidArgument("bench serve: give --endpoint (a running server) or --model/--shape (one "
-                                         "this command starts), not both"));
+                                         "this command starts, with its --spec flags), not both"));
     }
     auto parsed = lab::ParseEndpoint(f.endpoint);
     if (!parsed.ok()) return ReportError(parsed.status());
@@ -373,6 +585,8 @@ int RunBenchServe(const BenchServeFlags& f) {
       return ReportError(InvalidArgument("bench serve: give --endpoint URL, or exactly one of --model/--shape"));
     }
     std::vector<std::string> args = f.engine.ToArgs();
+    const auto spec_args = f.spec.ToArgs();
+    args.insert(args.end(), spec_args.begin(), spec_args.end());
     const int max_batch = f.max_batch > 0 ? f.max_batch : (o.concurrency > 0 ? o.concurrency : 64);
     args.insert(args.end(), {"--max-batch", std::to_string(max_batch)});
     if (f.max_num_batched_tokens > 0) {
@@ -405,6 +619,7 @@ void AddBenchServeCommand(CLI::App* bench, CommandContext& ctx) {
       "serve", "Serving benchmark over HTTP (vllm bench serve's counterpart): random token prompts, streamed, "
                "greedy, ignore_eos; against --endpoint or a `decodelab serve` it starts");
   flags->engine.Add(cmd);
+  flags->spec.Add(cmd);
   cmd->add_option("--endpoint", flags->endpoint, "A running OpenAI-compatible server, http://HOST:PORT (any engine)");
   cmd->add_option("--input-len", flags->bench.input_len, "Prompt tokens per request")->default_val(1024);
   cmd->add_option("--output-len", flags->bench.output_len, "Generated tokens per request")->default_val(1024);
@@ -450,6 +665,25 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
                               fmt::join(kSkippableOps, ", ")))
       ->delimiter(',');
   cmd->add_option("--json-out", flags->json_out, "Write the results as JSON");
+  flags->spec.Add(cmd);
+  cmd->add_option("--prompt-file", flags->prompt_file,
+                  "Every request's prompt: this file's text, encoded with the model's tokenizer (replaces the "
+                  "random --prompt-len prompt; e.g. tools/bench/prompts/repetitive_code.txt for --spec ngram)");
+  cmd->add_flag("--verify-cost", flags->verify_cost,
+                "Instead of the decode bench: time one verify forward (1 + K rows per sequence, outputs on "
+                "every row) against one decode forward at a context of --prompt-len, for each --verify-k and "
+                "--verify-batch; prints device ms, the ratio and the break-even acceptance length");
+  cmd->add_option("--verify-k", flags->verify_k, "--verify-cost: draft counts K")
+      ->delimiter(',')
+      ->default_str("2,4,8,15")
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--verify-batch", flags->verify_batch, "--verify-cost: sequences per forward")
+      ->delimiter(',')
+      ->default_str("1,8")
+      ->check(CLI::Range(1, 256));
+  cmd->add_option("--verify-iters", flags->verify_iters, "--verify-cost: timed forwards per point (after 3 warm-up)")
+      ->default_val(20)
+      ->check(CLI::Range(1, 10000));
   AddBenchServeCommand(cmd, ctx);
   cmd->callback([flags, &ctx, cmd] {
     if (cmd->get_subcommand("serve")->parsed()) return;  // `bench serve` ran instead

@@ -125,6 +125,69 @@ TEST(CliTest, GenerateTakesTextAndPrintsText) {
   EXPECT_EQ(fb.rc, 0) << fb.err;
 }
 
+// Speculative decoding from the command line: --spec dflash and --spec-model are refused as not
+// implemented (never ignored), --spec ngram gives generate's plain tokens with drafts counted, and
+// bench reports the counters and times verify against decode with --verify-cost.
+TEST(CliTest, SpecFlagsOnGenerateAndBench) {
+  for (const char* args : {"generate --shape tiny --backend cpu --prompt-ids 5,6 --spec dflash",
+                           "generate --shape tiny --backend cpu --prompt-ids 5,6 --spec-model /nonexistent",
+                           "serve --shape tiny --backend cpu --port 0 --spec dflash",
+                           "bench --shape tiny --backend cpu --prompt-len 8 --gen-len 4 --spec-model /x"}) {
+    const CliRun r = Decodelab(args);
+    EXPECT_NE(r.rc, 0) << args;
+    EXPECT_NE(r.err.find("not implemented yet"), std::string::npos) << args << ": " << r.err;
+  }
+  EXPECT_EQ(Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --spec eagle").rc, 2);
+  EXPECT_EQ(Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --spec ngram --spec-k 0").rc, 2);
+  std::string ids;
+  for (int i = 0; i < 40; ++i) ids += (i ? "," : "") + std::to_string(40 + (i % 5) * 17);
+  auto last_json = [](const CliRun& r) {
+    return nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1), nullptr, false);
+  };
+  const CliRun plain = Decodelab("generate --shape tiny --backend cpu --max-tokens 24 --ignore-eos --json --prompt-ids " + ids);
+  const CliRun spec = Decodelab("generate --shape tiny --backend cpu --max-tokens 24 --ignore-eos --json --spec ngram "
+                                "--spec-k 3 --spec-ngram-min 1 --prompt-ids " + ids);
+  ASSERT_EQ(plain.rc, 0) << plain.err;
+  ASSERT_EQ(spec.rc, 0) << spec.err;
+  const auto jp = last_json(plain), js = last_json(spec);
+  ASSERT_TRUE(jp.is_object() && js.is_object()) << spec.out;
+  EXPECT_EQ(js["tokens"], jp["tokens"]);
+  EXPECT_EQ(jp["speculative"]["method"], "none");
+  EXPECT_EQ(js["speculative"]["method"], "ngram");
+  EXPECT_EQ(js["speculative"]["num_speculative_tokens"], 3);
+  EXPECT_GT(js["speculative"]["num_drafts"].get<int>(), 0) << "a repetitive prompt always has an n-gram match";
+  EXPECT_NE(spec.err.find("mean acceptance length"), std::string::npos) << spec.err;
+
+  const fs::path out = fs::temp_directory_path() / ("dl_cli_spec_bench_" + std::to_string(::getpid()) + ".json");
+  const CliRun bench = Decodelab("bench --shape tiny --backend cpu --prompt-len 24 --gen-len 12 --repeat 1 --spec ngram "
+                                 "--spec-ngram-min 1 --json-out " + out.string());
+  ASSERT_EQ(bench.rc, 0) << bench.err;
+  EXPECT_NE(bench.out.find("speculative  ngram[1,5], k 4"), std::string::npos) << bench.out;
+  const auto jb = nlohmann::json::parse(Slurp(out), nullptr, false);
+  ASSERT_TRUE(jb.is_object());
+  EXPECT_EQ(jb["speculative"]["method"], "ngram");
+  EXPECT_TRUE(jb["speculative"].contains("vllm:spec_decode_num_drafts_total"));
+  EXPECT_TRUE(jb["speculative"].contains("mean_acceptance_length"));
+  EXPECT_GT(jb["decode_tok_s_per_stream"].get<double>(), 0.0);
+  fs::remove(out);
+  const CliRun cost = Decodelab("bench --shape tiny --backend cpu --verify-cost --prompt-len 20 --verify-k 2,4 "
+                                "--verify-batch 1,2 --verify-iters 2");
+  ASSERT_EQ(cost.rc, 0) << cost.err;
+  EXPECT_NE(cost.out.find("break-even"), std::string::npos) << cost.out;
+  int rows = 0;
+  for (size_t at = cost.out.find("\n"); at != std::string::npos; at = cost.out.find("\n", at + 1)) {
+    std::istringstream line(cost.out.substr(at + 1, cost.out.find("\n", at + 1) - at - 1));
+    int batch = 0, k = 0;
+    double decode_ms = 0, verify_ms = 0;
+    if (line >> batch >> k >> decode_ms >> verify_ms) {
+      EXPECT_GT(decode_ms, 0.0);
+      EXPECT_GT(verify_ms, 0.0);
+      ++rows;
+    }
+  }
+  EXPECT_EQ(rows, 4) << cost.out;  // K 2 and 4 at batch 1 and 2
+}
+
 // `decodelab serve` in the background, its stdout and stderr in files, stopped with SIGTERM.
 class ServeProcess {
  public:
