@@ -397,12 +397,26 @@ void Scheduler::Step() {
   bool any_verify = false;
   // Rows and outputs drafts may take: what is left after one row and one output for every running
   // sequence (drafts never push a decode row or a finishing prompt's output out of the step).
-  int32_t active = 0;
+  int32_t active = 0, decoders_left = 0;
   for (auto& s : running_) {
     s->step_rows = 0;
     s->drafts.clear();
-    if (!s->done) ++active;
+    if (s->done) continue;
+    ++active;
+    if (static_cast<int32_t>(s->tokens.size()) - s->computed() == 1) ++decoders_left;
   }
+  // Whether `rows` positions for s leave a free page in each group for each of `others` decode rows
+  // still to plan: drafts only take pages nobody in this step needs, so they never cause a preemption.
+  auto draft_pages_fit = [&](const Sequence& s, int32_t rows, int32_t others) {
+    const int32_t page = kv.spec().page_size;
+    const int32_t pages = (s.kv.length() + rows + page - 1) / page;
+    for (KvGroup g : {KvGroup::kFull, KvGroup::kSliding}) {
+      if (!kv.has_group(g)) continue;
+      const int32_t need = std::max(0, pages - static_cast<int32_t>(s.kv.block_table(g).size()));
+      if (kv.total_pages(g) - kv.used_pages(g) - need < others) return false;
+    }
+    return true;
+  };
   int32_t spare_rows = budget - active;
   int32_t spare_outputs = runner.max_outputs() - active;
   // Two passes in admission order: decode rows first (one each, plus drafts), then prefill chunks
@@ -417,6 +431,7 @@ void Scheduler::Step() {
       int32_t n = decode ? 1 : std::min({remaining, options_.prefill_chunk, budget});
       Status st = Status::Ok();
       bool reserved = false;
+      if (decode) --decoders_left;
       if (decode && options_.drafter && options_.num_draft_tokens > 0) {
         // At most the tokens the request still needs after this step's first one, so a verify
         // never writes past prompt + max_tokens - 1 (within the context limit Submit checked).
@@ -428,7 +443,8 @@ void Scheduler::Step() {
         }
         // Short of pages: fewer drafts (halving), never a preemption for the sake of drafts.
         while (!s.drafts.empty()) {
-          if (kv.Reserve(s.kv, 1 + static_cast<int32_t>(s.drafts.size())).ok()) {
+          const int32_t rows = 1 + static_cast<int32_t>(s.drafts.size());
+          if (draft_pages_fit(s, rows, decoders_left) && kv.Reserve(s.kv, rows).ok()) {
             reserved = true;
             break;
           }
