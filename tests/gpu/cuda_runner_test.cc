@@ -12,7 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cuda/device.h"
+#include "engine/drafter.h"
 #include "engine/engine.h"
+#include "engine/scheduler.h"
 #include "backend/cuda_runner.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
@@ -351,6 +353,134 @@ TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
       if (graph) {
         EXPECT_GT(engine->runner->Describe()["graphs"].size(), 3u) << "the schedules should span several buckets";
       }
+    }
+  }
+}
+
+// Speculative decoding on the GPU: a verify row computes bit-identically to the decode row at its
+// position (the same small-M kernels), so with any drafter the output equals plain decoding token for
+// token and logit for logit, alone (GenerateGreedy, every step's logits) and in a scheduler batch
+// (greedy and seeded sampling, logprobs), with FP8 and BF16 caches, graphs and eager launches.
+TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit) {
+  SKIP_WITHOUT_GPU();
+  auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 17, DType::kBF16);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const int32_t vocab = static_cast<int32_t>(ck->config().vocab_size);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : {40, 600, 9, 130}) {
+    std::vector<int32_t> p = LongPrompt(n, vocab);
+    for (auto& t : p) t = (t + 3 * n) % vocab;
+    prompts.push_back(p);
+  }
+  const int32_t k_max = 8, batch = static_cast<int32_t>(prompts.size());
+  for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
+    for (bool graph : {true, false}) {
+      SCOPED_TRACE(testing::Message() << DTypeName(kv) << (graph ? " graphs" : " eager"));
+      Engine engine;
+      auto fresh = MakeSyntheticCheckpoint(SmallXs2Geometry(), 17, DType::kBF16);  // the same weights
+      ASSERT_TRUE(fresh.ok());
+      engine.checkpoint = std::make_unique<Checkpoint>(std::move(*fresh));
+      const KvCacheSpec spec = TestKvSpec(engine.checkpoint->config(), kv, 32, batch);
+      auto kvc = KvCache::Create(spec);
+      ASSERT_TRUE(kvc.ok());
+      engine.kv = std::make_unique<KvCache>(std::move(*kvc));
+      CudaRunnerOptions co;
+      co.max_seq_len = 1024;
+      co.max_rows = 128;
+      co.max_outputs = batch * (1 + k_max);
+      co.use_graph = graph;
+      auto runner = CudaRunner::Create(*engine.checkpoint, spec, TestKvScales(spec.num_layers), co);
+      ASSERT_TRUE(runner.ok()) << runner.status().ToString();
+      engine.runner = std::move(*runner);
+      engine.options.max_seq_len = 1024;
+      // Alone: every step's logits.
+      TruthTable truth;
+      std::vector<GenerateResult> plain;
+      GenerateOptions g;
+      g.max_tokens = 24;
+      g.ignore_eos = true;
+      g.prefill_chunk = 128;
+      g.keep_step_logits = true;
+      for (const auto& p : prompts) {
+        auto r = GenerateGreedy(engine, p, g);
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        truth.Add(p, r->tokens);
+        plain.push_back(std::move(*r));
+      }
+      const std::vector<std::shared_ptr<const Drafter>> drafters = {
+          std::make_shared<OracleDrafter>(truth), std::make_shared<WrongDrafter>(truth, vocab),
+          std::make_shared<CorruptingDrafter>(truth, vocab, 0.3, 5), std::make_shared<NgramDrafter>(1, 3)};
+      for (const auto& d : drafters) {
+        for (int32_t k : {2, 8}) {
+          GenerateOptions sg = g;
+          sg.drafter = d.get();
+          sg.num_draft_tokens = k;
+          for (size_t i = 0; i < prompts.size(); ++i) {
+            auto r = GenerateGreedy(engine, prompts[i], sg);
+            ASSERT_TRUE(r.ok()) << r.status().ToString();
+            EXPECT_EQ(r->tokens, plain[i].tokens) << d->name() << " k " << k << " prompt " << i;
+            ASSERT_EQ(r->step_logits.size(), plain[i].step_logits.size());
+            for (size_t s = 0; s < plain[i].step_logits.size(); ++s) {
+              ASSERT_EQ(0, std::memcmp(r->step_logits[s].data(), plain[i].step_logits[s].data(),
+                                       plain[i].step_logits[s].size() * 4))
+                  << d->name() << " k " << k << " prompt " << i << " step " << s;
+            }
+          }
+        }
+      }
+      // In a scheduler batch: greedy and seeded sampling with logprobs.
+      auto run_batch = [&](std::shared_ptr<const Drafter> drafter, int32_t k) {
+        SchedulerOptions so;
+        so.max_batch = batch;
+        so.prefill_chunk = 64;
+        so.max_tokens_per_step = 128;
+        so.drafter = std::move(drafter);
+        so.num_draft_tokens = k;
+        Scheduler sched(engine, so);
+        sched.Start();
+        std::vector<std::shared_ptr<RequestState>> states;
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          GenerationRequest r;
+          r.prompt = prompts[i];
+          r.sampling.max_tokens = 20;
+          r.sampling.ignore_eos = true;
+          r.sampling.logprobs = 2;
+          if (i % 2 == 1) {
+            r.sampling.temperature = 0.8f;
+            r.sampling.top_k = 50;
+            r.sampling.seed = 100 + i;
+          }
+          auto st = sched.Submit(std::move(r));
+          EXPECT_TRUE(st.ok()) << st.status().ToString();
+          if (st.ok()) states.push_back(*st);
+        }
+        std::vector<std::vector<std::pair<int32_t, float>>> out;
+        for (auto& st : states) {
+          std::vector<std::pair<int32_t, float>> events;
+          for (int it = 0; it < 20000; ++it) {
+            RequestState::Update u;
+            st->Poll(&u, std::chrono::milliseconds(50));
+            for (const auto& e : u.tokens) events.emplace_back(e.token, e.logprob);
+            if (u.finished) break;
+          }
+          out.push_back(events);
+        }
+        sched.Stop();
+        return out;
+      };
+      const auto want = run_batch(nullptr, 0);
+      TruthTable sampled_truth;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        std::vector<int32_t> t;
+        for (const auto& [tok, lp] : want[i]) t.push_back(tok);
+        ASSERT_EQ(t.size(), 20u);
+        sampled_truth.Add(prompts[i], t);
+      }
+      for (const auto& d : {std::shared_ptr<const Drafter>(std::make_shared<OracleDrafter>(sampled_truth)),
+                            std::shared_ptr<const Drafter>(std::make_shared<CorruptingDrafter>(sampled_truth, vocab, 0.3, 9))}) {
+        EXPECT_EQ(run_batch(d, 4), want) << d->name();
+      }
+      EXPECT_EQ(engine.kv->used_pages(KvGroup::kFull) + engine.kv->used_pages(KvGroup::kSliding), 0);
     }
   }
 }
