@@ -16,7 +16,7 @@ namespace {
 
 // The rank's cache: the model's page geometry with only the rank's KV heads (the same for every
 // layer: the plan splits K uniformly).
-KvCacheSpec RankKvSpec(const KvCacheSpec& kv, const ShardPlan& plan, int rank) {
+KvCacheSpec RankKvSpec(const KvCacheSpec& kv, const TensorParallelPlan& plan, int rank) {
   KvCacheSpec s = kv;
   if (!plan.ranks[rank].layers.empty()) {
     s.num_kv_heads = static_cast<int32_t>(plan.ranks[rank].layers[0].kv_heads.size);
@@ -24,7 +24,7 @@ KvCacheSpec RankKvSpec(const KvCacheSpec& kv, const ShardPlan& plan, int rank) {
   return s;
 }
 
-std::vector<Slice> LmHeadSlices(const ShardPlan& plan) {
+std::vector<Slice> LmHeadSlices(const TensorParallelPlan& plan) {
   std::vector<Slice> v;
   for (const RankShard& r : plan.ranks) v.push_back(r.lm_head_vocab);
   return v;
@@ -33,7 +33,7 @@ std::vector<Slice> LmHeadSlices(const ShardPlan& plan) {
 }  // namespace
 
 CpuRunner::CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales,
-                     const ShardPlan& plan, int rank, comm::Communicator* comm,
+                     const TensorParallelPlan& plan, int rank, comm::Communicator* comm,
                      std::unique_ptr<HostWeightShard> shard)
     : cfg_(checkpoint.config()),
       tp_size_(plan.tp_size),
@@ -67,12 +67,12 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::Create(const Checkpoint& checkpoin
   const ModelConfig& c = checkpoint.config();
   DL_RETURN_IF_ERROR(CheckKvSpec(c, kv, scales));
   if (scales.empty()) scales = KvScales::Unit(static_cast<int>(c.num_hidden_layers));
-  DL_ASSIGN_OR_RETURN(ShardPlan whole, MakeShardPlan(c, 1, EmbeddingMode::kReplicated));
+  DL_ASSIGN_OR_RETURN(TensorParallelPlan whole, MakeTensorParallelPlan(c, 1, EmbeddingMode::kReplicated));
   return std::unique_ptr<CpuRunner>(new CpuRunner(checkpoint, kv, std::move(scales), whole, 0, nullptr, nullptr));
 }
 
 Result<std::unique_ptr<CpuRunner>> CpuRunner::CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
-                                                         KvScales scales, const ShardPlan& plan, int rank,
+                                                         KvScales scales, const TensorParallelPlan& plan, int rank,
                                                          comm::Communicator* comm) {
   const ModelConfig& c = checkpoint.config();
   DL_RETURN_IF_ERROR(CheckKvSpec(c, kv, scales));

@@ -26,7 +26,7 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   // (which must outlive the runner). `kv` is the whole model's cache geometry (the page bookkeeping
   // every rank shares); the rank stores only its plan's KV heads.
   static Result<std::unique_ptr<CpuRunner>> CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
-                                                       KvScales scales, const ShardPlan& plan, int rank,
+                                                       KvScales scales, const TensorParallelPlan& plan, int rank,
                                                        comm::Communicator* comm);
 
   std::string backend_name() const override { return "cpu-reference"; }
@@ -42,7 +42,7 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   int64_t collectives_last_forward() const { return collectives_last_forward_; }
 
  private:
-  CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales, const ShardPlan& plan,
+  CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales, const TensorParallelPlan& plan,
             int rank, comm::Communicator* comm, std::unique_ptr<HostWeightShard> shard);
   static Status CheckKvSpec(const ModelConfig& c, const KvCacheSpec& kv, const KvScales& scales);
 

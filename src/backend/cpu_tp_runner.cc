@@ -40,7 +40,7 @@ Result<std::unique_ptr<CpuTpRunner>> CpuTpRunner::Create(const Checkpoint& check
                                                          KvScales scales, int tp, EmbeddingMode embedding,
                                                          TpTransport transport, double timeout_s) {
   const ModelConfig& c = checkpoint.config();
-  DL_ASSIGN_OR_RETURN(ShardPlan plan, MakeShardPlan(c, tp, embedding));
+  DL_ASSIGN_OR_RETURN(TensorParallelPlan plan, MakeTensorParallelPlan(c, tp, embedding));
   std::unique_ptr<CpuTpRunner> runner(new CpuTpRunner());
   runner->plan_ = std::move(plan);
   runner->transport_ = transport;

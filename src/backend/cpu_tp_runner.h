@@ -44,7 +44,7 @@ class CpuTpRunner final : public ModelRunner {
   void set_kv_observer(KvObserver* observer) override { observer_ = observer; }
   nlohmann::json Describe() const override;
 
-  const ShardPlan& plan() const { return plan_; }
+  const TensorParallelPlan& plan() const { return plan_; }
   // Collectives each rank issued in the last forward, by rank.
   std::vector<int64_t> collectives_last_forward() const;
   // Test hook: rank `rank`'s next forward fails with `error` before it starts (the other ranks then
@@ -56,7 +56,7 @@ class CpuTpRunner final : public ModelRunner {
   void WorkerLoop(int rank);
   Status RunRank(int rank, const ForwardBatch& batch, ForwardResult* result);
 
-  ShardPlan plan_;
+  TensorParallelPlan plan_;
   TpTransport transport_ = TpTransport::kInProcess;
   KvCacheSpec kv_spec_;
   int64_t num_layers_ = 0, vocab_size_ = 0;

@@ -237,7 +237,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   for (const auto& w : cfg.warnings) spdlog::warn("model config: {}", w);
   if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
   // The shard plan before anything large is built, so a tp the heads do not allow fails at once.
-  if (o.tp > 1) DL_RETURN_IF_ERROR(MakeShardPlan(cfg, o.tp, o.embedding).status());
+  if (o.tp > 1) DL_RETURN_IF_ERROR(MakeTensorParallelPlan(cfg, o.tp, o.embedding).status());
   CudaRunnerOptions co;
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;

@@ -25,12 +25,12 @@ Slice SplitEvenly(int64_t n, int parts, int index) {
   return s;
 }
 
-int64_t ShardPlan::AllReducesPerForward(int64_t num_layers) const {
+int64_t TensorParallelPlan::AllReducesPerForward(int64_t num_layers) const {
   if (tp_size == 1) return 0;
   return 2 * num_layers + (embedding == EmbeddingMode::kVocabParallel ? 1 : 0);
 }
 
-Result<ShardPlan> MakeShardPlan(const ModelConfig& c, int tp, EmbeddingMode embedding) {
+Result<TensorParallelPlan> MakeTensorParallelPlan(const ModelConfig& c, int tp, EmbeddingMode embedding) {
   if (tp < 1) return InvalidArgument("--tp must be at least 1 (got {})", tp);
   const int64_t K = c.num_key_value_heads, D = c.head_dim, L = c.num_hidden_layers;
   // KV heads: split when K divides; replicated over groups of tp/K ranks when tp is a multiple of K
@@ -51,7 +51,7 @@ Result<ShardPlan> MakeShardPlan(const ModelConfig& c, int tp, EmbeddingMode embe
           tp, l, c.is_sliding(l) ? "sliding" : "full", H, tp);
     }
   }
-  ShardPlan plan;
+  TensorParallelPlan plan;
   plan.tp_size = tp;
   plan.embedding = embedding;
   for (int r = 0; r < tp; ++r) {
@@ -79,7 +79,7 @@ Result<ShardPlan> MakeShardPlan(const ModelConfig& c, int tp, EmbeddingMode embe
   return plan;
 }
 
-RankReadBytes ReadBytesPerForward(const ModelConfig& c, const ShardPlan& plan, int rank,
+RankReadBytes ReadBytesPerForward(const ModelConfig& c, const TensorParallelPlan& plan, int rank,
                                   double distinct_experts, int64_t bytes) {
   const RankShard& rs = plan.ranks[rank];
   const int64_t d = c.hidden_size, D = c.head_dim;
@@ -107,7 +107,7 @@ double ExpectedDistinctExperts(int64_t num_experts, int64_t top_k, int64_t token
   return E * (1.0 - std::pow(1.0 - static_cast<double>(top_k) / E, static_cast<double>(tokens)));
 }
 
-std::string DescribeShardPlan(const ModelConfig& c, const ShardPlan& plan) {
+std::string DescribeTensorParallelPlan(const ModelConfig& c, const TensorParallelPlan& plan) {
   std::string out = fmt::format(
       "tensor parallel {}: attention by head (q/k/v/g column-, o_proj row-parallel), MLP and experts "
       "by intermediate width, LM head vocab-parallel, embedding {}; {} all-reduces per forward\n",

@@ -60,7 +60,7 @@ struct RankShard {
   Slice lm_head_vocab;  // rows of the LM head held: logits [v0, v1) of every output row
 };
 
-struct ShardPlan {
+struct TensorParallelPlan {
   int tp_size = 1;
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
   std::vector<RankShard> ranks;  // [tp_size]
@@ -71,7 +71,7 @@ struct ShardPlan {
 
 // The plan for `tp_size` ranks. Errors name the layer (query heads that do not divide) or the KV
 // head count (neither K % tp nor tp % K is 0).
-Result<ShardPlan> MakeShardPlan(const ModelConfig& config, int tp_size, EmbeddingMode embedding);
+Result<TensorParallelPlan> MakeTensorParallelPlan(const ModelConfig& config, int tp_size, EmbeddingMode embedding);
 
 // Weight bytes one rank reads in one decode forward at `bytes_per_weight`, when each sparse layer
 // touches `distinct_experts_per_layer` routed experts (top-k at batch 1, ExpectedDistinctExperts
@@ -84,7 +84,7 @@ struct RankReadBytes {
     return attention + dense_mlp + routed_experts + shared_experts + routers + lm_head + embedding;
   }
 };
-RankReadBytes ReadBytesPerForward(const ModelConfig& config, const ShardPlan& plan, int rank,
+RankReadBytes ReadBytesPerForward(const ModelConfig& config, const TensorParallelPlan& plan, int rank,
                                   double distinct_experts_per_layer, int64_t bytes_per_weight);
 
 // Expected number of distinct experts `tokens` rows touch when each picks top_k of num_experts
@@ -92,6 +92,6 @@ RankReadBytes ReadBytesPerForward(const ModelConfig& config, const ShardPlan& pl
 double ExpectedDistinctExperts(int64_t num_experts, int64_t top_k, int64_t tokens);
 
 // One line per layer kind and rank ("rank 0: sliding q=18 kv=2 gate=18 ..."), for `inspect --tp`.
-std::string DescribeShardPlan(const ModelConfig& config, const ShardPlan& plan);
+std::string DescribeTensorParallelPlan(const ModelConfig& config, const TensorParallelPlan& plan);
 
 }  // namespace dl

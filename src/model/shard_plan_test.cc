@@ -26,7 +26,7 @@ void ExpectTiles(const std::vector<Slice>& slices, int64_t n, const std::string&
   EXPECT_EQ(next, n) << what;
 }
 
-void ExpectConsistent(const ModelConfig& c, const ShardPlan& p) {
+void ExpectConsistent(const ModelConfig& c, const TensorParallelPlan& p) {
   ASSERT_EQ(static_cast<int>(p.ranks.size()), p.tp_size);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     std::vector<Slice> q, ff, expert, shared;
@@ -60,9 +60,9 @@ void ExpectConsistent(const ModelConfig& c, const ShardPlan& p) {
   ExpectTiles(vocab, c.vocab_size, "LM head vocabulary");
 }
 
-TEST(ShardPlanTest, S21AtTp4HasTheIssuesPerRankShapes) {
+TEST(TensorParallelPlanTest, S21AtTp4HasTheIssuesPerRankShapes) {
   const ModelConfig c = Shape("s21");
-  auto p = MakeShardPlan(c, 4, EmbeddingMode::kReplicated);
+  auto p = MakeTensorParallelPlan(c, 4, EmbeddingMode::kReplicated);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   ExpectConsistent(c, *p);
   for (const RankShard& r : p->ranks) {
@@ -82,15 +82,15 @@ TEST(ShardPlanTest, S21AtTp4HasTheIssuesPerRankShapes) {
     EXPECT_EQ(r.embed_vocab, (Slice{0, 100352}));  // replicated
   }
   EXPECT_EQ(p->AllReducesPerForward(c.num_hidden_layers), 2 * 48);
-  const std::string text = DescribeShardPlan(c, *p);
+  const std::string text = DescribeTensorParallelPlan(c, *p);
   EXPECT_NE(text.find("rank 3: sliding sparse"), std::string::npos) << text;
   EXPECT_NE(text.find("q=18 heads [54, 72) kv=2 heads [6, 8)"), std::string::npos) << text;
   EXPECT_NE(text.find("q=12 heads [36, 48) kv=2 heads [6, 8)"), std::string::npos) << text;
 }
 
-TEST(ShardPlanTest, S21AtTp2And8AndXs2) {
+TEST(TensorParallelPlanTest, S21AtTp2And8AndXs2) {
   const ModelConfig s21 = Shape("s21");
-  auto p8 = MakeShardPlan(s21, 8, EmbeddingMode::kVocabParallel);
+  auto p8 = MakeTensorParallelPlan(s21, 8, EmbeddingMode::kVocabParallel);
   ASSERT_TRUE(p8.ok()) << p8.status().ToString();
   ExpectConsistent(s21, *p8);
   EXPECT_EQ(p8->ranks[5].layers[1].q_heads, (Slice{45, 9}));
@@ -98,7 +98,7 @@ TEST(ShardPlanTest, S21AtTp2And8AndXs2) {
   EXPECT_EQ(p8->ranks[5].layers[0].kv_heads, (Slice{5, 1}));
   EXPECT_EQ(p8->ranks[5].embed_vocab, p8->ranks[5].lm_head_vocab);  // vocab-parallel
   EXPECT_EQ(p8->AllReducesPerForward(48), 97);  // one more than replicated: the embedding
-  auto p2 = MakeShardPlan(s21, 2, EmbeddingMode::kReplicated);
+  auto p2 = MakeTensorParallelPlan(s21, 2, EmbeddingMode::kReplicated);
   ASSERT_TRUE(p2.ok());
   ExpectConsistent(s21, *p2);
   EXPECT_EQ(p2->ranks[1].layers[1].q_heads, (Slice{36, 36}));
@@ -106,28 +106,28 @@ TEST(ShardPlanTest, S21AtTp2And8AndXs2) {
   const ModelConfig xs2 = Shape("xs2");
   for (int tp : {1, 2, 4, 8, 16}) {
     SCOPED_TRACE(tp);
-    auto p = MakeShardPlan(xs2, tp, EmbeddingMode::kReplicated);
+    auto p = MakeTensorParallelPlan(xs2, tp, EmbeddingMode::kReplicated);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     ExpectConsistent(xs2, *p);
     EXPECT_EQ(p->ranks[0].layers[0].q_heads.size, 48 / tp);
     EXPECT_EQ(p->ranks[0].layers[1].q_heads.size, 64 / tp);
   }
   // tp 16 > K = 8: every KV head is held by the two ranks whose query heads use it.
-  auto p16 = MakeShardPlan(xs2, 16, EmbeddingMode::kReplicated);
+  auto p16 = MakeTensorParallelPlan(xs2, 16, EmbeddingMode::kReplicated);
   ASSERT_TRUE(p16.ok());
   EXPECT_EQ(p16->ranks[6].layers[1].kv_heads, (Slice{3, 1}));
   EXPECT_EQ(p16->ranks[7].layers[1].kv_heads, (Slice{3, 1}));
   // tp 1: the whole model.
-  auto p1 = MakeShardPlan(xs2, 1, EmbeddingMode::kVocabParallel);
+  auto p1 = MakeTensorParallelPlan(xs2, 1, EmbeddingMode::kVocabParallel);
   ASSERT_TRUE(p1.ok());
   EXPECT_EQ(p1->ranks[0].layers[1].q_heads, (Slice{0, 64}));
   EXPECT_EQ(p1->ranks[0].embed_vocab, (Slice{0, 100352}));
   EXPECT_EQ(p1->AllReducesPerForward(40), 0);
 }
 
-TEST(ShardPlanTest, HeadCountsThatDoNotDivideAreRefusedNamingTheLayer) {
+TEST(TensorParallelPlanTest, HeadCountsThatDoNotDivideAreRefusedNamingTheLayer) {
   const ModelConfig s21 = Shape("s21");
-  auto p5 = MakeShardPlan(s21, 5, EmbeddingMode::kReplicated);
+  auto p5 = MakeTensorParallelPlan(s21, 5, EmbeddingMode::kReplicated);
   ASSERT_FALSE(p5.ok());
   EXPECT_EQ(p5.status().code(), StatusCode::kInvalidArgument);
   // K = 8 and 5 are co-prime: the KV heads are named first.
@@ -136,24 +136,24 @@ TEST(ShardPlanTest, HeadCountsThatDoNotDivideAreRefusedNamingTheLayer) {
   ModelConfig c = Shape("tiny");  // heads 4/8, K = 2
   c.num_attention_heads_per_layer = {4, 8, 6, 8, 4};
   c.num_key_value_heads = 2;
-  auto p4 = MakeShardPlan(c, 4, EmbeddingMode::kReplicated);
+  auto p4 = MakeTensorParallelPlan(c, 4, EmbeddingMode::kReplicated);
   ASSERT_FALSE(p4.ok());
   EXPECT_NE(p4.status().message().find("layer 2 (sliding attention) has 6 query heads"), std::string::npos)
       << p4.status().message();
   EXPECT_NE(p4.status().message().find("4 ranks"), std::string::npos);
 
-  auto p0 = MakeShardPlan(c, 0, EmbeddingMode::kReplicated);
+  auto p0 = MakeTensorParallelPlan(c, 0, EmbeddingMode::kReplicated);
   ASSERT_FALSE(p0.ok());
   EXPECT_NE(p0.status().message().find("--tp must be at least 1"), std::string::npos);
 }
 
-TEST(ShardPlanTest, WidthsAndVocabularyThatDoNotDivideAreSplitUnevenly) {
+TEST(TensorParallelPlanTest, WidthsAndVocabularyThatDoNotDivideAreSplitUnevenly) {
   ModelConfig c = Shape("tiny");
   c.vocab_size = 513;
   c.intermediate_size = 97;
   c.moe_intermediate_size = 33;
   c.shared_expert_intermediate_size = 2;  // fewer than the ranks: some hold none
-  auto p = MakeShardPlan(c, 4, EmbeddingMode::kVocabParallel);
+  auto p = MakeTensorParallelPlan(c, 4, EmbeddingMode::kVocabParallel);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   ExpectConsistent(c, *p);
   EXPECT_EQ(p->ranks[0].lm_head_vocab, (Slice{0, 129}));
@@ -170,15 +170,15 @@ TEST(ShardPlanTest, WidthsAndVocabularyThatDoNotDivideAreSplitUnevenly) {
   EXPECT_EQ(p->ranks[2].layers[0].kv_heads, (Slice{1, 1}));
 }
 
-TEST(ShardPlanTest, PerElementGateRowsFollowTheHeads) {
+TEST(TensorParallelPlanTest, PerElementGateRowsFollowTheHeads) {
   ModelConfig c = Shape("tiny");
   c.gating = GatingKind::kPerElement;
-  auto p = MakeShardPlan(c, 2, EmbeddingMode::kReplicated);
+  auto p = MakeTensorParallelPlan(c, 2, EmbeddingMode::kReplicated);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->ranks[1].layers[1].gate_rows, (Slice{4 * 32, 4 * 32}));
 }
 
-TEST(ShardPlanTest, ParseEmbeddingMode) {
+TEST(TensorParallelPlanTest, ParseEmbeddingMode) {
   EXPECT_EQ(*ParseEmbeddingMode("replicated"), EmbeddingMode::kReplicated);
   EXPECT_EQ(*ParseEmbeddingMode("vocab-parallel"), EmbeddingMode::kVocabParallel);
   auto bad = ParseEmbeddingMode("vocab_parallel");
@@ -187,10 +187,10 @@ TEST(ShardPlanTest, ParseEmbeddingMode) {
 }
 
 // The doc's numbers: what a rank reads per decode step, MoE by intermediate width.
-TEST(ShardPlanTest, ReadBytesSplitTheWeightsOverRanks) {
+TEST(TensorParallelPlanTest, ReadBytesSplitTheWeightsOverRanks) {
   const ModelConfig c = Shape("s21");
-  auto p1 = MakeShardPlan(c, 1, EmbeddingMode::kReplicated);
-  auto p4 = MakeShardPlan(c, 4, EmbeddingMode::kReplicated);
+  auto p1 = MakeTensorParallelPlan(c, 1, EmbeddingMode::kReplicated);
+  auto p4 = MakeTensorParallelPlan(c, 4, EmbeddingMode::kReplicated);
   ASSERT_TRUE(p1.ok() && p4.ok());
   const RankReadBytes one = ReadBytesPerForward(c, *p1, 0, 10, 2);
   RankReadBytes sum;
@@ -215,7 +215,7 @@ TEST(WeightShardTest, RowSlicesAreViewsAndColumnSlicesReassembleTheMatrix) {
   auto ck = MakeSyntheticCheckpoint(c, 7, DType::kBF16);
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   const LagunaWeights full = HostLagunaWeights(ck->weights());
-  auto plan = MakeShardPlan(c, 2, EmbeddingMode::kVocabParallel);
+  auto plan = MakeTensorParallelPlan(c, 2, EmbeddingMode::kVocabParallel);
   ASSERT_TRUE(plan.ok());
   std::vector<std::unique_ptr<HostWeightShard>> shards;
   for (int r = 0; r < 2; ++r) {

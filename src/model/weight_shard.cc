@@ -45,7 +45,7 @@ Status CheckUnquantised(const WeightRef& w) {
 }  // namespace
 
 Result<std::unique_ptr<HostWeightShard>> ShardHostWeights(const ModelConfig& c, const LagunaWeights& full,
-                                                          const ShardPlan& plan, int rank) {
+                                                          const TensorParallelPlan& plan, int rank) {
   if (rank < 0 || rank >= plan.tp_size) {
     return InvalidArgument("rank {} outside the plan's {} ranks", rank, plan.tp_size);
   }

@@ -35,7 +35,7 @@ std::unique_ptr<Engine> LoadTp(const fs::path& dir, int tp, EmbeddingMode embedd
 
 bool PlanAllows(const fs::path& dir, int tp) {
   auto c = ModelConfig::FromFile((dir / "config.json").string());
-  return c.ok() && MakeShardPlan(*c, tp, EmbeddingMode::kReplicated).ok();
+  return c.ok() && MakeTensorParallelPlan(*c, tp, EmbeddingMode::kReplicated).ok();
 }
 
 std::vector<uint32_t> Bits(const std::vector<float>& v) {
@@ -197,6 +197,34 @@ TEST(TpCpuTest, DistributedGreedyArgmaxEqualsTheArgmaxOfTheWholeRow) {
     ASSERT_TRUE(s1.ok());
     EXPECT_EQ(s->token, s1->token) << "sampled token vs TP=1";
   }
+}
+
+// A sequence's logits at TP=2 do not depend on what else is in the batch: alone, and prefilled in
+// one forward beside another sequence, bit for bit.
+TEST(TpCpuTest, BatchInvariantUnderTensorParallelism) {
+  auto engine = LoadTp(GoldenDir("tiny"), 2, EmbeddingMode::kVocabParallel);
+  ASSERT_TRUE(engine);
+  const std::vector<int32_t> a = {7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+  const std::vector<int32_t> b = {100, 200, 300, 400, 5};
+  OutputRequest req;
+  req.want_logits = true;
+  auto alone = ForwardOnce(*engine, a, req);
+  ASSERT_TRUE(alone.ok()) << alone.status().ToString();
+  SequenceKv sa, sb;
+  ASSERT_TRUE(engine->kv->Reserve(sb, static_cast<int32_t>(b.size())).ok());
+  ASSERT_TRUE(engine->kv->Reserve(sa, static_cast<int32_t>(a.size())).ok());
+  ForwardBatch batch;
+  batch.mode = ForwardMode::kPrefill;
+  batch.AddSequence(sb, b);
+  const int32_t first_a = batch.AddSequence(sa, a);
+  batch.AddOutput(static_cast<int32_t>(b.size()) - 1);  // a greedy row beside it
+  batch.AddOutput(first_a + static_cast<int32_t>(a.size()) - 1).want_logits = true;
+  ForwardResult together;
+  ASSERT_TRUE(engine->runner->Forward(batch, &together).ok());
+  ASSERT_TRUE(engine->kv->Release(sa).ok());
+  ASSERT_TRUE(engine->kv->Release(sb).ok());
+  EXPECT_EQ(Bits(together.rows[1].logits), Bits(alone->logits));
+  EXPECT_EQ(together.rows[1].token, alone->token);
 }
 
 TEST(TpCpuTest, UnevenWidthsAndVocabularyAtTp3MatchTp1) {
