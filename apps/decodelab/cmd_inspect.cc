@@ -12,6 +12,7 @@
 #include "model/checkpoint.h"
 #include "model/param_count.h"
 #include "model/shapes.h"
+#include "model/shard_plan.h"
 
 namespace dl::app {
 namespace {
@@ -22,6 +23,8 @@ struct InspectFlags {
   int num_layers = 0;
   bool json = false;
   bool config_only = false;
+  int tp = 1;  // > 1: print the tensor-parallel shard plan (per-rank shapes)
+  std::string embedding = "replicated";
 };
 
 std::string Human(double bytes) {
@@ -74,6 +77,22 @@ int RunInspect(InspectFlags f) {
   }
   const ParamCounts p = CountParams(c);
   const int64_t ctxs[] = {4096, 32768, 131072};
+  std::optional<TensorParallelPlan> plan;
+  if (f.tp > 1) {
+    auto mode = ParseEmbeddingMode(f.embedding);
+    if (!mode.ok()) return ReportError(mode.status());
+    auto r = MakeTensorParallelPlan(c, f.tp, *mode);
+    if (!r.ok()) return ReportError(r.status());
+    plan = std::move(r).value();
+  } else if (f.tp < 1) {
+    return ReportError(InvalidArgument("--tp must be at least 1 (got {})", f.tp));
+  }
+  // Rank 0's BF16 weight bytes per decode step at batch 1 and 64 (experts touched: top-k, and the
+  // expected number of distinct experts 64 rows pick).
+  auto rank_bytes = [&](int64_t batch) {
+    return ReadBytesPerForward(c, *plan, 0, ExpectedDistinctExperts(c.num_experts, c.num_experts_per_tok, batch), 2)
+        .total();
+  };
   if (f.json) {
     nlohmann::ordered_json j;
     j["source"] = source;
@@ -105,6 +124,26 @@ int RunInspect(InspectFlags f) {
       j["fused_experts"] = ck->fused_experts();
     }
     j["warnings"] = c.warnings;
+    if (plan) {
+      nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+      for (const RankShard& rs : plan->ranks) {
+        nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+        for (const LayerShard& ls : rs.layers) {
+          layers.push_back({{"q_heads", ls.q_heads.size}, {"kv_heads", ls.kv_heads.size},
+                            {"dense_ff", ls.dense_ff.size}, {"expert_ff", ls.expert_ff.size},
+                            {"shared_ff", ls.shared_ff.size}});
+        }
+        ranks.push_back({{"rank", rs.rank},
+                         {"lm_head_vocab", {rs.lm_head_vocab.begin, rs.lm_head_vocab.end()}},
+                         {"embedding_vocab", {rs.embed_vocab.begin, rs.embed_vocab.end()}},
+                         {"layers", layers}});
+      }
+      j["tensor_parallel"] = {{"size", plan->tp_size},
+                              {"embedding", EmbeddingModeName(plan->embedding)},
+                              {"all_reduces_per_forward", plan->AllReducesPerForward(c.num_hidden_layers)},
+                              {"rank0_bf16_bytes_per_decode_step", {{"batch1", rank_bytes(1)}, {"batch64", rank_bytes(64)}}},
+                              {"ranks", ranks}};
+    }
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
@@ -167,6 +206,11 @@ int RunInspect(InspectFlags f) {
                 Human(KvBytesReadPerToken(c, t, 1)).c_str());
   }
   std::printf("\n");
+  if (plan) {
+    std::printf("\n%s", DescribeTensorParallelPlan(c, *plan).c_str());
+    std::printf("BF16 weight bytes rank 0 reads per decode step: batch 1 %s, batch 64 %s\n",
+                Human(static_cast<double>(rank_bytes(1))).c_str(), Human(static_cast<double>(rank_bytes(64))).c_str());
+  }
   return 0;
 }
 
@@ -187,6 +231,11 @@ void AddInspectCommand(CLI::App& root, CommandContext& ctx) {
       ->check(CLI::Range(1, 1000));
   cmd->add_flag("--config-only", flags->config_only, "With --model: read config.json only, skip the weights");
   cmd->add_flag("--json", flags->json, "Print one JSON object instead of text");
+  cmd->add_option("--tp", flags->tp, "Also print the tensor-parallel shard plan for N ranks (per-rank shapes)")
+      ->default_val(1);
+  cmd->add_option("--embedding", flags->embedding, "With --tp: replicated or vocab-parallel embedding")
+      ->default_val("replicated")
+      ->check(CLI::IsMember({"replicated", "vocab-parallel"}));
   cmd->callback([flags, &ctx] { ctx.exit_code = RunInspect(*flags); });
 }
 

@@ -40,6 +40,15 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--prefill-chunk", prefill_chunk, "Prompt tokens of one sequence per forward during prefill")
       ->default_val(512);
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
+  cmd->add_option("--tp", tp,
+                  "Tensor-parallel ranks (CPU backend: in-process ranks; the CUDA backend refuses tp > 1 "
+                  "for now). docs/tensor-parallel.md")
+      ->default_val(1);
+  cmd->add_option("--embedding", embedding,
+                  "How tensor-parallel ranks hold the embedding: replicated (whole table on every rank, "
+                  "no collective) or vocab-parallel (a slice per rank, one all-reduce)")
+      ->default_val("replicated")
+      ->check(CLI::IsMember({"replicated", "vocab-parallel"}));
 }
 
 void SpecFlags::Add(CLI::App* cmd) {
@@ -130,6 +139,9 @@ Result<EngineOptions> EngineFlags::ToOptions() const {
   o.prefill_chunk = prefill_chunk;
   o.max_rows_per_step = prefill_chunk;
   for (const std::string& t : tune) DL_RETURN_IF_ERROR(kernels::SetTuning(&o.tuning, t));
+  if (tp < 1) return InvalidArgument("--tp must be at least 1 (got {})", tp);
+  o.tp = tp;
+  DL_ASSIGN_OR_RETURN(o.embedding, ParseEmbeddingMode(embedding));
   return o;
 }
 
@@ -142,6 +154,7 @@ std::vector<std::string> EngineFlags::ToArgs() const {
                      "--max-seq-len", std::to_string(max_seq_len), "--prefill-chunk", std::to_string(prefill_chunk)});
   if (!kv_scales.empty()) a.insert(a.end(), {"--kv-scales", kv_scales});
   for (const std::string& t : tune) a.insert(a.end(), {"--tune", t});
+  if (tp != 1) a.insert(a.end(), {"--tp", std::to_string(tp), "--embedding", embedding});
   return a;
 }
 

@@ -25,6 +25,8 @@ struct EngineFlags {
   int max_seq_len = 4096;
   int prefill_chunk = 512;
   std::vector<std::string> tune;  // --tune name=value (kernels/tuning.h)
+  int tp = 1;                          // --tp (docs/tensor-parallel.md)
+  std::string embedding = "replicated";  // --embedding vocab-parallel|replicated
 
   // Adds the flags; `with_kv` adds the cache options too.
   void Add(CLI::App* cmd, bool with_kv = true);

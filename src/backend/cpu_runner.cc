@@ -12,17 +12,43 @@ namespace dl {
 using cpu::MatVec;
 using cpu::RmsNorm;
 
-CpuRunner::CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales)
+namespace {
+
+// The rank's cache: the model's page geometry with only the rank's KV heads (the same for every
+// layer: the plan splits K uniformly).
+KvCacheSpec RankKvSpec(const KvCacheSpec& kv, const TensorParallelPlan& plan, int rank) {
+  KvCacheSpec s = kv;
+  if (!plan.ranks[rank].layers.empty()) {
+    s.num_kv_heads = static_cast<int32_t>(plan.ranks[rank].layers[0].kv_heads.size);
+  }
+  return s;
+}
+
+std::vector<Slice> LmHeadSlices(const TensorParallelPlan& plan) {
+  std::vector<Slice> v;
+  for (const RankShard& r : plan.ranks) v.push_back(r.lm_head_vocab);
+  return v;
+}
+
+}  // namespace
+
+CpuRunner::CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales,
+                     const TensorParallelPlan& plan, int rank, comm::Communicator* comm,
+                     std::unique_ptr<HostWeightShard> shard)
     : cfg_(checkpoint.config()),
-      weights_(HostLagunaWeights(checkpoint.weights())),
+      tp_size_(plan.tp_size),
+      rank_(rank),
+      layer_shards_(plan.ranks[rank].layers),
+      shard_(std::move(shard)),
+      comm_(comm),
+      lm_head_slices_(LmHeadSlices(plan)),
+      weights_(shard_ ? shard_->weights : HostLagunaWeights(checkpoint.weights())),
       kv_spec_(kv),
-      storage_(kv, std::move(scales)),
+      storage_(RankKvSpec(kv, plan, rank), std::move(scales)),
       rope_full_(ComputeRopeTable(checkpoint.config().rope_full, checkpoint.config().head_dim)),
       rope_sliding_(ComputeRopeTable(checkpoint.config().rope_sliding, checkpoint.config().head_dim)) {}
 
-Result<std::unique_ptr<CpuRunner>> CpuRunner::Create(const Checkpoint& checkpoint,
-                                                     const KvCacheSpec& kv, KvScales scales) {
-  const ModelConfig& c = checkpoint.config();
+Status CpuRunner::CheckKvSpec(const ModelConfig& c, const KvCacheSpec& kv, const KvScales& scales) {
   if (kv.num_layers != c.num_hidden_layers || kv.num_kv_heads != c.num_key_value_heads ||
       kv.head_dim != c.head_dim) {
     return InvalidArgument("KV cache geometry does not match the model");
@@ -33,8 +59,31 @@ Result<std::unique_ptr<CpuRunner>> CpuRunner::Create(const Checkpoint& checkpoin
     return InvalidArgument("FP8 KV cache needs one K and one V scale per layer ({} layers)",
                            c.num_hidden_layers);
   }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<CpuRunner>> CpuRunner::Create(const Checkpoint& checkpoint,
+                                                     const KvCacheSpec& kv, KvScales scales) {
+  const ModelConfig& c = checkpoint.config();
+  DL_RETURN_IF_ERROR(CheckKvSpec(c, kv, scales));
   if (scales.empty()) scales = KvScales::Unit(static_cast<int>(c.num_hidden_layers));
-  return std::unique_ptr<CpuRunner>(new CpuRunner(checkpoint, kv, std::move(scales)));
+  DL_ASSIGN_OR_RETURN(TensorParallelPlan whole, MakeTensorParallelPlan(c, 1, EmbeddingMode::kReplicated));
+  return std::unique_ptr<CpuRunner>(new CpuRunner(checkpoint, kv, std::move(scales), whole, 0, nullptr, nullptr));
+}
+
+Result<std::unique_ptr<CpuRunner>> CpuRunner::CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                         KvScales scales, const TensorParallelPlan& plan, int rank,
+                                                         comm::Communicator* comm) {
+  const ModelConfig& c = checkpoint.config();
+  DL_RETURN_IF_ERROR(CheckKvSpec(c, kv, scales));
+  if (comm == nullptr || comm->size() != plan.tp_size || comm->rank() != rank) {
+    return InvalidArgument("tensor-parallel rank {} of {}: the communicator is {} of {}", rank, plan.tp_size,
+                           comm ? comm->rank() : -1, comm ? comm->size() : 0);
+  }
+  if (scales.empty()) scales = KvScales::Unit(static_cast<int>(c.num_hidden_layers));
+  DL_ASSIGN_OR_RETURN(auto shard, ShardHostWeights(c, HostLagunaWeights(checkpoint.weights()), plan, rank));
+  return std::unique_ptr<CpuRunner>(
+      new CpuRunner(checkpoint, kv, std::move(scales), plan, rank, comm, std::move(shard)));
 }
 
 nlohmann::json CpuRunner::Describe() const {
@@ -56,7 +105,9 @@ Status CpuRunner::Launch(const ForwardBatch& batch) {
   result_.rows.resize(batch.outputs.size());
   result_.hidden.resize(batch.hidden_taps.size());
   // The CPU runs the forward here; Wait hands over the result.
+  const int64_t collectives_before = comm_ ? comm_->collectives_issued() : 0;
   status_ = LagunaForward(cfg_, weights_, batch, *this);
+  collectives_last_forward_ = comm_ ? comm_->collectives_issued() - collectives_before : 0;
   return Status::Ok();
 }
 
@@ -77,8 +128,12 @@ void CpuRunner::Resize(Act a, int64_t rows, int64_t width) {
 Status CpuRunner::Embed(const WeightRef& table) {
   const int64_t d = cfg_.hidden_size, n = batch_->num_rows();
   residual_.assign(static_cast<size_t>(n * d), 0.0f);
+  // A vocab-parallel slice holds rows [embed_vocab_begin, + rows): other tokens' rows stay 0 here and
+  // come from their rank through the all-reduce (x + 0 is exact, so both embedding modes agree).
+  const int64_t first = weights_.embed_vocab_begin, held = table.rows();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t tok = batch_->tokens[i];
+    const int64_t tok = batch_->tokens[i] - first;
+    if (tok < 0 || tok >= held) continue;
     for (int64_t j = 0; j < d; ++j) residual_[i * d + j] = cpu::WeightAt(table, tok * d + j);
   }
   return Status::Ok();
@@ -118,7 +173,7 @@ Status CpuRunner::Linear(const LinearWeights& w, Act in, Act out) {
 }
 
 Status CpuRunner::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& lw) {
-  const int64_t D = cfg_.head_dim, H = cfg_.heads(l), K = cfg_.num_key_value_heads;
+  const int64_t D = cfg_.head_dim, H = local_heads(l), K = local_kv_heads(l);
   const bool sliding = cfg_.is_sliding(l);
   const RopeTable& rope = sliding ? rope_sliding_ : rope_full_;
   const int64_t R = rope.rotary_dim, half = R / 2;
@@ -167,7 +222,9 @@ Status CpuRunner::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& lw) {
 }
 
 Status CpuRunner::Attention(int32_t l) {
-  const int64_t D = cfg_.head_dim, H = cfg_.heads(l), K = cfg_.num_key_value_heads;
+  // This rank's heads: its H/tp query heads use its K/tp KV heads in groups of H/K as on one rank,
+  // or, when tp > K, all use the one KV head the rank holds (G = H/tp then).
+  const int64_t D = cfg_.head_dim, H = local_heads(l), K = local_kv_heads(l);
   const int64_t G = H / K;
   const bool sliding = cfg_.is_sliding(l);
   const KvGroup group = sliding ? KvGroup::kSliding : KvGroup::kFull;
@@ -310,23 +367,100 @@ Status CpuRunner::OutputNorm(const WeightRef& weight) {
   return Status::Ok();
 }
 
+namespace {
+
+// One output row's result from its whole [vocab] logits (the single-rank rule).
+void FinishRow(const float* row, int vocab, const OutputRequest& req, RowResult& out) {
+  if (req.want_logits) out.logits.assign(row, row + vocab);
+  bool finite = true;
+  if (req.sample) {
+    out.token = kernels::ref::SampleRow(row, vocab, req.sampling, &finite);
+  } else {
+    for (int i = 0; i < vocab; ++i) finite = finite && std::isfinite(row[i]);
+  }
+  out.finite = finite;
+}
+
+}  // namespace
+
 Status CpuRunner::SelectTokens() {
   Slot& logits = slot(Act::kLogits);
-  const int vocab = static_cast<int>(logits.width);
-  for (size_t o = 0; o < batch_->outputs.size(); ++o) {
-    const OutputRequest& req = batch_->outputs[o];
-    RowResult& out = result_.rows[o];
-    const float* row = logits.row(static_cast<int64_t>(o));
-    if (req.want_logits) out.logits.assign(row, row + vocab);
-    bool finite = true;
-    if (req.sample) {
-      out.token = kernels::ref::SampleRow(row, vocab, req.sampling, &finite);
-    } else {
-      for (int i = 0; i < vocab; ++i) finite = finite && std::isfinite(row[i]);
+  if (comm_ == nullptr) {
+    const int vocab = static_cast<int>(logits.width);
+    for (size_t o = 0; o < batch_->outputs.size(); ++o) {
+      FinishRow(logits.row(static_cast<int64_t>(o)), vocab, batch_->outputs[o], result_.rows[o]);
     }
-    out.finite = finite;
+    return Status::Ok();
+  }
+  // Vocab-parallel logits: this rank holds ids [first, first + held) of every output row. Rows whose
+  // raw logits come back, or that sample (top-k/top-p need the whole distribution), gather the whole
+  // row; greedy rows (and rows asking only whether the logits are finite) take the distributed argmax
+  // (one candidate per rank): no full-logit gather.
+  const int64_t held = logits.width, first = weights_.lm_head_vocab_begin;
+  const int vocab = static_cast<int>(cfg_.vocab_size);
+  const auto& outs = batch_->outputs;
+  std::vector<size_t> whole_rows, argmax_rows;
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const bool whole = outs[o].want_logits || (outs[o].sample && !outs[o].sampling.greedy());
+    (whole ? whole_rows : argmax_rows).push_back(o);
+  }
+  if (!argmax_rows.empty()) {
+    std::vector<comm::ArgmaxCandidate> local(argmax_rows.size());
+    std::vector<float> row(static_cast<size_t>(held));
+    for (size_t i = 0; i < argmax_rows.size(); ++i) {
+      const OutputRequest& req = outs[argmax_rows[i]];
+      const float* l = logits.row(static_cast<int64_t>(argmax_rows[i]));
+      row.assign(l, l + held);
+      comm::ArgmaxCandidate& c = local[i];
+      for (float x : row) c.finite = c.finite && std::isfinite(x);
+      // The row's adjustments that fall in this slice (kernels/sampling.h: applied before the argmax).
+      for (const LogitAdjustment& a : req.sampling.adjustments) {
+        if (a.token >= first && a.token < first + held) row[a.token - first] = kernels::AdjustedLogit(row[a.token - first], a);
+      }
+      int64_t best = -1;
+      for (int64_t j = 0; j < held; ++j) {
+        if (best < 0 || row[j] > row[best]) best = j;
+      }
+      if (best >= 0) {
+        c.value = row[best];
+        c.index = static_cast<int32_t>(first + best);
+      }
+    }
+    DL_ASSIGN_OR_RETURN(auto chosen, comm::DistributedArgmax(*comm_, local));
+    for (size_t i = 0; i < argmax_rows.size(); ++i) {
+      RowResult& out = result_.rows[argmax_rows[i]];
+      out.finite = chosen[i].finite != 0;
+      if (outs[argmax_rows[i]].sample) out.token = std::max(chosen[i].index, 0);
+    }
+  }
+  if (!whole_rows.empty()) {
+    const int64_t n = static_cast<int64_t>(whole_rows.size());
+    std::vector<float> local(static_cast<size_t>(n * held));
+    for (int64_t i = 0; i < n; ++i) {
+      const float* l = logits.row(static_cast<int64_t>(whole_rows[i]));
+      std::copy(l, l + held, local.begin() + i * held);
+    }
+    std::vector<int64_t> counts;
+    for (const Slice& v : lm_head_slices_) counts.push_back(n * v.size);
+    DL_ASSIGN_OR_RETURN(std::vector<float> all, comm::AllGatherFloats(*comm_, local, counts));
+    // all: rank-major, rank r's [n, V_r] block; reassemble each row over the whole vocabulary.
+    std::vector<float> row(static_cast<size_t>(vocab));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t offset = 0;
+      for (const Slice& v : lm_head_slices_) {
+        std::copy_n(all.begin() + offset + i * v.size, v.size, row.begin() + v.begin);
+        offset += n * v.size;
+      }
+      FinishRow(row.data(), vocab, outs[whole_rows[i]], result_.rows[whole_rows[i]]);
+    }
   }
   return Status::Ok();
+}
+
+Status CpuRunner::AllReduce(PartialSum what) {
+  if (comm_ == nullptr) return Status::Ok();  // one rank: nothing is partial
+  std::vector<float>& data = what == PartialSum::kEmbedding ? residual_ : slot(Act::kDelta).data;
+  return comm_->AllReduceSum(data);
 }
 
 }  // namespace dl

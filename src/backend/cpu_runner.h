@@ -6,10 +6,13 @@
 
 #include <memory>
 
+#include "comm/communicator.h"
 #include "kv_cache/host_kv_storage.h"
 #include "model/checkpoint.h"
 #include "model/laguna_forward.h"
 #include "model/runner.h"
+#include "model/shard_plan.h"
+#include "model/weight_shard.h"
 
 namespace dl {
 
@@ -18,6 +21,13 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   // `checkpoint` must outlive the runner (weights are read in place from its mapped files).
   static Result<std::unique_ptr<CpuRunner>> Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
                                                    KvScales scales);
+  // Rank `rank` of a tensor-parallel group (backend/cpu_tp_runner.h runs the group): it holds only
+  // its shard of the weights (`plan`) and its KV heads, and combines partial results through `comm`
+  // (which must outlive the runner). `kv` is the whole model's cache geometry (the page bookkeeping
+  // every rank shares); the rank stores only its plan's KV heads.
+  static Result<std::unique_ptr<CpuRunner>> CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                       KvScales scales, const TensorParallelPlan& plan, int rank,
+                                                       comm::Communicator* comm);
 
   std::string backend_name() const override { return "cpu-reference"; }
   const KvCacheSpec& kv_spec() const override { return kv_spec_; }
@@ -28,9 +38,13 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   Status Wait(ForwardResult* result) override;
   void set_kv_observer(KvObserver* observer) override { observer_ = observer; }
   nlohmann::json Describe() const override;
+  // Collectives this rank issued in its last forward (0 without tensor parallelism).
+  int64_t collectives_last_forward() const { return collectives_last_forward_; }
 
  private:
-  CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales);
+  CpuRunner(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales, const TensorParallelPlan& plan,
+            int rank, comm::Communicator* comm, std::unique_ptr<HostWeightShard> shard);
+  static Status CheckKvSpec(const ModelConfig& c, const KvCacheSpec& kv, const KvScales& scales);
 
   // LagunaOps over FP32 host activations.
   Status Embed(const WeightRef& table) override;
@@ -43,6 +57,10 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   Status TapHidden(int32_t tap) override;
   Status OutputNorm(const WeightRef& weight) override;
   Status SelectTokens() override;
+  Status AllReduce(PartialSum what) override;
+  // This rank's query and KV heads in `layer` (the whole layer's without tensor parallelism).
+  int64_t local_heads(int32_t layer) const { return layer_shards_[layer].q_heads.size; }
+  int64_t local_kv_heads(int32_t layer) const { return layer_shards_[layer].kv_heads.size; }
 
   // An activation slot: its rows and width for the current batch.
   struct Slot {
@@ -56,6 +74,14 @@ class CpuRunner : public ModelRunner, private LagunaOps {
   void SwiGlu(const WeightRef& gate, const WeightRef& up, const WeightRef& down, const float* x, float* y);
 
   const ModelConfig& cfg_;
+  // Tensor parallelism: this rank's part of the plan, its weights' owned slices, the communicator
+  // (null on a single rank).
+  int tp_size_ = 1, rank_ = 0;
+  std::vector<LayerShard> layer_shards_;
+  std::unique_ptr<HostWeightShard> shard_;
+  comm::Communicator* comm_ = nullptr;
+  std::vector<Slice> lm_head_slices_;  // every rank's LM head rows, in rank order
+  int64_t collectives_last_forward_ = 0;
   LagunaWeights weights_;
   KvCacheSpec kv_spec_;
   HostKvStorage storage_;

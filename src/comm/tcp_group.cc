@@ -23,7 +23,9 @@ enum Tag : uint32_t {
   kReduceIn = 3,
   kReduceOut = 4,
   kBarrier = 5,
-  kWelcome = 6
+  kWelcome = 6,
+  kGatherIn = 7,
+  kGatherOut = 8
 };
 
 struct FrameHeader {
@@ -372,6 +374,30 @@ Status TcpGroup::Barrier(Deadline deadline) {
   }
   DL_RETURN_IF_ERROR(SendFrame(0, kBarrier, &token, 1, deadline));
   return RecvFrame(0, kBarrier, &token, 1, deadline);
+}
+
+Status TcpGroup::AllGather(const void* local, std::span<const size_t> bytes_per_rank, void* out,
+                           Deadline deadline) {
+  if (static_cast<int>(bytes_per_rank.size()) != world_size_) {
+    return InvalidArgument("all-gather: {} sizes for a group of {}", bytes_per_rank.size(), world_size_);
+  }
+  size_t total = 0;
+  for (size_t b : bytes_per_rank) total += b;
+  char* dst = static_cast<char*>(out);
+  if (rank_ == 0) {
+    if (bytes_per_rank[0] > 0) std::memcpy(dst, local, bytes_per_rank[0]);
+    size_t offset = bytes_per_rank[0];
+    for (int r = 1; r < world_size_; ++r) {
+      DL_RETURN_IF_ERROR(RecvFrame(r, kGatherIn, dst + offset, bytes_per_rank[r], deadline));
+      offset += bytes_per_rank[r];
+    }
+    for (int r = 1; r < world_size_; ++r) {
+      DL_RETURN_IF_ERROR(SendFrame(r, kGatherOut, dst, total, deadline));
+    }
+    return Status::Ok();
+  }
+  DL_RETURN_IF_ERROR(SendFrame(0, kGatherIn, local, bytes_per_rank[rank_], deadline));
+  return RecvFrame(0, kGatherOut, dst, total, deadline);
 }
 
 }  // namespace dl::comm

@@ -46,6 +46,9 @@ class TcpGroup {
   // order, so the result is the same on every rank).
   Status AllReduceSum(std::span<float> data, Deadline deadline);
   Status Barrier(Deadline deadline);
+  // Every rank's `local` concatenated in rank order into every rank's `out` (gathered on rank 0, then
+  // sent to every rank); rank r contributes bytes_per_rank[r] bytes.
+  Status AllGather(const void* local, std::span<const size_t> bytes_per_rank, void* out, Deadline deadline);
 
  private:
   TcpGroup(int rank, int world_size) : rank_(rank), world_size_(world_size) {}

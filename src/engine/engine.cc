@@ -10,6 +10,7 @@
 #include "base/rng.h"
 #include "cuda/device.h"
 #include "backend/cpu_runner.h"
+#include "backend/cpu_tp_runner.h"
 #include "backend/cuda_runner.h"
 #include "model/backend_support.h"
 #include "model/shapes.h"
@@ -168,6 +169,18 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   return ScalesFromAmax(amax.first, amax.second, "calibration:builtin-v1-cuda-bf16");
 }
 
+namespace {
+
+Status TpOnCudaRefused(int32_t tp, const std::string& why) {
+  return Unimplemented(
+      "--tp {} on the CUDA backend ({}): tensor parallelism is built only on the CPU reference so far "
+      "(the NCCL and one-shot CUDA IPC communicators are not; docs/tensor-parallel.md); use --backend "
+      "cpu or --tp 1",
+      tp, why);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   auto engine = std::make_unique<Engine>();
   if (o.model_dir.empty() == o.shape.empty()) {
@@ -175,6 +188,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   }
   if (o.kv_dtype == DType::kF16) return InvalidArgument("--kv-dtype must be f32, bf16 or fp8");
 
+  if (o.tp < 1) return InvalidArgument("--tp must be at least 1 (got {})", o.tp);
+  if (o.backend == BackendKind::kCuda && o.tp > 1) return TpOnCudaRefused(o.tp, "requested");
   // Backend choice: auto takes CUDA where a GPU is usable, else the CPU reference.
   std::string why;
   const int gpus = cuda::DeviceCount(&why);
@@ -190,6 +205,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     engine->backend_choice_reason = "cpu: requested";
   }
+  if (chosen == BackendKind::kCuda && o.tp > 1) return TpOnCudaRefused(o.tp, engine->backend_choice_reason);
   if (chosen == BackendKind::kCpu && !o.skip_ops.empty()) {
     return InvalidArgument("--skip-ops is a CUDA timing experiment; the CPU backend ({}) has no such switch",
                            engine->backend_choice_reason);
@@ -222,6 +238,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   const ModelConfig& cfg = engine->config();
   for (const auto& w : cfg.warnings) spdlog::warn("model config: {}", w);
   if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
+  // The shard plan before anything large is built, so a tp the heads do not allow fails at once.
+  if (o.tp > 1) DL_RETURN_IF_ERROR(MakeTensorParallelPlan(cfg, o.tp, o.embedding).status());
   CudaRunnerOptions co;
   co.allow_fallback = o.allow_fallback;
   co.use_graph = o.use_graph;
@@ -265,6 +283,12 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),
                                                         std::move(scales), co));
     engine->runner = std::move(runner);
+  } else if (o.tp > 1) {
+    DL_ASSIGN_OR_RETURN(auto runner, CpuTpRunner::Create(*engine->checkpoint, engine->kv->spec(),
+                                                         std::move(scales), o.tp, o.embedding));
+    engine->runner = std::move(runner);
+    engine->backend_choice_reason += fmt::format("; tensor parallel {} (in-process ranks, embedding {})", o.tp,
+                                                 EmbeddingModeName(o.embedding));
   } else {
     DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::Create(*engine->checkpoint, engine->kv->spec(),
                                                        std::move(scales)));

@@ -15,6 +15,7 @@
 #include "model/checkpoint.h"
 #include "kernels/tuning.h"
 #include "model/runner.h"
+#include "model/shard_plan.h"
 
 namespace dl {
 
@@ -47,6 +48,10 @@ struct EngineOptions {
   bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales
   std::vector<std::string> skip_ops;  // CUDA timing experiments only (CudaRunnerOptions::skip_ops)
   kernels::Tuning tuning;             // CUDA kernel tuning (--tune name=value), printed with results
+  // Tensor parallelism (docs/tensor-parallel.md): ranks, and how the embedding is held. The CPU
+  // reference runs tp ranks as threads of this process; the CUDA backend refuses tp > 1 (not built).
+  int32_t tp = 1;
+  EmbeddingMode embedding = EmbeddingMode::kReplicated;
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.

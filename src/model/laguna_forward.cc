@@ -7,6 +7,7 @@ namespace dl {
 Status LagunaForward(const ModelConfig& c, const LagunaWeights& w, const ForwardBatch& batch,
                      LagunaOps& ops) {
   DL_RETURN_IF_ERROR(ops.Embed(w.embed));
+  if (w.embed_vocab_parallel) DL_RETURN_IF_ERROR(ops.AllReduce(PartialSum::kEmbedding));
   size_t next_tap = 0;
   for (int32_t l = 0; l < static_cast<int32_t>(c.num_hidden_layers); ++l) {
     const LagunaLayerWeights& L = w.layers[l];
@@ -16,6 +17,7 @@ Status LagunaForward(const ModelConfig& c, const LagunaWeights& w, const Forward
     DL_RETURN_IF_ERROR(ops.QkNormRopeAppend(l, L));
     DL_RETURN_IF_ERROR(ops.Attention(l));
     DL_RETURN_IF_ERROR(ops.Linear(L.o, Act::kAttention, Act::kDelta));
+    DL_RETURN_IF_ERROR(ops.AllReduce(PartialSum::kDelta));  // o_proj is row-parallel
     // MLP block.
     DL_RETURN_IF_ERROR(ops.AddRmsNorm(L.post_attn_norm, /*add_delta=*/true));
     if (c.is_sparse(l)) {
@@ -25,6 +27,7 @@ Status LagunaForward(const ModelConfig& c, const LagunaWeights& w, const Forward
       DL_RETURN_IF_ERROR(ops.SiluMul());
       DL_RETURN_IF_ERROR(ops.Linear(L.mlp_down, Act::kHidden, Act::kDelta));
     }
+    DL_RETURN_IF_ERROR(ops.AllReduce(PartialSum::kDelta));  // experts and down are width-parallel
     if (next_tap < batch.hidden_taps.size() && batch.hidden_taps[next_tap] == l) {
       DL_RETURN_IF_ERROR(ops.TapHidden(static_cast<int32_t>(next_tap++)));
     }

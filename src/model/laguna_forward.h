@@ -30,6 +30,12 @@ enum class Act : uint8_t {
   kLogits,        // [R, V]
 };
 
+// Values that are partial sums over tensor-parallel ranks until all-reduced (model/shard_plan.h).
+enum class PartialSum : uint8_t {
+  kEmbedding,  // the residual after Embed of a vocab-parallel table (other ranks' tokens' rows are 0)
+  kDelta,      // kDelta after a row-parallel projection: o_proj, the dense MLP's down, the MoE
+};
+
 class LagunaOps {
  public:
   virtual ~LagunaOps() = default;
@@ -53,8 +59,16 @@ class LagunaOps {
   virtual Status TapHidden(int32_t tap) = 0;
   // residual += delta; kOutputNormed = RMSNorm(residual[output rows]) * weight.
   virtual Status OutputNorm(const WeightRef& weight) = 0;
-  // Chooses each output row's token from kLogits (ForwardBatch::outputs' sampling).
+  // Chooses each output row's token from kLogits (ForwardBatch::outputs' sampling). Under tensor
+  // parallelism kLogits holds the rank's vocabulary slice; the backend combines the ranks' choices.
   virtual Status SelectTokens() = 0;
+  // Sums `what` over the tensor-parallel ranks in a fixed rank order, so every rank gets the same
+  // bits, run to run. A backend holding the whole model on one rank has nothing to reduce: the
+  // default is that no-op (the CUDA backend refuses tp > 1 until it has a communicator).
+  virtual Status AllReduce(PartialSum what) {
+    (void)what;
+    return Status::Ok();
+  }
 };
 
 // Runs the whole model over `batch` through `ops` (which has been given the batch by its backend).

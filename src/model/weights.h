@@ -68,6 +68,12 @@ struct LagunaWeights {
   WeightRef final_norm;  // [d]
   LinearWeights lm_head; // [V, d]
   std::vector<LagunaLayerWeights> layers;
+  // Tensor parallelism (model/weight_shard.h): the first vocabulary id of the rows `embed` and
+  // `lm_head` hold (0: the whole table), and whether the embedding is a vocab-parallel slice whose
+  // result the forward all-reduces.
+  int64_t embed_vocab_begin = 0;
+  int64_t lm_head_vocab_begin = 0;
+  bool embed_vocab_parallel = false;
 };
 
 // The checkpoint's weights as host references (the CPU reference reads them in place).

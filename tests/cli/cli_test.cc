@@ -188,6 +188,43 @@ TEST(CliTest, SpecFlagsOnGenerateAndBench) {
   EXPECT_EQ(rows, 4) << cost.out;  // K 2 and 4 at batch 1 and 2
 }
 
+// --tp on the CPU reference: the same greedy tokens as one rank in both embedding modes (this
+// prompt's margins on the tiny shape are far above FP32 rounding); refusals name what is wrong.
+TEST(CliTest, TensorParallelGenerateAndInspect) {
+  auto tokens = [](const CliRun& r) {
+    const auto j = nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1), nullptr, false);
+    return j.is_object() ? j["tokens"] : nlohmann::json();
+  };
+  const std::string base = "generate --shape tiny --backend cpu --prompt-ids 5,6,7,8,9 --max-tokens 12 --ignore-eos --json";
+  const CliRun one = Decodelab(base);
+  ASSERT_EQ(one.rc, 0) << one.err;
+  for (const char* extra : {" --tp 2", " --tp 4 --embedding vocab-parallel", " --tp 2 --embedding replicated"}) {
+    const CliRun tp = Decodelab(base + extra);
+    ASSERT_EQ(tp.rc, 0) << extra << ": " << tp.err;
+    EXPECT_EQ(tokens(tp), tokens(one)) << extra;
+    EXPECT_EQ(tokens(tp).size(), 12u);
+    EXPECT_NE(tp.err.find("tensor parallel"), std::string::npos) << tp.err;
+  }
+  const CliRun three = Decodelab(base + " --tp 3");
+  EXPECT_NE(three.rc, 0);
+  EXPECT_NE(three.err.find("3 ranks"), std::string::npos) << three.err;
+  const CliRun cuda =
+      Decodelab("generate --shape tiny --backend cuda --tp 2 --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_NE(cuda.rc, 0);
+  EXPECT_NE(cuda.err.find("--tp 2 on the CUDA backend"), std::string::npos) << cuda.err;
+  EXPECT_EQ(Decodelab(base + " --embedding sideways").rc, 2);
+  // The per-rank shapes of S 2.1 at TP=4, without a GPU or weights.
+  const CliRun inspect = Decodelab("inspect --shape s21 --tp 4");
+  ASSERT_EQ(inspect.rc, 0) << inspect.err;
+  EXPECT_NE(inspect.out.find("rank 3: sliding sparse (from layer 1): q=18 heads [54, 72) kv=2 heads [6, 8)"),
+            std::string::npos) << inspect.out;
+  EXPECT_NE(inspect.out.find("(from layer 0): q=12 heads [0, 12) kv=2 heads [0, 2)"), std::string::npos)
+      << inspect.out;
+  const CliRun bad = Decodelab("inspect --shape s21 --tp 5");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.err.find("KV heads"), std::string::npos) << bad.err;
+}
+
 // `decodelab serve` in the background, its stdout and stderr in files, stopped with SIGTERM.
 class ServeProcess {
  public:

@@ -1,0 +1,86 @@
+// Tensor parallelism on the CPU reference: tp ranks, each a CpuRunner holding only its shard of the
+// weights (model/shard_plan.h) and its KV heads, running the one Laguna forward and combining partial
+// sums through a comm::Communicator. Rank 0 is the ModelRunner the engine and scheduler talk to: it
+// owns scheduling, and each Launch hands the step's plan (the ForwardBatch, with its sequences' block
+// tables) to the other ranks. The ranks are threads of this process (the plan is shared memory);
+// their collectives go in-process, or over TCP on loopback (the transport separate CPU processes
+// would use). A rank whose forward fails aborts the group, so no rank waits for it; the runner then
+// refuses every later step with the error (docs/tensor-parallel.md).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend/cpu_runner.h"
+#include "comm/communicator.h"
+#include "model/shard_plan.h"
+
+namespace dl {
+
+enum class TpTransport : uint8_t { kInProcess, kTcpLoopback };
+const char* TpTransportName(TpTransport t);
+
+class CpuTpRunner final : public ModelRunner {
+ public:
+  // `checkpoint` must outlive the runner. `collective_timeout_s` bounds every wait for another rank.
+  static Result<std::unique_ptr<CpuTpRunner>> Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                     KvScales scales, int tp_size, EmbeddingMode embedding,
+                                                     TpTransport transport = TpTransport::kInProcess,
+                                                     double collective_timeout_s = 600.0);
+  ~CpuTpRunner() override;
+
+  std::string backend_name() const override { return "cpu-reference"; }
+  const KvCacheSpec& kv_spec() const override { return kv_spec_; }
+  const KvScales& kv_scales() const override { return ranks_[0]->kv_scales(); }
+  int32_t max_rows() const override { return ranks_[0]->max_rows(); }
+  int32_t max_outputs() const override { return ranks_[0]->max_outputs(); }
+  Status Launch(const ForwardBatch& batch) override;
+  Status Wait(ForwardResult* result) override;
+  // KV observation (calibration) sees whole K/V vectors: it runs on one rank (engine.h's
+  // CalibrateKvScales), and a forward here with an observer set is refused.
+  void set_kv_observer(KvObserver* observer) override { observer_ = observer; }
+  nlohmann::json Describe() const override;
+
+  const TensorParallelPlan& plan() const { return plan_; }
+  // Collectives each rank issued in the last forward, by rank.
+  std::vector<int64_t> collectives_last_forward() const;
+  // Test hook: rank `rank`'s next forward fails with `error` before it starts (the other ranks then
+  // block in their first collective until the group is aborted).
+  void FailNextForwardOnRank(int rank, Status error);
+
+ private:
+  CpuTpRunner() = default;
+  void WorkerLoop(int rank);
+  Status RunRank(int rank, const ForwardBatch& batch, ForwardResult* result);
+
+  TensorParallelPlan plan_;
+  TpTransport transport_ = TpTransport::kInProcess;
+  KvCacheSpec kv_spec_;
+  int64_t num_layers_ = 0, vocab_size_ = 0;
+  std::shared_ptr<comm::InProcessGroup> in_process_;       // kInProcess
+  std::vector<std::unique_ptr<comm::Communicator>> owned_;  // kTcpLoopback
+  std::vector<comm::Communicator*> comms_;                 // [tp]
+  std::vector<std::unique_ptr<CpuRunner>> ranks_;          // [tp]
+  KvObserver* observer_ = nullptr;
+
+  // Step hand-off to the worker threads (ranks 1..tp-1).
+  std::mutex mu_;
+  std::condition_variable step_cv_, done_cv_;
+  uint64_t step_ = 0;
+  const ForwardBatch* step_batch_ = nullptr;
+  int done_ = 0;
+  bool stop_ = false;
+  std::vector<Status> statuses_;       // [tp], of the current step
+  std::vector<Status> injected_;       // [tp], FailNextForwardOnRank
+  std::vector<std::thread> workers_;
+
+  bool in_flight_ = false;
+  Status broken_;  // set once a forward failed on some rank: the group is gone
+  ForwardResult result_;
+  Status status_;
+};
+
+}  // namespace dl
