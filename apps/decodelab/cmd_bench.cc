@@ -247,10 +247,10 @@ int RunBench(const BenchFlags& f) {
     return ReportError(
         InvalidArgument("--prompt-len >= 1, --gen-len >= 2, --repeat >= 1 and --concurrency >= 1 please"));
   }
-  if (opts->shape == "s21" && opts->backend != BackendKind::kCpu) {
+  if (opts->shape == "s21" && opts->backend != BackendKind::kCpu && !opts->shape_fp8) {
     return ReportError(InvalidArgument(
-        "--shape s21 at BF16 (235 GB) does not fit one H200: it needs TP >= 2 or FP8 weights, which "
-        "this version does not have yet"));
+        "--shape s21 at BF16 (235 GB) does not fit one H200: it needs TP >= 2 or FP8 weights "
+        "(--shape-dtype fp8: the export layout is ~123 GB)"));
   }
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
@@ -351,7 +351,6 @@ int RunBench(const BenchFlags& f) {
                  f.repeat, prefill_ms.back(), run_medians.back(), out_tok_s.back());
   }
 
-  const ParamCounts pc = CountParams(cfg);
   const int64_t kv_elem = static_cast<int64_t>(DTypeSize((*engine)->kv->spec().dtype));
   // Bytes one decode step reads with `concurrency` sequences: the dense weights once, each routed
   // expert once if any token chose it (expected fraction under uniform routing, which random weights
@@ -361,13 +360,15 @@ int RunBench(const BenchFlags& f) {
     kv_bytes += static_cast<double>(KvBytesReadPerToken(cfg, prompt_len + s, kv_elem));
   }
   kv_bytes = kv_bytes / (f.gen_len - 1) * f.concurrency;
-  const double routed_active = 2.0 * static_cast<double>(pc.active_routed);
+  // Weight bytes as the loaded checkpoint stores them (BF16, F32, FP8 codes + scales; docs/fp8.md).
+  const WeightBytesPerToken wb = ActiveWeightBytes(*(*engine)->checkpoint);
+  const double routed_active = static_cast<double>(wb.routed);
   double touched = 1.0;
   if (cfg.num_experts > 0) {
     const double k_over_e = static_cast<double>(cfg.num_experts_per_tok) / static_cast<double>(cfg.num_experts);
     touched = (1.0 - std::pow(1.0 - k_over_e, f.concurrency)) / k_over_e;  // experts read per chosen slot
   }
-  const double weight_bytes = static_cast<double>(pc.bytes_per_token_bf16()) - routed_active + routed_active * touched;
+  const double weight_bytes = static_cast<double>(wb.total()) - routed_active + routed_active * touched;
   const double bytes = weight_bytes + kv_bytes;
   const double tpot = lab::Median(all_steps);
   const double floor_ms = copy_gbps > 0 ? bytes / (copy_gbps * 1e9) * 1e3 : 0.0;
@@ -411,6 +412,9 @@ int RunBench(const BenchFlags& f) {
       {"bytes_per_token", bytes / f.concurrency},
       {"weight_bytes_per_step", weight_bytes},
       {"weight_bytes_per_token", weight_bytes / f.concurrency},
+      {"weight_bytes_one_token_by_dtype",
+       {{"bf16", wb.bf16}, {"f32", wb.f32}, {"fp8", wb.fp8}, {"fp8_scales", wb.fp8_scales}, {"total", wb.total()}}},
+      {"weight_format", cfg.weight_quant.fp8() ? std::string(Fp8FormatName(cfg.weight_quant.format)) : "none"},
       {"expert_reads_per_slot", touched},
       {"kv_bytes_per_step_mean", kv_bytes},
       {"copy_bandwidth_gbps", copy_gbps},
@@ -432,6 +436,8 @@ int RunBench(const BenchFlags& f) {
        {{"model", f.engine.model_dir},
         {"shape", f.engine.shape},
         {"num_layers", cfg.num_hidden_layers},
+        {"shape_dtype", f.engine.shape_dtype},
+        {"fp8_layout", opts->shape_fp8 ? std::string(Fp8LayoutName(opts->shape_fp8->layout)) : ""},
         {"seed", f.engine.seed},
         {"prompt_len", prompt_len},
         {"prompt_file", f.prompt_file},
@@ -481,6 +487,10 @@ int RunBench(const BenchFlags& f) {
   std::printf("  bytes/step   %.3f GB (weights %.3f: routed experts %.2fx one token's, expected under uniform "
               "routing; KV %.4f)\n",
               bytes / 1e9, weight_bytes / 1e9, touched, kv_bytes / 1e9);
+  std::printf("  weights/tok  %.3f GB at batch 1: BF16 %.3f, F32 %.4f, FP8 %.3f + scales %.4f (%s)\n", wb.total() / 1e9,
+              wb.bf16 / 1e9, wb.f32 / 1e9, wb.fp8 / 1e9, wb.fp8_scales / 1e9,
+              cfg.weight_quant.fp8() ? fmt::format("FP8 weights, {} format", Fp8FormatName(cfg.weight_quant.format)).c_str()
+                                     : "no FP8 weights");
   if (copy_gbps > 0) {
     std::printf("  floor        %.4f ms per step at %.0f GB/s copy bandwidth -> %.1f%% of floor (TPOT)%s\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot,

@@ -48,6 +48,16 @@ std::string RopeSummary(const RopeParams& p, int64_t head_dim) {
   return fmt::format("default theta={:g} rotary={}/{}", p.theta, t.rotary_dim, head_dim);
 }
 
+// Bytes per token of the layouts a checkpoint of `c` can have (docs/fp8.md).
+std::vector<std::pair<std::string, WeightBytesPerToken>> LayoutBytes(const ModelConfig& c) {
+  Fp8Options exp, all;
+  exp.layout = Fp8Layout::kExport;
+  all.layout = Fp8Layout::kAllLinear;
+  return {{"bf16", ActiveWeightBytes(c, DType::kBF16)},
+          {"fp8-export", ActiveWeightBytes(c, DType::kBF16, &exp)},
+          {"fp8-all-linear", ActiveWeightBytes(c, DType::kBF16, &all)}};
+}
+
 int RunInspect(InspectFlags f) {
   if (f.model.empty() == f.shape.empty()) return ReportError(InvalidArgument("give exactly one of --model or --shape"));
   if (!f.model.empty()) {
@@ -113,6 +123,15 @@ int RunInspect(InspectFlags f) {
     j["bytes_per_token"] = {{"bf16", p.bytes_per_token_bf16()},
                             {"fp8_routed_experts", p.bytes_per_token_fp8_experts()},
                             {"fp8_linears", p.bytes_per_token_fp8_linears()}};
+    // With scales, by storage: each layout, and (with --model) the checkpoint as stored.
+    auto by_dtype = [](const WeightBytesPerToken& b) {
+      return nlohmann::ordered_json{{"bf16", b.bf16}, {"f32", b.f32},           {"fp8", b.fp8},
+                                    {"fp8_scales", b.fp8_scales}, {"total", b.total()}};
+    };
+    nlohmann::ordered_json layouts;
+    for (const auto& [name, bytes] : LayoutBytes(c)) layouts[name] = by_dtype(bytes);
+    if (ck) layouts["checkpoint"] = by_dtype(ActiveWeightBytes(*ck));
+    j["weight_bytes_per_token"] = layouts;
     j["kv_bytes_per_token"] = {{"bf16", KvBytesPerToken(c, 2)}, {"fp8", KvBytesPerToken(c, 1)}};
     nlohmann::ordered_json kr = nlohmann::ordered_json::object();
     for (int64_t t : ctxs) kr[std::to_string(t)] = {{"bf16", KvBytesReadPerToken(c, t, 2)}, {"fp8", KvBytesReadPerToken(c, t, 1)}};
@@ -163,7 +182,18 @@ int RunInspect(InspectFlags f) {
               c.rms_norm_eps, c.tie_word_embeddings ? "yes" : "no", c.dtype.c_str());
   std::printf("rope full:    %s\n", RopeSummary(c.rope_full, c.head_dim).c_str());
   std::printf("rope sliding: %s\n", RopeSummary(c.rope_sliding, c.head_dim).c_str());
-  if (c.has_quantization_config) std::printf("quantization_config: %s\n", c.quant_method.c_str());
+  if (c.has_quantization_config) {
+    const WeightQuantization& q = c.weight_quant;
+    std::printf("quantization_config: %s%s\n", c.quant_method.c_str(),
+                q.fp8() ? fmt::format(" (FP8 weights, {} scales{}, {} ignored modules)",
+                                      Fp8GranularityName(q.granularity),
+                                      q.granularity == Fp8Granularity::kBlock
+                                          ? fmt::format(" {}x{}", q.block_rows, q.block_cols)
+                                          : std::string(),
+                                      q.ignore.size())
+                                .c_str()
+                        : " (KV cache scheme only)");
+  }
   for (const auto& w : c.warnings) std::printf("warning: %s\n", w.c_str());
   std::printf("\nlayer  attention  heads  gqa  rotary  mlp     kv_scales\n");
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -191,13 +221,20 @@ int RunInspect(InspectFlags f) {
               h(p.lm_head).c_str(), h(p.block_norms).c_str());
   std::printf("active per token: %lld (%s) + %lld embedding row\n", (long long)p.active, h(p.active).c_str(),
               (long long)p.embedding_row);
-  std::printf("weight bytes read per decoded token (batch 1):\n");
-  std::printf("  all BF16                       %15lld B  (%.2f GB)\n", (long long)p.bytes_per_token_bf16(),
-              p.bytes_per_token_bf16() / 1e9);
-  std::printf("  FP8 routed experts, rest BF16  %15lld B  (%.2f GB)\n", (long long)p.bytes_per_token_fp8_experts(),
-              p.bytes_per_token_fp8_experts() / 1e9);
-  std::printf("  FP8 linears exc. head/router/g %15lld B  (%.2f GB)  (scales not counted)\n",
-              (long long)p.bytes_per_token_fp8_linears(), p.bytes_per_token_fp8_linears() / 1e9);
+  std::printf("weight bytes read per decoded token (batch 1; FP8 with its FP32 scales; floor at the H200's "
+              "4.8 TB/s peak):\n");
+  std::printf("  %-36s %15s  %9s  %9s  %9s  %8s\n", "layout", "total B", "BF16 GB", "FP8 GB", "scales MB", "floor ms");
+  auto row = [](const std::string& name, const WeightBytesPerToken& b) {
+    std::printf("  %-36s %15lld  %9.3f  %9.3f  %9.3f  %8.3f\n", name.c_str(), (long long)b.total(),
+                (b.bf16 + b.f32) / 1e9, b.fp8 / 1e9, b.fp8_scales / 1e6, b.total() / 4.8e12 * 1e3);
+  };
+  if (ck) {
+    row(ck->config().weight_quant.fp8()
+            ? fmt::format("this checkpoint ({})", Fp8FormatName(ck->config().weight_quant.format))
+            : std::string("this checkpoint"),
+        ActiveWeightBytes(*ck));
+  }
+  for (const auto& [name, bytes] : LayoutBytes(c)) row(name, bytes);
   std::printf("KV cache per token: %lld B BF16, %lld B FP8\n", (long long)KvBytesPerToken(c, 2),
               (long long)KvBytesPerToken(c, 1));
   std::printf("KV bytes read per decoded token:");

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "apps/decodelab/commands.h"
+#include "model/fp8_layout.h"
 #include "model/model_writer.h"
 #include "model/param_count.h"
 #include "model/shapes.h"
@@ -28,6 +29,8 @@ struct MakeModelFlags {
   int num_layers = 0;
   std::string max_shard_size = "5GB";
   int threads = 2;
+  // --dtype fp8 only (docs/fp8.md).
+  std::string fp8_format, fp8_layout, fp8_scales;
 };
 
 int RunMakeModel(const MakeModelFlags& f) {
@@ -36,8 +39,30 @@ int RunMakeModel(const MakeModelFlags& f) {
   auto config = ShapeConfig(f.shape, layers);
   if (!config.ok()) return ReportError(config.status());
   auto dtype = DTypeFromName(f.dtype);
-  if (!dtype || (*dtype != DType::kBF16 && *dtype != DType::kF32)) {
-    return ReportError(InvalidArgument("--dtype must be bf16 or f32, got '{}'", f.dtype));
+  if (!dtype || (*dtype != DType::kBF16 && *dtype != DType::kF32 && *dtype != DType::kF8E4M3)) {
+    return ReportError(InvalidArgument("--dtype must be bf16, f32 or fp8, got '{}'", f.dtype));
+  }
+  std::optional<Fp8Options> fp8;
+  if (*dtype == DType::kF8E4M3) {
+    fp8.emplace();
+    if (!f.fp8_format.empty()) {
+      auto v = ParseFp8Format(f.fp8_format);
+      if (!v.ok()) return ReportError(v.status().WithContext("--fp8-format"));
+      fp8->format = *v;
+    }
+    if (!f.fp8_layout.empty()) {
+      auto v = ParseFp8Layout(f.fp8_layout);
+      if (!v.ok()) return ReportError(v.status().WithContext("--fp8-layout"));
+      fp8->layout = *v;
+    }
+    if (!f.fp8_scales.empty()) {
+      auto v = ParseFp8Granularity(f.fp8_scales);
+      if (!v.ok()) return ReportError(v.status().WithContext("--fp8-scales"));
+      fp8->granularity = *v;
+    }
+    dtype = DType::kBF16;  // the tensors the layout leaves unquantised
+  } else if (!f.fp8_format.empty() || !f.fp8_layout.empty() || !f.fp8_scales.empty()) {
+    return ReportError(InvalidArgument("--fp8-format, --fp8-layout and --fp8-scales apply only with --dtype fp8"));
   }
   auto shard = ParseByteSize(f.max_shard_size);
   if (!shard.ok()) return ReportError(shard.status().WithContext("--max-shard-size"));
@@ -47,14 +72,18 @@ int RunMakeModel(const MakeModelFlags& f) {
   o.config.dtype = *dtype == DType::kF32 ? "float32" : "bfloat16";
   o.seed = f.seed;
   o.dtype = *dtype;
+  o.fp8 = fp8;
   o.out_dir = f.out;
   o.max_shard_size = *shard;
   o.threads = f.threads;
   o.cancel = &g_cancel;
   const ParamCounts pc = CountParams(o.config);
-  std::fprintf(stderr, "make-model: shape %s, %lld layers, %.3f M parameters, %s, %.3f GB -> %s\n",
-               f.shape.c_str(), static_cast<long long>(o.config.num_hidden_layers), pc.total / 1e6,
-               f.dtype.c_str(), pc.total * DTypeSize(*dtype) / 1e9, f.out.c_str());
+  const std::string what =
+      fp8 ? fmt::format("fp8 ({} format, {} layout, {} scales)", Fp8FormatName(fp8->format), Fp8LayoutName(fp8->layout),
+                        Fp8GranularityName(fp8->granularity))
+          : f.dtype;
+  std::fprintf(stderr, "make-model: shape %s, %lld layers, %.3f M parameters, %s -> %s\n", f.shape.c_str(),
+               static_cast<long long>(o.config.num_hidden_layers), pc.total / 1e6, what.c_str(), f.out.c_str());
   const bool tty = ::isatty(STDERR_FILENO);
   auto t0 = std::chrono::steady_clock::now();
   auto last = t0 - std::chrono::seconds(10);
@@ -100,7 +129,21 @@ void AddMakeModelCommand(CLI::App& root, CommandContext& ctx) {
       ->check(CLI::IsMember({"tiny", "xs2", "s21"}));
   cmd->add_option("--out", flags->out, "Output directory (must not exist, or be empty)")->required();
   cmd->add_option("--seed", flags->seed, "Seed: weights depend only on (seed, tensor name, index)")->default_val(0);
-  cmd->add_option("--dtype", flags->dtype, "Weight dtype: bf16 or f32")->default_val("bf16");
+  cmd->add_option("--dtype", flags->dtype,
+                  "Weight dtype: bf16, f32, or fp8 (E4M3 codes + F32 scales for the --fp8-layout tensors, BF16 "
+                  "for the rest; docs/fp8.md)")
+      ->default_val("bf16");
+  cmd->add_option("--fp8-format", flags->fp8_format,
+                  "With --dtype fp8: native (quant_method fp8, <weight>_scale_inv, as Laguna-S-2.1-FP8) or "
+                  "compressed-tensors (<weight>_scale, as Laguna-XS.2-FP8); default native")
+      ->check(CLI::IsMember({"native", "compressed-tensors"}));
+  cmd->add_option("--fp8-layout", flags->fp8_layout,
+                  "With --dtype fp8: export (the routed experts, as Laguna's FP8 exports; layers >= 44 stay BF16) "
+                  "or all-linear (every linear but LM head, routers and g_proj); default export")
+      ->check(CLI::IsMember({"export", "all-linear"}));
+  cmd->add_option("--fp8-scales", flags->fp8_scales,
+                  "With --dtype fp8: block (128x128, default), channel or tensor (compressed-tensors only for channel)")
+      ->check(CLI::IsMember({"block", "channel", "tensor"}));
   cmd->add_option("--num-layers", flags->num_layers,
                   "Keep the shape's dimensions but only the first N layers (tests, small disks)")
       ->check(CLI::Range(1, 1000));

@@ -21,6 +21,15 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--seed", seed, "Seed of the random weights for --shape")->default_val(0);
   cmd->add_option("--num-layers", num_layers,
                   "Keep the shape's dimensions with fewer layers (--shape only)");
+  cmd->add_option("--shape-dtype", shape_dtype,
+                  "Weights of --shape: bf16, or fp8 (E4M3 codes + FP32 128x128 block scales by make-model's "
+                  "rule for the --fp8-layout tensors; docs/fp8.md)")
+      ->default_val("bf16")
+      ->check(CLI::IsMember({"bf16", "fp8"}));
+  cmd->add_option("--fp8-layout", fp8_layout,
+                  "With --shape-dtype fp8: export (routed experts, as Laguna's FP8 exports; default) or "
+                  "all-linear (every linear but LM head, routers and g_proj)")
+      ->check(CLI::IsMember({"export", "all-linear"}));
   cmd->add_option("--backend", backend, "auto (CUDA where a GPU is usable, else CPU), cpu or cuda")
       ->default_val("auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
@@ -127,6 +136,18 @@ Result<EngineOptions> EngineFlags::ToOptions() const {
     if (shape.empty()) return InvalidArgument("--num-layers applies only with --shape");
     o.num_layers = num_layers;
   }
+  if (shape_dtype == "fp8") {
+    if (shape.empty()) return InvalidArgument("--shape-dtype fp8 applies only with --shape (a checkpoint's tensors say their own dtype)");
+    Fp8Options f;
+    if (!fp8_layout.empty()) {
+      DL_ASSIGN_OR_RETURN(f.layout, ParseFp8Layout(fp8_layout));
+    }
+    o.shape_fp8 = f;
+  } else if (shape_dtype != "bf16") {
+    return InvalidArgument("--shape-dtype must be bf16 or fp8, got '{}'", shape_dtype);
+  } else if (!fp8_layout.empty()) {
+    return InvalidArgument("--fp8-layout applies only with --shape-dtype fp8");
+  }
   DL_ASSIGN_OR_RETURN(o.backend, ParseBackend(backend));
   auto dt = DTypeFromName(kv_dtype);
   if (!dt) return InvalidArgument("--kv-dtype must be f32, bf16 or fp8");
@@ -150,6 +171,8 @@ std::vector<std::string> EngineFlags::ToArgs() const {
   if (!model_dir.empty()) a.insert(a.end(), {"--model", model_dir});
   if (!shape.empty()) a.insert(a.end(), {"--shape", shape, "--seed", std::to_string(seed)});
   if (num_layers > 0) a.insert(a.end(), {"--num-layers", std::to_string(num_layers)});
+  if (shape_dtype != "bf16") a.insert(a.end(), {"--shape-dtype", shape_dtype});
+  if (!fp8_layout.empty()) a.insert(a.end(), {"--fp8-layout", fp8_layout});
   a.insert(a.end(), {"--backend", backend, "--kv-dtype", kv_dtype, "--page-size", std::to_string(page_size),
                      "--max-seq-len", std::to_string(max_seq_len), "--prefill-chunk", std::to_string(prefill_chunk)});
   if (!kv_scales.empty()) a.insert(a.end(), {"--kv-scales", kv_scales});

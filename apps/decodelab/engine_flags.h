@@ -18,6 +18,8 @@ struct EngineFlags {
   std::string shape;
   uint64_t seed = 0;
   int num_layers = 0;  // 0 = the shape's own count
+  std::string shape_dtype = "bf16";  // --shape weights: bf16 or fp8
+  std::string fp8_layout;            // --shape-dtype fp8: export (default) or all-linear
   std::string backend = "auto";
   std::string kv_dtype = "f32";
   std::string kv_scales;

@@ -1,6 +1,7 @@
 // FP32 reference operations of the CPU backend: slow, plain loops whose only job is to be obviously
-// right. Weights are read in their checkpoint dtype (BF16/F16/F32) and widened on the fly, so a
-// checkpoint is never copied into a second, wider in-memory form.
+// right. Weights are read in their checkpoint dtype (BF16/F16/F32, or FP8 codes times their FP32
+// block scale in FP32: the fp8 contract) and widened on the fly, so a checkpoint is never copied into
+// a second, wider in-memory form.
 #pragma once
 
 #include <cstdint>

@@ -223,21 +223,28 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   // Weights: a checkpoint directory, or random weights for a shape (generated on the device for
   // CUDA, so large shapes need neither a file nor a host copy).
   if (!o.model_dir.empty()) {
+    if (o.shape_fp8) {
+      return InvalidArgument("FP8 --shape weights apply only with --shape (a checkpoint's tensors say their own dtype)");
+    }
     DL_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::Open(o.model_dir));
     engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
   } else {
     DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
+    const Fp8Options* fp8 = o.shape_fp8 ? &*o.shape_fp8 : nullptr;
     if (chosen == BackendKind::kCuda) {
-      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeShapeOnlyCheckpoint(cfg));
+      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeShapeOnlyCheckpoint(cfg, fp8));
       engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
     } else {
-      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeSyntheticCheckpoint(cfg, o.seed, DType::kBF16));
+      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeSyntheticCheckpoint(cfg, o.seed, DType::kBF16, fp8));
       engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
     }
   }
   const ModelConfig& cfg = engine->config();
   for (const auto& w : cfg.warnings) spdlog::warn("model config: {}", w);
-  if (chosen == BackendKind::kCuda) DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
+  if (chosen == BackendKind::kCuda) {
+    DL_RETURN_IF_ERROR(CheckCudaShapeSupport(cfg));
+    DL_RETURN_IF_ERROR(CheckCudaWeightSupport(*engine->checkpoint));
+  }
   // The shard plan before anything large is built, so a tp the heads do not allow fails at once.
   if (o.tp > 1) DL_RETURN_IF_ERROR(MakeTensorParallelPlan(cfg, o.tp, o.embedding).status());
   CudaRunnerOptions co;

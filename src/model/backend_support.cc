@@ -31,4 +31,16 @@ Status CheckCudaShapeSupport(const ModelConfig& c) {
   return Status::Ok();
 }
 
+Status CheckCudaWeightSupport(const Checkpoint& checkpoint) {
+  for (const TensorView& t : checkpoint.tensors()) {
+    if (t.dtype == DType::kF8E4M3) {
+      return Unimplemented(
+          "the CUDA backend cannot run FP8 weights yet (tensor '{}' is F8_E4M3; quant_method '{}'): its FP8 "
+          "kernels are not in this build. --backend cpu runs FP8 checkpoints (the exact FP32 reference)",
+          t.name, checkpoint.config().quant_method);
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace dl

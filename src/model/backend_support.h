@@ -3,6 +3,7 @@
 #pragma once
 
 #include "base/status.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 
 namespace dl {
@@ -13,5 +14,10 @@ namespace dl {
 // shared_expert_intermediate_size for sparse ones). InvalidArgument names the first key that is
 // not, its value, and why; the CPU backend runs any width.
 Status CheckCudaShapeSupport(const ModelConfig& config);
+
+// Weight dtypes the CUDA backend uploads: BF16, F16, F32. FP8 weights (issue 18) are refused with an
+// Unimplemented naming the first FP8 tensor until the FP8 kernels and upload land (branch fp8k):
+// never converted silently, never a crash at upload.
+Status CheckCudaWeightSupport(const Checkpoint& checkpoint);
 
 }  // namespace dl

@@ -40,5 +40,23 @@ TEST(CudaShapeSupportTest, NamesTheWidthThatIsNotAMultipleOfEight) {
   EXPECT_TRUE(CheckCudaShapeSupport(all_sparse).ok());
 }
 
+// Until the CUDA FP8 kernels land, an FP8 checkpoint (file or --shape) is refused on CUDA by name,
+// never uploaded as something else.
+TEST(CudaWeightSupportTest, Fp8WeightsAreRefusedNamingTheTensor) {
+  auto c = ShapeConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  auto bf16 = MakeShapeOnlyCheckpoint(*c);
+  ASSERT_TRUE(bf16.ok());
+  EXPECT_TRUE(CheckCudaWeightSupport(*bf16).ok());
+  Fp8Options f;
+  auto fp8 = MakeShapeOnlyCheckpoint(*c, &f);
+  ASSERT_TRUE(fp8.ok());
+  const Status s = CheckCudaWeightSupport(*fp8);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(s.message().find("model.layers.1.mlp.experts.0.gate_proj.weight"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("--backend cpu"), std::string::npos) << s.message();
+}
+
 }  // namespace
 }  // namespace dl

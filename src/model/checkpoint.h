@@ -10,8 +10,13 @@
 // see the difference.
 //
 // Dtypes: each view carries its own dtype (BF16, F16 or F32; e.g. an F32 correction bias next to
-// BF16 weights). Data pointers are only as aligned as the file makes them (PyTorch-written files
-// align every tensor to its element size).
+// BF16 weights), read from the safetensors header. Data pointers are only as aligned as the file
+// makes them (PyTorch-written files align every tensor to its element size).
+//
+// FP8 weights (config.json quantization_config, model/quantization.h, docs/fp8.md): a linear weight
+// stored as F8_E4M3 comes with its F32 scale tensor (`<weight>_scale_inv` native, `<weight>_scale`
+// compressed-tensors); its view carries the scales (copied into FP32 memory the checkpoint owns) and
+// their block shape. Missing, misshapen, non-F32 or non-finite scales are errors naming the tensor.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +29,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "model/config.h"
+#include "model/fp8_layout.h"
 
 namespace dl {
 
@@ -32,6 +38,12 @@ struct TensorView {
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;
   const void* data = nullptr;
+  // FP8 weights only: FP32 scales, one per block of block_rows x block_cols elements, row-major over
+  // the blocks ([ceil(out / block_rows), ceil(in / block_cols)]; per-channel (1, in), per-tensor
+  // (out, in)); null in a shape-only checkpoint. scale_name is the scale tensor's checkpoint name.
+  const float* scales = nullptr;
+  int64_t block_rows = 0, block_cols = 0;
+  std::string scale_name;
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
@@ -41,6 +53,13 @@ struct TensorView {
   bool empty() const { return data == nullptr; }
   // Element i as float (any dtype).
   float at(int64_t i) const { return LoadAsFloat(data, dtype, static_cast<size_t>(i)); }
+  bool quantized() const { return block_rows > 0; }
+  // Scale blocks of a quantised weight (0 otherwise).
+  int64_t num_scales() const {
+    if (!quantized()) return 0;
+    const int64_t out = shape.empty() ? 0 : shape[0], in = shape.size() > 1 ? shape[1] : 1;
+    return ((out + block_rows - 1) / block_rows) * ((in + block_cols - 1) / block_cols);
+  }
 };
 
 struct ExpertWeights {
@@ -96,8 +115,8 @@ class Checkpoint {
   std::string dir;  // empty for a synthetic checkpoint
 
  private:
-  friend Result<Checkpoint> MakeSyntheticCheckpoint(const ModelConfig&, uint64_t, DType);
-  friend Result<Checkpoint> MakeShapeOnlyCheckpoint(const ModelConfig&);
+  friend Result<Checkpoint> MakeSyntheticCheckpoint(const ModelConfig&, uint64_t, DType, const Fp8Options*);
+  friend Result<Checkpoint> MakeShapeOnlyCheckpoint(const ModelConfig&, const Fp8Options*);
   friend class CheckpointBuilder;
   Checkpoint();
 
@@ -110,12 +129,17 @@ class Checkpoint {
   bool fused_experts_ = false;
 };
 
-// The weights make-model would write for (config, seed, dtype), built in memory (per-expert layout),
-// with the same values. dtype: BF16, F16 or F32.
-Result<Checkpoint> MakeSyntheticCheckpoint(const ModelConfig& config, uint64_t seed, DType dtype);
+// The weights make-model would write for (config, seed, dtype[, fp8]), built in memory (per-expert
+// layout), with the same values. dtype: BF16, F16 or F32 (the unquantised tensors). With `fp8`, the
+// tensors its layout picks are FP8 codes + FP32 scales by the synthetic rule (model/synthetic.h) and
+// the config carries the matching quantization_config.
+Result<Checkpoint> MakeSyntheticCheckpoint(const ModelConfig& config, uint64_t seed, DType dtype,
+                                           const Fp8Options* fp8 = nullptr);
 
 // Names and shapes only (every view's data is null): for backends that generate the synthetic
 // weights themselves, on the device (the CUDA `--shape` path), so a 67 GB model needs no host copy.
-Result<Checkpoint> MakeShapeOnlyCheckpoint(const ModelConfig& config);
+// With `fp8`, the views its layout picks say dtype kF8E4M3 with their block shape (scales null):
+// the device generates codes and scales by the synthetic rule.
+Result<Checkpoint> MakeShapeOnlyCheckpoint(const ModelConfig& config, const Fp8Options* fp8 = nullptr);
 
 }  // namespace dl

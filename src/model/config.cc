@@ -426,21 +426,16 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   if (any_full) DL_RETURN_IF_ERROR(ValidateRotary(c->rope_full, "full_attention", c->head_dim));
   if (any_sliding) DL_RETURN_IF_ERROR(ValidateRotary(c->rope_sliding, "sliding_attention", c->head_dim));
 
-  // Quantisation: recorded; Checkpoint::Open refuses quantised weights.
+  // Quantisation: validated here (model/quantization.cc); Checkpoint::Open reads the scales.
   c->has_quantization_config = false;
   c->quantizes_weights = false;
   c->quant_method.clear();
+  c->weight_quant = WeightQuantization{};
+  c->quantization_config = nullptr;
   if (auto it = j.find("quantization_config"); it != j.end() && !it->is_null()) {
-    if (!it->is_object()) return InvalidArgument("quantization_config must be an object");
     c->has_quantization_config = true;
-    if (it->contains("quant_method") && (*it)["quant_method"].is_string()) {
-      c->quant_method = (*it)["quant_method"].get<std::string>();
-    }
-    // compressed-tensors may carry only a kv_cache_scheme (static KV scales) with no weight groups.
-    const bool only_kv = c->quant_method == "compressed-tensors" &&
-                         (!it->contains("config_groups") || (*it)["config_groups"].is_null() ||
-                          (*it)["config_groups"].empty());
-    c->quantizes_weights = !only_kv;
+    DL_RETURN_IF_ERROR(ParseQuantizationConfig(*it, &c->weight_quant, &c->quant_method, &c->quantizes_weights));
+    c->quantization_config = *it;
   }
   return Status::Ok();
 }
@@ -604,6 +599,7 @@ nlohmann::json ModelConfig::ToJson() const {
   }
   if (pad_token_id >= 0) j["pad_token_id"] = pad_token_id;
   j["dtype"] = dtype;
+  if (has_quantization_config) j["quantization_config"] = quantization_config;
   j["use_cache"] = true;
   j["transformers_version"] = "5.17.0";
   return j;

@@ -12,6 +12,7 @@
 
 #include "base/status.h"
 #include "model/generation_config.h"
+#include "model/quantization.h"
 
 namespace dl {
 
@@ -64,12 +65,15 @@ struct ModelConfig {
   int64_t pad_token_id = -1;
   std::string dtype = "bfloat16";  // `dtype` or legacy `torch_dtype`
 
-  // FP8 weight quantisation (`quantization_config`): recorded so loading can refuse it clearly.
+  // `quantization_config` (model/quantization.h): every key checked when read, the object kept as
+  // read so ToJson writes it back unchanged.
   bool has_quantization_config = false;
   std::string quant_method;
   // True unless the quantization_config only describes the KV cache (compressed-tensors with a
   // kv_cache_scheme and no weight config_groups).
   bool quantizes_weights = false;
+  WeightQuantization weight_quant;     // format kNone unless the weights are FP8
+  nlohmann::json quantization_config;  // null when absent
 
   // Trap keys that were absent and took the transformers default (§9.15), unknown keys, and
   // generation_config.json keys not used; shown by `inspect` and logged when an engine loads.

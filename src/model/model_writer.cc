@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "model/fp8_layout.h"
 #include "model/safetensors.h"
 #include "model/synthetic.h"
 
@@ -97,28 +98,111 @@ Status WriteAll(int fd, const uint8_t* p, size_t n, const std::string& path) {
   return Status::Ok();
 }
 
-// Fills out[0, hi-lo) with the bytes [lo, hi) of a shard's data section (element-aligned).
-void FillRange(const std::vector<TensorSpec>& specs, const SafetensorsPlan& plan, const std::vector<size_t>& ids,
-               uint64_t seed, DType dtype, uint64_t lo, uint64_t hi, uint8_t* out, std::vector<float>& scratch) {
-  const size_t es = DTypeSize(dtype);
+// One tensor of the files: a spec's values in the file dtype, or (FP8) its codes or its scales.
+struct OutTensor {
+  enum Role : uint8_t { kValues, kCodes, kScales };
+  size_t spec = 0;
+  Role role = kValues;
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<int64_t> shape;
+  int64_t block_rows = 0, block_cols = 0;  // kCodes / kScales
+  uint64_t bytes() const {
+    uint64_t n = DTypeSize(dtype);
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    return n;
+  }
+};
+
+// The files' tensors in state-dict order: each spec, and right after an FP8 weight its scale tensor
+// (the order an FP8Linear registers weight and weight_scale_inv).
+std::vector<OutTensor> PlanOutTensors(const MakeModelOptions& o, const ModelConfig& cfg,
+                                      const std::vector<TensorSpec>& specs) {
+  std::vector<OutTensor> out;
+  const WeightQuantization& q = cfg.weight_quant;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const TensorSpec& s = specs[i];
+    if (!o.fp8 || !Fp8LayoutQuantizes(o.fp8->layout, s)) {
+      out.push_back(OutTensor{i, OutTensor::kValues, s.name, o.dtype, s.shape});
+      continue;
+    }
+    OutTensor codes{i, OutTensor::kCodes, s.name, DType::kF8E4M3, s.shape};
+    q.BlockShape(s.shape[0], s.shape[1], &codes.block_rows, &codes.block_cols);
+    OutTensor scales = codes;
+    scales.role = OutTensor::kScales;
+    scales.name = s.name + q.scale_suffix();
+    scales.dtype = DType::kF32;
+    scales.shape = q.ScaleShape(s.shape[0], s.shape[1]);
+    out.push_back(std::move(codes));
+    out.push_back(std::move(scales));
+  }
+  return out;
+}
+
+struct FillScratch {
+  std::vector<float> values;
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+};
+
+// Writes elements [first, first + count) of an FP8 codes or scales tensor into dst, quantising the
+// block rows they fall in (model/synthetic.h).
+void FillFp8(const TensorSpec& s, const OutTensor& t, uint64_t seed, int64_t first, int64_t count, uint8_t* dst,
+             FillScratch& sc) {
+  const int64_t out = s.shape[0], in = s.shape[1];
+  const int64_t br = t.block_rows, bc = t.block_cols, col_blocks = (in + bc - 1) / bc;
+  // Elements of band b: codes [b * br * in, min(out, (b + 1) * br) * in); scales [b * cb, (b + 1) * cb).
+  const int64_t per_band = t.role == OutTensor::kCodes ? br * in : col_blocks;
+  const int64_t b0 = first / per_band, b1 = (first + count - 1) / per_band;
+  sc.codes.resize(static_cast<size_t>(br * in));
+  sc.scales.resize(static_cast<size_t>(col_blocks));
+  for (int64_t band = b0; band <= b1; ++band) {
+    QuantizeSyntheticFp8Band(seed, s, br, bc, band, &sc.values, sc.codes.data(), sc.scales.data());
+    const int64_t band_begin = band * per_band;
+    const int64_t band_end = t.role == OutTensor::kCodes ? std::min(out, (band + 1) * br) * in : band_begin + col_blocks;
+    const int64_t a = std::max(first, band_begin), b = std::min(first + count, band_end);
+    if (a >= b) continue;
+    if (t.role == OutTensor::kCodes) {
+      std::memcpy(dst + (a - first), sc.codes.data() + (a - band_begin), static_cast<size_t>(b - a));
+    } else {
+      std::memcpy(dst + (a - first) * 4, sc.scales.data() + (a - band_begin), static_cast<size_t>(b - a) * 4);
+    }
+  }
+}
+
+// Fills out[0, hi-lo) with the bytes [lo, hi) of a shard's data section. lo and hi fall on element
+// boundaries of every tensor (the shard's tensors are ordered by element size, largest first, and
+// the ranges are multiples of 4 bytes or end at the data's end).
+void FillRange(const std::vector<TensorSpec>& specs, const std::vector<OutTensor>& tensors, const SafetensorsPlan& plan,
+               const std::vector<size_t>& ids, uint64_t seed, uint64_t lo, uint64_t hi, uint8_t* out,
+               FillScratch& sc) {
   for (size_t k = 0; k < ids.size(); ++k) {
     const SafetensorsEntry& e = plan.entries[k];
     if (e.end <= lo || e.begin >= hi) continue;
+    const OutTensor& t = tensors[ids[k]];
+    const size_t es = DTypeSize(t.dtype);
     const uint64_t a = std::max(lo, e.begin), b = std::min(hi, e.end);
-    const TensorSpec& s = specs[ids[k]];
+    const TensorSpec& s = specs[t.spec];
     const int64_t first = static_cast<int64_t>((a - e.begin) / es);
     const int64_t count = static_cast<int64_t>((b - a) / es);
+    if (count == 0) continue;
+    uint8_t* base = out + (a - lo);
+    if (t.role != OutTensor::kValues) {
+      FillFp8(s, t, seed, first, count, base, sc);
+      continue;
+    }
+    if (sc.values.size() < (1u << 16)) sc.values.resize(1u << 16);
     for (int64_t done = 0; done < count;) {
-      const int64_t n = std::min<int64_t>(count - done, static_cast<int64_t>(scratch.size()));
-      GenerateTensorValues(seed, s.name, s.kind, s.fan_in, scratch.data(), first + done, n);
-      uint8_t* dst = out + (a - lo) + static_cast<uint64_t>(done) * es;
-      if (dtype == DType::kBF16) {
+      const int64_t n = std::min<int64_t>(count - done, static_cast<int64_t>(sc.values.size()));
+      GenerateTensorValues(seed, s.name, s.kind, s.fan_in, sc.values.data(), first + done, n);
+      uint8_t* dst = base + static_cast<uint64_t>(done) * es;
+      if (t.dtype == DType::kBF16) {
         for (int64_t j = 0; j < n; ++j) {
-          const uint16_t h = FloatToBf16(scratch[j]);
+          const uint16_t h = FloatToBf16(sc.values[j]);
           std::memcpy(dst + 2 * j, &h, 2);
         }
       } else {
-        for (int64_t j = 0; j < n; ++j) StoreFromFloat(dst, dtype, static_cast<size_t>(j), scratch[j]);
+        for (int64_t j = 0; j < n; ++j) StoreFromFloat(dst, t.dtype, static_cast<size_t>(j), sc.values[j]);
       }
       done += n;
     }
@@ -126,16 +210,20 @@ void FillRange(const std::vector<TensorSpec>& specs, const SafetensorsPlan& plan
 }
 
 Status WriteShards(const MakeModelOptions& o, const std::string& dir, const std::vector<TensorSpec>& specs,
-                   const std::vector<ShardPlan>& shards, uint64_t total_bytes, MakeModelResult* result) {
-  const size_t es = DTypeSize(o.dtype);
-  const uint64_t chunk = (8u << 20) / es * es;  // 8 MiB per write
+                   const std::vector<OutTensor>& tensors, std::vector<ShardPlan>& shards, uint64_t total_bytes,
+                   MakeModelResult* result) {
+  const uint64_t chunk = 8u << 20;  // 8 MiB per write
   std::vector<uint8_t> buf[2] = {std::vector<uint8_t>(chunk), std::vector<uint8_t>(chunk)};
   const int threads = std::max(1, o.threads);
-  std::vector<std::vector<float>> scratch(threads, std::vector<float>(1 << 16));
+  std::vector<FillScratch> scratch(threads);
   uint64_t done_total = 0;
-  for (const ShardPlan& sh : shards) {
+  for (ShardPlan& sh : shards) {
+    // Largest elements first (as the Python safetensors writer orders data), so every tensor starts
+    // at a multiple of its element size; a stable sort keeps single-dtype files in state-dict order.
+    std::stable_sort(sh.tensors.begin(), sh.tensors.end(),
+                     [&](size_t x, size_t y) { return DTypeSize(tensors[x].dtype) > DTypeSize(tensors[y].dtype); });
     std::vector<SafetensorsEntry> entries;
-    for (size_t id : sh.tensors) entries.push_back(SafetensorsEntry{specs[id].name, o.dtype, specs[id].shape});
+    for (size_t id : sh.tensors) entries.push_back(SafetensorsEntry{tensors[id].name, tensors[id].dtype, tensors[id].shape});
     const SafetensorsPlan plan = PlanSafetensors(entries);
     const std::string path = (fs::path(dir) / sh.file).string();
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -146,14 +234,15 @@ Status WriteShards(const MakeModelOptions& o, const std::string& dir, const std:
     } closer{fd};
     DL_RETURN_IF_ERROR(WriteAll(fd, reinterpret_cast<const uint8_t*>(plan.prefix.data()), plan.prefix.size(), path));
     const uint64_t n_chunks = (plan.data_size + chunk - 1) / chunk;
-    // Generation of chunk i+1 (split over `threads`) overlaps the write of chunk i.
+    // Generation of chunk i+1 (split over `threads` at 4-byte boundaries) overlaps the write of chunk i.
     auto generate = [&](uint64_t i, uint8_t* out) {
       const uint64_t lo = i * chunk, hi = std::min(plan.data_size, lo + chunk);
-      const uint64_t elems = (hi - lo) / es;
+      const uint64_t words = (hi - lo) / 4;
       std::vector<std::thread> ts;
       for (int t = 0; t < threads; ++t) {
-        const uint64_t a = lo + elems * t / threads * es, b = lo + elems * (t + 1) / threads * es;
-        auto job = [&, t, a, b] { FillRange(specs, plan, sh.tensors, o.seed, o.dtype, a, b, out + (a - lo), scratch[t]); };
+        const uint64_t a = lo + words * t / threads * 4;
+        const uint64_t b = t + 1 == threads ? hi : lo + words * (t + 1) / threads * 4;
+        auto job = [&, t, a, b] { FillRange(specs, tensors, plan, sh.tensors, o.seed, a, b, out + (a - lo), scratch[t]); };
         if (t + 1 == threads) {
           job();
         } else {
@@ -207,7 +296,12 @@ Status WriteModelExtras(const std::string& dir, const ModelConfig& config) {
 
 Result<MakeModelResult> WriteSyntheticModel(const MakeModelOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (o.dtype == DType::kF8E4M3) return Unimplemented("make-model: FP8 weights are not supported (use bf16 or f32)");
+  if (o.dtype == DType::kF8E4M3) {
+    return InvalidArgument("make-model: FP8 weights are chosen with MakeModelOptions::fp8 (the dtype is that of the "
+                           "tensors left unquantised)");
+  }
+  ModelConfig config = o.config;
+  if (o.fp8) DL_RETURN_IF_ERROR(ApplyFp8Options(&config, *o.fp8).WithContext("make-model"));
   if (o.out_dir.empty()) return InvalidArgument("make-model: no output directory");
   if (o.max_shard_size == 0) return InvalidArgument("make-model: max shard size must be > 0");
   fs::path out = fs::absolute(o.out_dir).lexically_normal();
@@ -226,16 +320,17 @@ Result<MakeModelResult> WriteSyntheticModel(const MakeModelOptions& o) {
     if (ec) return NotFound("cannot create the parent directory {}: {}", parent.string(), ec.message());
   }
 
-  const std::vector<TensorSpec> specs = CheckpointTensorSpecs(o.config);
+  const std::vector<TensorSpec> specs = CheckpointTensorSpecs(config);
+  const std::vector<OutTensor> tensors = PlanOutTensors(o, config, specs);
   std::vector<uint64_t> sizes;
   uint64_t total = 0;
-  for (const auto& s : specs) {
-    sizes.push_back(static_cast<uint64_t>(s.numel()) * DTypeSize(o.dtype));
+  for (const auto& t : tensors) {
+    sizes.push_back(t.bytes());
     total += sizes.back();
   }
-  const std::vector<ShardPlan> shards = PlanShards(sizes, o.max_shard_size);
+  std::vector<ShardPlan> shards = PlanShards(sizes, o.max_shard_size);
   // Headers are small (≈100 bytes per tensor); keep 64 MiB of slack on top.
-  const uint64_t need = total + specs.size() * 256 + (64u << 20);
+  const uint64_t need = total + tensors.size() * 256 + (64u << 20);
   uint64_t free_bytes = 0;
   if (o.free_bytes_override) {
     free_bytes = *o.free_bytes_override;
@@ -263,21 +358,21 @@ Result<MakeModelResult> WriteSyntheticModel(const MakeModelOptions& o) {
   result.weight_bytes = total;
   Status s = [&]() -> Status {
     // Config files first: a reader sees the shape of what is coming even while weights stream.
-    DL_RETURN_IF_ERROR(WriteTextFile((fs::path(partial) / "config.json").string(), o.config.ToJson().dump(2) + "\n"));
-    DL_RETURN_IF_ERROR(WriteGenerationConfig(partial, o.config));
-    DL_RETURN_IF_ERROR(WriteShards(o, partial, specs, shards, total, &result));
+    DL_RETURN_IF_ERROR(WriteTextFile((fs::path(partial) / "config.json").string(), config.ToJson().dump(2) + "\n"));
+    DL_RETURN_IF_ERROR(WriteGenerationConfig(partial, config));
+    DL_RETURN_IF_ERROR(WriteShards(o, partial, specs, tensors, shards, total, &result));
     if (shards.size() > 1) {
       nlohmann::ordered_json idx;
       idx["metadata"] = {{"total_size", total}};
       nlohmann::json wm = nlohmann::json::object();  // sorted keys, as transformers writes them
       for (const auto& sh : shards) {
-        for (size_t id : sh.tensors) wm[specs[id].name] = sh.file;
+        for (size_t id : sh.tensors) wm[tensors[id].name] = sh.file;
       }
       idx["weight_map"] = wm;
       DL_RETURN_IF_ERROR(
           WriteTextFile((fs::path(partial) / "model.safetensors.index.json").string(), idx.dump(2) + "\n"));
     }
-    DL_RETURN_IF_ERROR(WriteModelExtras(partial, o.config));
+    DL_RETURN_IF_ERROR(WriteModelExtras(partial, config));
     std::error_code rec;
     if (fs::exists(out, rec)) fs::remove(out, rec);  // the empty directory checked above
     fs::rename(partial, out, rec);

@@ -16,6 +16,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "model/config.h"
+#include "model/fp8_layout.h"
 
 namespace dl {
 
@@ -28,7 +29,10 @@ struct MakeModelProgress {
 struct MakeModelOptions {
   ModelConfig config;
   uint64_t seed = 0;
-  DType dtype = DType::kBF16;  // BF16, F16 or F32
+  DType dtype = DType::kBF16;  // BF16, F16 or F32 (with fp8: the tensors its layout leaves unquantised)
+  // FP8 weights: the layout's tensors as E4M3 codes + F32 scales (synthetic rule, model/synthetic.h),
+  // config.json with the format's quantization_config (model/fp8_layout.h).
+  std::optional<Fp8Options> fp8;
   std::string out_dir;
   uint64_t max_shard_size = 5'000'000'000;  // transformers' default "5GB" (decimal)
   int threads = 2;                          // value generation threads

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 
 #include "model/synthetic.h"
 
@@ -55,6 +56,98 @@ ParamCounts CountParams(const ModelConfig& c) {
   }
   if (c.tie_word_embeddings) p.active += c.vocab_size * c.hidden_size;  // the head still reads the table
   return p;
+}
+
+WeightBytesPerToken ActiveWeightBytes(const ModelConfig& c,
+                                      const std::function<TensorStorage(const TensorSpec&)>& storage) {
+  WeightBytesPerToken b;
+  auto add = [&](const TensorSpec& s, bool routed) {
+    const TensorStorage st = storage(s);
+    const int64_t bytes = s.numel() * static_cast<int64_t>(DTypeSize(st.dtype));
+    switch (st.dtype) {
+      case DType::kF32: b.f32 += bytes; break;
+      case DType::kBF16:
+      case DType::kF16: b.bf16 += bytes; break;
+      case DType::kF8E4M3: b.fp8 += bytes; break;
+    }
+    b.fp8_scales += 4 * st.scales;
+    if (routed) b.routed += bytes + 4 * st.scales;
+  };
+  for (const TensorSpec& s : CheckpointTensorSpecs(c)) {
+    if (s.name == "model.embed_tokens.weight") {
+      if (c.tie_word_embeddings) add(s, false);  // the head reads the whole table
+      continue;
+    }
+    const size_t at = s.name.find(".mlp.experts.");
+    if (at != std::string::npos && s.kind == TensorKind::kLinear) {
+      const size_t from = at + 13;
+      const int64_t e = std::stoll(s.name.substr(from, s.name.find('.', from) - from));
+      if (e < c.num_experts_per_tok) add(s, true);
+      continue;
+    }
+    add(s, false);
+  }
+  return b;
+}
+
+WeightBytesPerToken ActiveWeightBytes(const ModelConfig& c, DType dtype, const Fp8Options* fp8) {
+  WeightQuantization q;
+  if (fp8 != nullptr) {
+    q.format = fp8->format;
+    q.granularity = fp8->granularity;
+    q.block_rows = fp8->block_rows;
+    q.block_cols = fp8->block_cols;
+  }
+  return ActiveWeightBytes(c, [&](const TensorSpec& s) {
+    if (fp8 == nullptr || !Fp8LayoutQuantizes(fp8->layout, s)) return TensorStorage{dtype, 0};
+    int64_t n = 1;
+    for (int64_t d : q.ScaleShape(s.shape[0], s.shape[1])) n *= d;
+    return TensorStorage{DType::kF8E4M3, n};
+  });
+}
+
+WeightBytesPerToken ActiveWeightBytes(const Checkpoint& ck) {
+  // The loaded views under the per-expert names CheckpointTensorSpecs uses (fused checkpoints too).
+  std::unordered_map<std::string, const TensorView*> views;
+  const ModelWeights& w = ck.weights();
+  views["model.embed_tokens.weight"] = &w.embed;
+  views["model.norm.weight"] = &w.final_norm;
+  views["lm_head.weight"] = &w.lm_head;
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    const std::pair<const char*, const TensorView*> named[] = {
+        {"input_layernorm.weight", &L.input_norm},
+        {"post_attention_layernorm.weight", &L.post_attn_norm},
+        {"self_attn.q_proj.weight", &L.q},
+        {"self_attn.k_proj.weight", &L.k},
+        {"self_attn.v_proj.weight", &L.v},
+        {"self_attn.o_proj.weight", &L.o},
+        {"self_attn.g_proj.weight", &L.g},
+        {"self_attn.q_norm.weight", &L.q_norm},
+        {"self_attn.k_norm.weight", &L.k_norm},
+        {"mlp.gate_proj.weight", &L.mlp_gate},
+        {"mlp.up_proj.weight", &L.mlp_up},
+        {"mlp.down_proj.weight", &L.mlp_down},
+        {"mlp.gate.weight", &L.router},
+        {"mlp.experts.e_score_correction_bias", &L.correction_bias},
+        {"mlp.shared_expert.gate_proj.weight", &L.shared.gate},
+        {"mlp.shared_expert.up_proj.weight", &L.shared.up},
+        {"mlp.shared_expert.down_proj.weight", &L.shared.down},
+    };
+    for (const auto& [n, v] : named) views[p + n] = v;
+    for (size_t e = 0; e < L.experts.size(); ++e) {
+      const std::string q = fmt::format("{}mlp.experts.{}.", p, e);
+      views[q + "gate_proj.weight"] = &L.experts[e].gate;
+      views[q + "up_proj.weight"] = &L.experts[e].up;
+      views[q + "down_proj.weight"] = &L.experts[e].down;
+    }
+  }
+  return ActiveWeightBytes(ck.config(), [&](const TensorSpec& s) {
+    auto it = views.find(s.name);
+    if (it == views.end()) return TensorStorage{DType::kBF16, 0};  // not in this model's layout
+    return TensorStorage{it->second->dtype, it->second->num_scales()};
+  });
 }
 
 int64_t KvBytesPerToken(const ModelConfig& c, int64_t elem_bytes) {

@@ -5,8 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
+#include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/fp8_layout.h"
+#include "model/synthetic.h"
 
 namespace dl {
 
@@ -30,6 +34,28 @@ struct ParamCounts {
 };
 
 ParamCounts CountParams(const ModelConfig& c);
+
+// Weight bytes one decoded token reads at batch 1 (the activity rule of CountParams: embedding
+// row excluded, k routed experts per MoE layer), by how the tensors are stored (docs/fp8.md).
+struct WeightBytesPerToken {
+  int64_t bf16 = 0;        // 16-bit elements (BF16, F16)
+  int64_t f32 = 0;         // F32 elements
+  int64_t fp8 = 0;         // FP8 E4M3 codes
+  int64_t fp8_scales = 0;  // their FP32 scales
+  int64_t routed = 0;      // the part of the total read by the k routed experts (codes + scales)
+  int64_t total() const { return bf16 + f32 + fp8 + fp8_scales; }
+};
+// How one tensor of CheckpointTensorSpecs is stored: its element dtype and (FP8) scale count.
+struct TensorStorage {
+  DType dtype = DType::kBF16;
+  int64_t scales = 0;
+};
+WeightBytesPerToken ActiveWeightBytes(const ModelConfig& c,
+                                      const std::function<TensorStorage(const TensorSpec&)>& storage);
+// Every tensor in `dtype`, or with `fp8` its layout's tensors FP8 with that granularity's scales.
+WeightBytesPerToken ActiveWeightBytes(const ModelConfig& c, DType dtype, const Fp8Options* fp8 = nullptr);
+// As the checkpoint stores them (each tensor's header dtype; FP8 weights with their scales).
+WeightBytesPerToken ActiveWeightBytes(const Checkpoint& checkpoint);
 
 // KV-cache bytes stored per token over all layers (2 * K * D elements per layer).
 int64_t KvBytesPerToken(const ModelConfig& c, int64_t elem_bytes);

@@ -44,6 +44,33 @@ TEST(ParamCountTest, S21MatchesSpec) {
   EXPECT_EQ(p.correction_biases, 12'032);
 }
 
+// laguna-checkpoints.md §1.6: the current S-2.1-FP8 export reads 12,224,951,296 B per token (routed
+// experts FP8 in 43 MoE layers with F32 128x128 scales, all else BF16); every linear FP8 but the LM
+// head, routers and g_proj: 8,498,173,696 B.
+TEST(ParamCountTest, Fp8BytesPerTokenMatchTheCheckpointDoc) {
+  auto c = ShapeConfig("s21");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(ActiveWeightBytes(*c, DType::kBF16).total(), 16'281'949'696);
+  Fp8Options f;
+  f.layout = Fp8Layout::kExport;
+  const WeightBytesPerToken e = ActiveWeightBytes(*c, DType::kBF16, &f);
+  EXPECT_EQ(e.total(), 12'224'951'296);
+  EXPECT_EQ(e.fp8, 43 * 10 * 3 * 1024 * 3072ll);
+  EXPECT_EQ(e.fp8_scales, 43 * 10 * 3 * 8 * 24 * 4ll);
+  f.layout = Fp8Layout::kAllLinear;
+  EXPECT_EQ(ActiveWeightBytes(*c, DType::kBF16, &f).total(), 8'498'173'696);
+  // The loaded tensors give the same count as the layout.
+  auto tiny = ShapeConfig("tiny");
+  ASSERT_TRUE(tiny.ok());
+  auto ck = MakeShapeOnlyCheckpoint(*tiny, &f);
+  ASSERT_TRUE(ck.ok());
+  const WeightBytesPerToken a = ActiveWeightBytes(*ck), b = ActiveWeightBytes(*tiny, DType::kBF16, &f);
+  EXPECT_EQ(a.total(), b.total());
+  EXPECT_EQ(a.fp8, b.fp8);
+  EXPECT_EQ(a.routed, b.routed);
+  EXPECT_GT(a.fp8, 0);
+}
+
 TEST(ParamCountTest, KvBytes) {
   auto c = ShapeConfig("xs2");
   ASSERT_TRUE(c.ok());

@@ -2,6 +2,9 @@
 
 #include <cmath>
 
+#include <algorithm>
+
+#include "base/dtype.h"
 #include "base/rng.h"
 
 namespace dl {
@@ -73,6 +76,28 @@ void GenerateTensorValues(uint64_t seed, std::string_view name, TensorKind kind,
   TensorValueAffine(kind, fan_in, &scale, &offset);
   for (int64_t i = 0; i < count; ++i) {
     out[i] = offset + scale * NormalAt(key, static_cast<uint64_t>(begin + i));
+  }
+}
+
+void QuantizeSyntheticFp8Band(uint64_t seed, const TensorSpec& spec, int64_t block_rows, int64_t block_cols,
+                              int64_t band, std::vector<float>* scratch, uint8_t* codes, float* scales) {
+  const int64_t out = spec.shape[0], in = spec.shape.size() > 1 ? spec.shape[1] : 1;
+  const int64_t r0 = band * block_rows, r1 = std::min(out, r0 + block_rows);
+  const int64_t n = (r1 - r0) * in;
+  scratch->resize(static_cast<size_t>(n));
+  GenerateTensorValues(seed, spec.name, spec.kind, spec.fan_in, scratch->data(), r0 * in, n);
+  const int64_t col_blocks = (in + block_cols - 1) / block_cols;
+  for (int64_t bj = 0; bj < col_blocks; ++bj) {
+    const int64_t c0 = bj * block_cols, c1 = std::min(in, c0 + block_cols);
+    float amax = 0.0f;
+    for (int64_t r = 0; r < r1 - r0; ++r) {
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs((*scratch)[r * in + c]));
+    }
+    const float scale = SyntheticFp8Scale(amax);
+    scales[bj] = scale;
+    for (int64_t r = 0; r < r1 - r0; ++r) {
+      for (int64_t c = c0; c < c1; ++c) codes[r * in + c] = FloatToFp8E4M3((*scratch)[r * in + c] / scale);
+    }
   }
 }
 

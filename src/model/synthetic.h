@@ -11,6 +11,11 @@
 //   kRouter          n * (2 / sqrtf(hidden))
 //   kCorrectionBias  0.1 * n                       (never all zeros)
 // then rounded to the file dtype (round to nearest even).
+//
+// FP8 weights (make-model --dtype fp8, --shape-dtype fp8; the fp8 contract, docs/fp8.md): those FP32
+// values, per scale block amax = max |v| (FP32), scale = amax / 448.0f (1 when amax == 0), code =
+// FloatToFp8E4M3(v / scale) (FP32 division, round to nearest even, saturating). The CUDA generator
+// mirrors QuantizeSyntheticFp8Band.
 #pragma once
 
 #include <cstdint>
@@ -47,5 +52,15 @@ void TensorValueAffine(TensorKind kind, int64_t fan_in, float* scale, float* off
 // Writes elements [begin, begin + count) of tensor `name` as FP32 into out[0..count).
 void GenerateTensorValues(uint64_t seed, std::string_view name, TensorKind kind, int64_t fan_in, float* out,
                           int64_t begin, int64_t count);
+
+// The synthetic FP8 scale of a block whose largest magnitude is `amax`.
+inline float SyntheticFp8Scale(float amax) { return amax == 0.0f ? 1.0f : amax / 448.0f; }
+
+// Quantises block row `band` of the [out, in] synthetic tensor `spec` with blocks of
+// block_rows x block_cols: rows [band * block_rows, min(out, (band + 1) * block_rows)).
+// codes: [rows in the band, in] row-major; scales: [ceil(in / block_cols)]. scratch holds the FP32
+// values of the band (resized as needed).
+void QuantizeSyntheticFp8Band(uint64_t seed, const TensorSpec& spec, int64_t block_rows, int64_t block_cols,
+                              int64_t band, std::vector<float>* scratch, uint8_t* codes, float* scales);
 
 }  // namespace dl

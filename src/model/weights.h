@@ -25,8 +25,10 @@ struct WeightRef {
   int64_t block_rows = 0, block_cols = 0;
 
   WeightRef() = default;
-  // The checkpoint's own tensor (host memory, unquantised view).
-  WeightRef(const TensorView& t) : name(t.name), dtype(t.dtype), shape(t.shape), data(t.data) {}  // NOLINT
+  // The checkpoint's own tensor (host memory; an FP8 weight keeps its scales and block shape).
+  WeightRef(const TensorView& t)  // NOLINT
+      : name(t.name), dtype(t.dtype), shape(t.shape), data(t.data), scales(t.scales), block_rows(t.block_rows),
+        block_cols(t.block_cols) {}
   int64_t rows() const { return shape.empty() ? 0 : shape[0]; }
   int64_t cols() const { return shape.size() > 1 ? shape[1] : 1; }
   int64_t numel() const { return rows() * cols(); }

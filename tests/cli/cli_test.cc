@@ -342,6 +342,40 @@ TEST(CliTest, ConfigWarningsAtLoadAndLegacyRopeScalingRefused) {
   fs::remove_all(legacy);
 }
 
+// make-model --dtype fp8 writes an FP8 checkpoint that inspect describes and the CPU backend runs;
+// --shape-dtype fp8 gives --shape the same weights (same greedy tokens); FP8 flags without FP8 are
+// errors, never ignored.
+TEST(CliTest, Fp8CheckpointsFromMakeModelAndShape) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_fp8_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const CliRun made = Decodelab("make-model --shape tiny --seed 4 --dtype fp8 --fp8-format compressed-tensors "
+                                "--fp8-layout all-linear --out '" + dir.string() + "'");
+  ASSERT_EQ(made.rc, 0) << made.err;
+  const CliRun inspect = Decodelab("inspect --model '" + dir.string() + "'");
+  EXPECT_EQ(inspect.rc, 0) << inspect.err;
+  EXPECT_NE(inspect.out.find("quantization_config: compressed-tensors (FP8 weights, block scales 128x128"),
+            std::string::npos)
+      << inspect.out;
+  EXPECT_NE(inspect.out.find("this checkpoint (compressed-tensors)"), std::string::npos) << inspect.out;
+  const CliRun file = Decodelab("generate --backend cpu --model '" + dir.string() +
+                                "' --prompt-ids 5,17,42 --max-tokens 4 --ignore-eos");
+  ASSERT_EQ(file.rc, 0) << file.err;
+  const CliRun shape = Decodelab("generate --backend cpu --shape tiny --seed 4 --shape-dtype fp8 --fp8-layout "
+                                 "all-linear --prompt-ids 5,17,42 --max-tokens 4 --ignore-eos");
+  ASSERT_EQ(shape.rc, 0) << shape.err;
+  const auto tokens = [](const std::string& out) { return out.substr(0, out.find('\n')); };
+  EXPECT_EQ(tokens(file.out), tokens(shape.out));
+  EXPECT_NE(tokens(file.out).find("tokens: "), std::string::npos) << file.out;
+  fs::remove_all(dir);
+  const CliRun stray = Decodelab("make-model --shape tiny --fp8-layout export --out '" + dir.string() + "'");
+  EXPECT_NE(stray.rc, 0);
+  EXPECT_NE(stray.err.find("apply only with --dtype fp8"), std::string::npos) << stray.err;
+  const CliRun stray2 = Decodelab("generate --backend cpu --shape tiny --fp8-layout export --prompt-ids 5 --max-tokens 2");
+  EXPECT_NE(stray2.rc, 0);
+  EXPECT_NE(stray2.err.find("--fp8-layout applies only with --shape-dtype fp8"), std::string::npos) << stray2.err;
+  EXPECT_FALSE(fs::exists(dir));
+}
+
 TEST(CliTest, LabRunsDirDefaultsToTheCacheAsTheReadmeSays) {
   // README: the report lands under <cache>/runs (~/.cache/decodelab/runs by default), where `lab
   // screen` put the runs; a bare `lab report` or `lab runs` must look there, not in ./runs.
