@@ -31,4 +31,21 @@ Status CheckCudaShapeSupport(const ModelConfig& c) {
   return Status::Ok();
 }
 
+Status CheckCudaFp8WeightSupport(std::string_view tensor, int64_t cols, int64_t block_cols) {
+  if (cols % 16 != 0) {
+    return InvalidArgument(
+        "the CUDA backend cannot run FP8 weight {}: its rows hold {} codes, not a multiple of 16. Its kernels "
+        "read 16 FP8 codes per 16-byte load; --backend cpu runs any width",
+        tensor, cols);
+  }
+  const bool pow2 = block_cols > 0 && (block_cols & (block_cols - 1)) == 0;
+  if (block_cols < cols && !(pow2 && block_cols % 16 == 0)) {
+    return InvalidArgument(
+        "the CUDA backend cannot run FP8 weight {}: scale blocks of {} columns split its 16-code loads (they must "
+        "be a power of two multiple of 16, e.g. 128, or the whole row of {}); --backend cpu runs any block shape",
+        tensor, block_cols, cols);
+  }
+  return Status::Ok();
+}
+
 }  // namespace dl

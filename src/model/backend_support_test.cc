@@ -40,5 +40,19 @@ TEST(CudaShapeSupportTest, NamesTheWidthThatIsNotAMultipleOfEight) {
   EXPECT_TRUE(CheckCudaShapeSupport(all_sparse).ok());
 }
 
+TEST(BackendSupportTest, CudaFp8WeightsNeedSixteenCodeRowsAndBlocksThatKeepLoadsWhole) {
+  EXPECT_TRUE(CheckCudaFp8WeightSupport("w", 2048, 128).ok());   // 128x128 blocks
+  EXPECT_TRUE(CheckCudaFp8WeightSupport("w", 400, 128).ok());    // a partial last block
+  EXPECT_TRUE(CheckCudaFp8WeightSupport("w", 2064, 2064).ok());  // per channel / per tensor: the whole row
+  EXPECT_TRUE(CheckCudaFp8WeightSupport("w", 512, 16).ok());
+  for (auto [cols, bc] : {std::pair{2056, 128}, std::pair{2048, 96}, std::pair{2048, 8}, std::pair{2048, 0}}) {
+    Status st = CheckCudaFp8WeightSupport("model.layers.0.self_attn.q_proj.weight", cols, bc);
+    ASSERT_FALSE(st.ok()) << cols << " " << bc;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("q_proj"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("--backend cpu"), std::string::npos) << st.message();
+  }
+}
+
 }  // namespace
 }  // namespace dl

@@ -22,7 +22,7 @@ done
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-if ! ninja -C build kernels_fp8_gpu_test kernels_gpu_test kernels_bench decodelab > "$OUT/build.log" 2>&1; then
+if ! ninja -C build kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_runner_test decodelab > "$OUT/build.log" 2>&1; then
   echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
 fi
 echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
@@ -35,6 +35,11 @@ timeout 300 ./build/tests/gpu/kernels_fp8_gpu_test > "$OUT/kernels_fp8_gpu_test.
 summary kernels_fp8_gpu_test "$OUT/kernels_fp8_gpu_test.log" $?
 timeout 300 ./build/tests/gpu/kernels_gpu_test --gtest_filter='GemvGpu*:MoeGpu*' > "$OUT/kernels_gpu_test.log" 2>&1
 summary "kernels_gpu_test (BF16 GEMV/MoE)" "$OUT/kernels_gpu_test.log" $?
+# The CUDA backend with FP8 shape weights (all-linear and the export's layout: invariances, BF16
+# tracking), and the BF16 backend tests the weight-upload rewrite must keep (goldens, repeats, chunks).
+timeout 420 ./build/tests/gpu/cuda_runner_test \
+  --gtest_filter='*Fp8*:*TeacherForced*:*BitIdentical*:*TokensIdentical*:*MissingPreset*' > "$OUT/cuda_runner_test.log" 2>&1
+summary "cuda_runner_test (FP8 weights, BF16 goldens and invariances)" "$OUT/cuda_runner_test.log" $?
 echo "tests: $(( $(date +%s) - t0 )) s"
 if [ "$SAN" = 1 ]; then
   # The XS.2-width MoE cases are slow under the sanitizer; the other shapes cover every kernel.
@@ -58,16 +63,19 @@ if [ "$BENCH" = 1 ]; then
     echo "kernels_bench $sec rc=$?:"; grep -vE "^(kernel|device:|$)" "$OUT/kb_$sec.log" | tail -n 30
   done
   B=build/bin/decodelab
-  # The XS.2 shape end to end, BF16 and FP8 (all-linear) weights, when this binary takes the FP8 option.
-  if $B bench --help 2>&1 | grep -q -- "--weight-dtype"; then
+  # The XS.2 shape end to end, BF16 and FP8 (all-linear) weights generated on the device, when this
+  # binary's bench takes the shape-only FP8 layout (FP8_BENCH_FLAGS, default "--fp8-layout all-linear").
+  FP8_FLAGS=${FP8_BENCH_FLAGS:---fp8-layout all-linear}
+  if $B bench --help 2>&1 | grep -q -- "${FP8_FLAGS%% *}"; then
     for wd in bf16 fp8; do
-      timeout 300 $B bench --shape xs2 --weight-dtype "$wd" --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
+      extra=(); [ "$wd" = fp8 ] && read -r -a extra <<< "$FP8_FLAGS"
+      timeout 300 $B bench --shape xs2 "${extra[@]}" --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
         --page-size 32 --json-out "$OUT/bench_$wd.json" > "$OUT/bench_$wd.log" 2>&1
       echo "bench xs2 weights $wd rc=$?:"; grep -E "^  (TPOT|TTFT|device step|bytes/step|floor|weights)" "$OUT/bench_$wd.log"
       grep -iE "error|fail" "$OUT/bench_$wd.log" | head -5
     done
   else
-    echo "bench: this decodelab has no --weight-dtype option (FP8 shape weights not wired): skipped"
+    echo "bench: decodelab bench has no ${FP8_FLAGS%% *} (the shape-only FP8 layout is not wired in this build): skipped"
   fi
 fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -1043,6 +1043,8 @@ __device__ __forceinline__ void SmemLaneDotsFp8(const uint4* const (&rows)[NR], 
 }
 
 // MoeGroupGateUpKernel with FP8 or BF16 rows per block (the block's expert: shared or routed).
+// kAllFp8: both groups FP8 (the BF16 branch compiled out: fewer registers).
+template <bool kAllFp8>
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernelW(MoeParams a, MoeFp8Maps m, int tile) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
@@ -1055,7 +1057,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernelW(MoeParam
   const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int n8 = a.d / 8;
-  const bool fp8 = shared ? a.shared_gate_fp8.on() : a.gate_fp8.on();
+  const bool fp8 = kAllFp8 || (shared ? a.shared_gate_fp8.on() : a.gate_fp8.on());
   const bf16* gate = nullptr;
   const bf16* up = nullptr;
   const uint8_t* gate_c = nullptr;
@@ -1104,7 +1106,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernelW(MoeParam
   }
 }
 
-// MoeGroupDownKernel with FP8 or BF16 rows per block.
+// MoeGroupDownKernel with FP8 or BF16 rows per block (kAllFp8 as above).
+template <bool kAllFp8>
 __global__ void __launch_bounds__(kMoeWarps * 32, 2) MoeGroupDownKernelW(MoeParams a, MoeFp8Maps m, int tile) {
   DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
@@ -1117,7 +1120,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, 2) MoeGroupDownKernelW(MoePara
   const bool shared = bp.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int n8 = F / 8;
-  const bool fp8 = shared ? a.shared_down_fp8.on() : a.down_fp8.on();
+  const bool fp8 = kAllFp8 || (shared ? a.shared_down_fp8.on() : a.down_fp8.on());
   const Fp8ScaleMap& dm = shared ? m.shared_down : m.down;
   const bf16* down = nullptr;
   const uint8_t* down_c = nullptr;
@@ -1283,11 +1286,21 @@ Status Moe(const MoeParams& p, Stream stream) {
     };
     const int gu_tile = tile_for(p.d, dev::kGuTokens), dn_tile = tile_for(fmax, dev::kDownTokens);
     if (fp8) {
-      dev::LaunchDependentSmem(dev::MoeGroupGateUpKernelW, dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
-                               dim3(threads), static_cast<size_t>(gu_tile) * p.d * 2, s, p, fp8_maps, gu_tile);
+      const bool all = p.gate_fp8.on() && p.shared_gate_fp8.on();
+      const dim3 gu_grid((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits);
+      const dim3 dn_grid((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits);
+      const size_t gu_smem = static_cast<size_t>(gu_tile) * p.d * 2, dn_smem = static_cast<size_t>(dn_tile) * fmax * 2;
+      if (all) {
+        dev::LaunchDependentSmem(dev::MoeGroupGateUpKernelW<true>, gu_grid, dim3(threads), gu_smem, s, p, fp8_maps, gu_tile);
+      } else {
+        dev::LaunchDependentSmem(dev::MoeGroupGateUpKernelW<false>, gu_grid, dim3(threads), gu_smem, s, p, fp8_maps, gu_tile);
+      }
       DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up_fp8");
-      dev::LaunchDependentSmem(dev::MoeGroupDownKernelW, dim3((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
-                               dim3(threads), static_cast<size_t>(dn_tile) * fmax * 2, s, p, fp8_maps, dn_tile);
+      if (all) {
+        dev::LaunchDependentSmem(dev::MoeGroupDownKernelW<true>, dn_grid, dim3(threads), dn_smem, s, p, fp8_maps, dn_tile);
+      } else {
+        dev::LaunchDependentSmem(dev::MoeGroupDownKernelW<false>, dn_grid, dim3(threads), dn_smem, s, p, fp8_maps, dn_tile);
+      }
       DL_KERNEL_LAUNCH_CHECK("moe_group_down_fp8");
       dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
       DL_KERNEL_LAUNCH_CHECK("moe_combine");
