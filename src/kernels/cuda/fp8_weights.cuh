@@ -60,14 +60,31 @@ __device__ __forceinline__ void Fp8ChunkFma(const float (&w)[16], const uint4& x
   for (int e = 0; e < 8; ++e) acc = fmaf(w[8 + e], xf[e], acc);
 }
 // A consumer lane's part of the dot of an FP8 row and x, both in shared memory (the FP8 twin of
-// LaneDotShared): chunks c = begin + lane, + 32, ... below end; scale_row: the row's scales.
+// LaneDotShared): chunks c = begin + lane, + 32, ... below end, in that order; scale_row: the row's
+// scales (global memory: four chunks' scales and codes are loaded before any is used).
 __device__ __forceinline__ float Fp8LaneDotShared(const uint4* w_row, const uint4* x, const float* scale_row,
                                                   int shift, int begin, int end, int lane) {
+  constexpr int U = 4;
   float acc = 0.0f;
-  for (int c = begin + lane; c < end; c += 32) {
-    float w[16];
-    Fp8ChunkWeights(w_row[c], scale_row[c >> shift], w);
-    Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc);
+  for (int c0 = begin + lane; c0 < end; c0 += 32 * U) {
+    uint4 wv[U];
+    float sv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < end) {
+        wv[u] = w_row[c];
+        sv[u] = __ldg(scale_row + (c >> shift));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= end) break;
+      float w[16];
+      Fp8ChunkWeights(wv[u], sv[u], w);
+      Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc);
+    }
   }
   return acc;
 }

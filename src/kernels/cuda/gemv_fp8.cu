@@ -41,11 +41,15 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8Kernel(GemvParams a
   const uint4* w_row = reinterpret_cast<const uint4*>(a.w_fp8.codes + static_cast<size_t>(r) * a.in);
   const float* s_row = sm.Row(r);
   uint4 wv[U];
+  float sv[U];  // each chunk's scale, loaded with it
   auto load = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
-      if (live && c < hi) wv[u] = __ldg(w_row + c);
+      if (live && c < hi) {
+        wv[u] = __ldg(w_row + c);
+        sv[u] = __ldg(s_row + (c >> sm.shift));
+      }
     }
   };
   load(lo + lane);
@@ -74,7 +78,7 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8Kernel(GemvParams a
         const int c = c0 + 32 * u;
         if (c >= hi) break;
         float w[16];
-        Fp8ChunkWeights(wv[u], __ldg(s_row + (c >> sm.shift)), w);
+        Fp8ChunkWeights(wv[u], sv[u], w);
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
           if (t >= nt) break;
@@ -141,12 +145,16 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8BatchKernel(GemvPar
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
   uint4 wv[U][R];
+  float sv[U][R];
   auto load = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (live[r] && c0 + 32 * u < hi) wv[u][r] = __ldg(w_rows[r] + c0 + 32 * u);
+        if (live[r] && c0 + 32 * u < hi) {
+          wv[u][r] = __ldg(w_rows[r] + c0 + 32 * u);
+          sv[u][r] = __ldg(s_rows[r] + ((c0 + 32 * u) >> sm.shift));
+        }
   };
   load(lo + lane);
   WaitReleasing(a.release_after_wait);
@@ -161,7 +169,7 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8BatchKernel(GemvPar
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float w[16];
-        Fp8ChunkWeights(wv[u][r], __ldg(s_rows[r] + (c >> sm.shift)), w);
+        Fp8ChunkWeights(wv[u][r], sv[u][r], w);
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
           if (t >= nt) break;
