@@ -83,6 +83,15 @@ void ExpectClose(const std::vector<bf16>& got, const std::vector<bf16>& want, fl
                      << "; max abs err " << worst;
 }
 
+// The MoE's absolute tolerance: the BF16 tests' 2e-3 at their output scale, growing with the output's
+// largest magnitude (a one-ulp BF16 flip of an intermediate h moves outputs in proportion to the
+// layer's scale, which is larger at XS.2's widths).
+float MoeAtol(const std::vector<bf16>& want) {
+  float m = 0.0f;
+  for (bf16 v : want) m = std::max(m, std::fabs(Bf16ToFloat(v)));
+  return std::max(2e-3f, 2e-3f * m);
+}
+
 // An FP8 weight [rows, cols] quantised by the contract's rule from scale * NormalAt(key, i) (FP32):
 // per block amax, s = amax / 448 (1 when amax == 0), code = FloatToFp8E4M3(v / s). Blocks br x bc
 // (0: the whole dimension).
@@ -400,7 +409,7 @@ TEST(Fp8MoeGpu, MatchesReference) {
     ref::Moe(layer.HostParams(x.data(), y_ref.data(), ids_ref.data(), w_ref.data()), logits.data());
     EXPECT_EQ(Download<int32_t>(d_ids, c.k), ids_ref);
     EXPECT_EQ(Download<float>(d_w, c.k), w_ref);
-    ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "fp8 moe y");
+    ExpectClose(y1, y_ref, MoeAtol(y_ref), 1.0f / 32, "fp8 moe y");
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     EXPECT_EQ(Download<bf16>(d_y, c.d), y1) << "run to run";
@@ -450,7 +459,7 @@ TEST(Fp8MoeGpu, GroupedPathMatchesEveryTokenAloneAndTheReference) {
         const auto logits = Download<float>(d_ws, c.E);  // token 0's slice; the single launch wrote it
         ref::Moe(layer.HostParams(x.data() + static_cast<size_t>(t) * c.d, y_ref.data(), ids_ref.data(), w_ref.data()),
                  logits.data());
-        ExpectClose(Rows(y_all, c.d, t, 1), y_ref, 2e-3f, 1.0f / 32, "grouped fp8 moe token " + std::to_string(t));
+        ExpectClose(Rows(y_all, c.d, t, 1), y_ref, MoeAtol(y_ref), 1.0f / 32, "grouped fp8 moe token " + std::to_string(t));
       }
     }
     std::vector<int> pick(T);
