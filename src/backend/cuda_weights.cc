@@ -35,9 +35,10 @@ class CudaWeightsBuilder {
   bool IsFp8(const WeightRef& t) const {
     return t.dtype == DType::kF8E4M3 || (t.data == nullptr && synthetic_fp8_ && synthetic_fp8_(t.name));
   }
-  // The FP8 block shape the device copy of t will have.
+  // The FP8 block shape the device copy of t will have: its own, or for a shape-only tensor that
+  // names none, the synthetic 128 x 128.
   void Fp8Blocks(const WeightRef& t, int64_t* br, int64_t* bc) const {
-    if (t.data == nullptr) {
+    if (t.data == nullptr && (t.block_rows < 1 || t.block_cols < 1)) {
       *br = *bc = kSyntheticFp8Block;
     } else {
       *br = t.block_rows, *bc = t.block_cols;
@@ -233,14 +234,16 @@ class CudaWeightsBuilder {
     return Status::Ok();
   }
   // Copies an FP8 tensor's codes and scales unchanged, or generates them on the device (shape-only:
-  // the synthetic value quantised by the FP8 contract's rule with 128x128 blocks).
+  // the synthetic value quantised by the FP8 contract's rule, in its block shape or 128 x 128).
   Status UploadFp8(const WeightRef& t, uint8_t* dst, float* scales_dst) {
     const int64_t rows = t.rows(), cols = t.cols();
     if (t.data == nullptr) {
       DL_ASSIGN_OR_RETURN(TensorSpec spec, SpecOf(t));
       float scale = 0, offset = 0;
       TensorValueAffine(spec.kind, spec.fan_in, &scale, &offset);
-      return kernels::FillAffineFp8(dst, scales_dst, rows, cols, kSyntheticFp8Block, kSyntheticFp8Block,
+      int64_t br = 0, bc = 0;
+      Fp8Blocks(t, &br, &bc);
+      return kernels::FillAffineFp8(dst, scales_dst, rows, cols, static_cast<int>(br), static_cast<int>(bc),
                                     StreamKey(synthetic_seed_, t.name), scale, offset, s_);
     }
     if (t.scales == nullptr || t.block_rows < 1 || t.block_cols < 1) {

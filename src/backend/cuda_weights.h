@@ -20,11 +20,11 @@
 
 namespace dl {
 
-// Shape-only checkpoints (no data): whether tensor `name` is generated as FP8 (E4M3 codes and
-// 128x128 FP32 block scales, the FP8 contract's rule on the synthetic formula's FP32 value) instead of
-// BF16. HOOK for the shape-only FP8 layouts (helper `fp8`'s `--fp8-layout export|all-linear` for
-// --shape): pass the layout's predicate as CudaRunnerOptions::synthetic_fp8, or give the shape-only
-// views dtype F8_E4M3 (honoured with or without a predicate).
+// Shape-only checkpoints (no data): whether tensor `name` is generated as FP8 (E4M3 codes and FP32
+// block scales, the FP8 contract's rule on the synthetic formula's FP32 value) instead of BF16.
+// HOOK for the shape-only FP8 layouts (helper `fp8`'s `--fp8-layout export|all-linear` for --shape):
+// give the shape-only views dtype F8_E4M3 (their WeightRefs' block_rows / block_cols, when set, are the
+// block shape; else 128 x 128), or pass the layout's predicate as CudaRunnerOptions::synthetic_fp8.
 using SyntheticFp8Choice = std::function<bool(const std::string& tensor_name)>;
 // The FP8 contract's `all-linear` layout: every linear (attention q/k/v/o, dense MLP, routed and shared
 // experts) except the LM head, the routers and the attention head gate (g_proj).

@@ -418,17 +418,9 @@ TEST(Fp8MoeGpu, MatchesReference) {
 }
 
 // The grouped path (T > 1) gives every token the bits it gets alone (batch 1) and inside a shuffled
-// subset of the batch; the grouped result also matches the reference per token. XS.2's widths included.
-TEST(Fp8MoeGpu, GroupedPathMatchesEveryTokenAloneAndTheReference) {
-  SKIP_WITHOUT_GPU();
-  struct Shape {
-    MoeShape m;
-    int T;
-  };
-  for (const Shape sh : {Shape{{16, 4, 512, 128, 64, true, 128, 128}, 40}, Shape{{64, 8, 512, 128, 128, false, 128, 128}, 33},
-                         Shape{{32, 4, 400, 144, 80, true, 128, 128}, 9}, Shape{{256, 8, 2048, 512, 512, true, 128, 128}, 64}}) {
-    const MoeShape& c = sh.m;
-    const int T = sh.T;
+// subset of the batch; the grouped result also matches the reference per token.
+void ExpectGroupedMatchesAloneAndReference(const MoeShape& c, int T) {
+  {
     SCOPED_TRACE(testing::Message() << "E " << c.E << " k " << c.k << " d " << c.d << " T " << T << " shared "
                                     << (c.shared_fp8 ? "fp8" : "bf16"));
     const Fp8MoeLayer layer(c.E, c.k, c.d, c.F, c.Fs, c.shared_fp8, 8000, c.br, c.bc);
@@ -478,6 +470,21 @@ TEST(Fp8MoeGpu, GroupedPathMatchesEveryTokenAloneAndTheReference) {
     const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * c.d);
     for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, c.d, i, 1), Rows(y_all, c.d, pick[i], 1)) << "token " << pick[i];
   }
+}
+
+// Small layers: few experts (token tiles), k 4 and 8, a BF16 shared expert beside FP8 routed ones, widths
+// that are not multiples of 128.
+TEST(Fp8MoeGpu, GroupedPathMatchesEveryTokenAloneAndTheReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGroupedMatchesAloneAndReference({16, 4, 512, 128, 64, true, 128, 128}, 40);
+  ExpectGroupedMatchesAloneAndReference({64, 8, 512, 128, 128, false, 128, 128}, 33);
+  ExpectGroupedMatchesAloneAndReference({32, 4, 400, 144, 80, true, 128, 128}, 9);
+}
+
+// XS.2's layer (E 256, k 8, d 2,048, F = Fs = 512) at T 64.
+TEST(Fp8MoeGpu, GroupedPathAtXs2Widths) {
+  SKIP_WITHOUT_GPU();
+  ExpectGroupedMatchesAloneAndReference({256, 8, 2048, 512, 512, true, 128, 128}, 64);
 }
 
 TEST(Fp8MoeGpu, RefusesMixedGroupsAndBadScales) {
