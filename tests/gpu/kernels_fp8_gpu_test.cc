@@ -45,7 +45,9 @@ template <typename T>
 cuda::DeviceBuffer Upload(const std::vector<T>& v) {
   auto b = cuda::DeviceBuffer::Create(std::max<size_t>(v.size() * sizeof(T), 16));
   EXPECT_TRUE(b.ok()) << b.status().message();
-  if (!v.empty()) EXPECT_TRUE(b->CopyFromHost(v.data(), v.size() * sizeof(T)).ok());
+  if (!v.empty()) {
+    EXPECT_TRUE(b->CopyFromHost(v.data(), v.size() * sizeof(T)).ok());
+  }
   return std::move(b).value();
 }
 template <typename T>
