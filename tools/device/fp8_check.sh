@@ -3,7 +3,8 @@
 # against the CPU reference, batch 1 == batched == grouped bit for bit, the synthetic FP8 fill), the BF16
 # GEMV/MoE tests (their bits must not move), compute-sanitizer memcheck and racecheck on the FP8 tests,
 # the kernel microbenchmark's FP8 sections beside BF16 (gemv_fp8, moe_fp8, moe), and, when the decodelab
-# binary takes FP8 shape weights, `bench --shape xs2` BF16 against FP8 all-linear. Logs under $OUT.
+# binary takes FP8 shape weights (`--shape-dtype fp8 --fp8-layout all-linear`, helper fp8's flags),
+# `bench --shape xs2` BF16 against FP8 all-linear. Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
 #     bash tools/device/fp8_check.sh [--skip-sanitizer] [--skip-bench]
 set -uo pipefail
@@ -68,8 +69,8 @@ if [ "$BENCH" = 1 ]; then
   done
   B=build/bin/decodelab
   # The XS.2 shape end to end, BF16 and FP8 (all-linear) weights generated on the device, when this
-  # binary's bench takes the shape-only FP8 layout (FP8_BENCH_FLAGS, default "--fp8-layout all-linear").
-  FP8_FLAGS=${FP8_BENCH_FLAGS:---fp8-layout all-linear}
+  # binary's bench takes the shape-only FP8 layout (helper fp8's flags; FP8_BENCH_FLAGS overrides).
+  FP8_FLAGS=${FP8_BENCH_FLAGS:---shape-dtype fp8 --fp8-layout all-linear}
   if $B bench --help 2>&1 | grep -q -- "${FP8_FLAGS%% *}"; then
     for wd in bf16 fp8; do
       extra=(); [ "$wd" = fp8 ] && read -r -a extra <<< "$FP8_FLAGS"
