@@ -57,7 +57,9 @@ void AddKernelsCommand(CLI::App& root, CommandContext& ctx) {
         {"attn_combine", "split-KV chunk combine + softplus gate (per head / per element)"},
         {"attn_generic_fallback", "slow generic attention, only with --allow-fallback"},
         {"gemv", "BF16 GEMV / batch-invariant small-T GEMM"},
+        {"gemv_fp8", "FP8-weight GEMV / small-T GEMM, block scales in the kernel (the FP8 rule, ops.h)"},
         {"moe", "router top-k + routed/shared SwiGLU experts + combine (3 launches)"},
+        {"moe_fp8", "the MoE with FP8 routed and/or shared experts (BF16 router)"},
         {"argmax", "argmax over the vocabulary (ties -> lowest index)"},
     };
     const bool cuda = cuda::BuiltWithCuda();

@@ -39,6 +39,11 @@ struct LayerCache {
 };
 
 const bf16* Data(const WeightRef& w) { return static_cast<const bf16*>(w.data); }
+bool IsFp8(const WeightRef& w) { return w.dtype == DType::kF8E4M3; }
+// An FP8 device WeightRef as the kernels' operand.
+kernels::Fp8Weight Fp8Of(const WeightRef& w) {
+  return {static_cast<const uint8_t*>(w.data), w.scales, static_cast<int>(w.block_rows), static_cast<int>(w.block_cols)};
+}
 
 }  // namespace
 
@@ -124,7 +129,7 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
   const int64_t D = c.head_dim;
-  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
+  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s(), opt.synthetic_fp8));
   rope[0] = ComputeRopeTable(c.rope_full, D);
   rope[1] = ComputeRopeTable(c.rope_sliding, D);
   for (int i = 0; i < 2; ++i) {
@@ -310,35 +315,52 @@ Status CudaRunner::Impl::AddRmsNorm(const WeightRef& weight, bool add_delta) {
 }
 
 Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
-  if (w.parts.size() != 1) return Internal("CUDA linear {}: weights must be stored fused", w.parts[0].name);
-  const WeightRef& W = w.parts[0];
+  // One GEMV per stored part (CudaWeights stacks consecutive parts of one dtype: one part unless, e.g.,
+  // q/k/v are FP8 and g BF16), each writing its rows of the output.
+  if (w.parts.empty()) return Internal("CUDA linear: no weights");
   const bool qkvg = out == Act::kQkvg, o_proj = in == Act::kAttention;
   const bool mlp = out == Act::kGateUp || in == Act::kHidden;
   const int rows = in == Act::kOutputNormed ? R : T;
-  kernels::GemvParams p;
+  kernels::FusedInputNorm norm;
   // The dense MLP's gate/up takes the norm before it (the measured policy: only the norm before the
   // MLP is folded, and only at batch 1 where the streaming kernel takes it); everything else runs it.
-  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty()) {
-    p.norm = TakeFusedNorm(nullptr);
+  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty() && w.parts.size() == 1) {
+    norm = TakeFusedNorm(nullptr);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
   }
   if ((qkvg && Skips("qkvg")) || (o_proj && Skips("o_proj")) || (mlp && Skips("dense_mlp"))) return Status::Ok();
   const kernels::Tuning& tu = opt.tuning;
-  p.w = Data(W);
-  p.x = Buffer(in);
-  p.y = Buffer(out);
-  p.out = static_cast<int>(W.rows());
-  p.in = static_cast<int>(W.cols());
-  p.num_tokens = rows;
-  p.streaming.ring_kb = tu.stream_ring_kb;
-  p.streaming.stage_kb = tu.stream_stage_kb;
-  p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
-  p.streaming.on = rows == 1 && tu.stream_gemv && kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
-  p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
-  p.batch_tokens = tu.batch_gemv_tokens;
-  p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
-  return kernels::Gemv(p, s()).WithContext(W.name);
+  const int64_t total_out = w.out();
+  int64_t row0 = 0;
+  for (const WeightRef& W : w.parts) {
+    kernels::GemvParams p;
+    p.norm = norm;
+    const bool fp8 = IsFp8(W);
+    if (fp8) {
+      p.w_fp8 = Fp8Of(W);
+    } else {
+      p.w = Data(W);
+    }
+    p.x = Buffer(in);
+    p.y = Buffer(out) + row0;
+    p.out = static_cast<int>(W.rows());
+    p.in = static_cast<int>(W.cols());
+    p.y_stride = total_out;
+    p.num_tokens = rows;
+    p.streaming.ring_kb = tu.stream_ring_kb;
+    p.streaming.stage_kb = tu.stream_stage_kb;
+    p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
+    p.streaming.on = rows == 1 && tu.stream_gemv &&
+                     (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
+                          : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
+    p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
+    p.batch_tokens = tu.batch_gemv_tokens;
+    p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
+    DL_RETURN_IF_ERROR(kernels::Gemv(p, s()).WithContext(W.name));
+    row0 += W.rows();
+  }
+  return Status::Ok();
 }
 
 Status CudaRunner::Impl::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& w) {
@@ -444,12 +466,29 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.num_tokens = T;
   mp.router_w = Data(w.router);
   mp.router_bias = Data(w.correction_bias);
-  mp.gate_w = static_cast<const bf16* const*>(t.gate);
-  mp.up_w = static_cast<const bf16* const*>(t.up);
-  mp.down_w = static_cast<const bf16* const*>(t.down);
-  mp.shared_gate_w = Data(w.shared_gate);
-  mp.shared_up_w = Data(w.shared_up);
-  mp.shared_down_w = Data(w.shared_down);
+  if (t.fp8) {  // the routed experts' codes and scale pointer arrays (CudaWeights::ExpertTables)
+    auto table = [](const void* codes, const void* scales, const WeightRef& first) {
+      return kernels::MoeParams::Fp8Experts{static_cast<const uint8_t* const*>(codes),
+                                            static_cast<const float* const*>(scales),
+                                            static_cast<int>(first.block_rows), static_cast<int>(first.block_cols)};
+    };
+    mp.gate_fp8 = table(t.gate, t.gate_scales, w.gate[0]);
+    mp.up_fp8 = table(t.up, t.up_scales, w.up[0]);
+    mp.down_fp8 = table(t.down, t.down_scales, w.down[0]);
+  } else {
+    mp.gate_w = static_cast<const bf16* const*>(t.gate);
+    mp.up_w = static_cast<const bf16* const*>(t.up);
+    mp.down_w = static_cast<const bf16* const*>(t.down);
+  }
+  if (IsFp8(w.shared_gate)) {
+    mp.shared_gate_fp8 = Fp8Of(w.shared_gate);
+    mp.shared_up_fp8 = Fp8Of(w.shared_up);
+    mp.shared_down_fp8 = Fp8Of(w.shared_down);
+  } else {
+    mp.shared_gate_w = Data(w.shared_gate);
+    mp.shared_up_w = Data(w.shared_up);
+    mp.shared_down_w = Data(w.shared_down);
+  }
   mp.d = static_cast<int>(cfg.hidden_size);
   mp.num_experts = static_cast<int>(cfg.num_experts);
   mp.top_k = static_cast<int>(cfg.num_experts_per_tok);

@@ -1,11 +1,17 @@
-// The model's weights on the device: uploaded from a checkpoint (converted to BF16 on the host) or
-// generated there for a shape-only checkpoint (model/synthetic.h's formula), and described to the
-// Laguna forward as LagunaWeights (device WeightRefs). Projections that the forward runs as one
-// product are stored fused: q/k/v/g of a layer, a dense MLP's gate and up.
+// The model's weights on the device: uploaded from the checkpoint's host weights (HostLagunaWeights:
+// BF16 as is, F32/F16 converted to BF16 on the host, FP8 codes and their FP32 block scales unchanged)
+// or generated there for a shape-only checkpoint (model/synthetic.h's formula; FP8 by the FP8
+// contract's quantisation where asked), and described to the Laguna forward as LagunaWeights (device
+// WeightRefs). Projections that the forward runs as one product are stored fused: q/k/v/g of a layer,
+// a dense MLP's gate and up; consecutive parts of one dtype share a matrix (an FP8 part joins when the
+// parts before it fill whole scale blocks), so a LinearWeights may hold several (e.g. q/k/v FP8 and g
+// BF16). Embedding, norms, router and correction bias must be BF16 (the FP8 contract).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cuda/buffer.h"
@@ -14,18 +20,36 @@
 
 namespace dl {
 
+// Shape-only checkpoints (no data): whether tensor `name` is generated as FP8 (E4M3 codes and FP32
+// block scales, the FP8 contract's rule on the synthetic formula's FP32 value) instead of BF16.
+// HOOK for the shape-only FP8 layouts (helper `fp8`'s `--fp8-layout export|all-linear` for --shape):
+// give the shape-only views dtype F8_E4M3 (their WeightRefs' block_rows / block_cols, when set, are the
+// block shape; else 128 x 128), or pass the layout's predicate as CudaRunnerOptions::synthetic_fp8.
+using SyntheticFp8Choice = std::function<bool(const std::string& tensor_name)>;
+// The FP8 contract's `all-linear` layout: every linear (attention q/k/v/o, dense MLP, routed and shared
+// experts) except the LM head, the routers and the attention head gate (g_proj).
+bool SyntheticFp8AllLinear(const std::string& tensor_name);
+// Block shape of synthetic FP8 weights.
+inline constexpr int kSyntheticFp8Block = 128;
+
 class CudaWeights {
  public:
-  // Uploads `checkpoint` to the current device (`synthetic_seed` generates a shape-only one).
+  // Uploads `checkpoint` to the current device (`synthetic_seed` generates a shape-only one, FP8 where
+  // `synthetic_fp8` says so).
   static Result<std::unique_ptr<CudaWeights>> Upload(const Checkpoint& checkpoint, uint64_t synthetic_seed,
-                                                     CUstream_st* stream);
+                                                     CUstream_st* stream, const SyntheticFp8Choice& synthetic_fp8 = {});
 
   const LagunaWeights& refs() const { return refs_; }
-  // Device arrays of E pointers to each expert's gate, up and down matrices (sparse layers).
+  // Device arrays of E pointers to each expert's gate, up and down matrices (sparse layers): BF16
+  // matrices, or FP8 codes (fp8 set) with the arrays of their scale pointers beside them.
   struct ExpertTables {
     const void* gate = nullptr;
     const void* up = nullptr;
     const void* down = nullptr;
+    bool fp8 = false;
+    const void* gate_scales = nullptr;
+    const void* up_scales = nullptr;
+    const void* down_scales = nullptr;
   };
   const ExpertTables& experts(int64_t layer) const { return tables_[static_cast<size_t>(layer)]; }
   // Bytes of every weight on the device.

@@ -35,6 +35,11 @@ Status SiluMul(const SiluMulParams& p, Stream stream);
 // counter-based generator of base/rng.h (the host's make-model uses the same formula; device and host
 // libm may differ in the last float bit, so a rare element can differ by one BF16 ulp).
 Status FillAffineBf16(bf16* dst, int64_t n, uint64_t key, float scale, float offset, Stream stream);
+// The same values as FP8 weights [rows, cols] with block_rows x block_cols scales (the FP8 weight
+// contract's rule on the FP32 value v of element i: per block amax, scale = amax / 448 (1 when amax is
+// 0), code = FloatToFp8E4M3(v / scale)): codes [rows, cols], scales [ceil(rows / br), ceil(cols / bc)].
+Status FillAffineFp8(uint8_t* codes, float* scales, int64_t rows, int64_t cols, int block_rows, int block_cols,
+                     uint64_t key, float scale, float offset, Stream stream);
 
 // *out = max_i |src[i]| over n BF16 values (out: one device float, overwritten). Max is independent of
 // the reduction order, so the result is deterministic. Used to calibrate FP8 KV scales from a BF16 cache.

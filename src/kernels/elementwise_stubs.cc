@@ -8,6 +8,9 @@ Status SiluMul(const SiluMulParams&, Stream) { return Unavailable("no CUDA backe
 Status FillAffineBf16(bf16*, int64_t, uint64_t, float, float, Stream) {
   return Unavailable("no CUDA backend in this build");
 }
+Status FillAffineFp8(uint8_t*, float*, int64_t, int64_t, int, int, uint64_t, float, float, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
 Status AbsMaxBf16(const bf16*, int64_t, float*, Stream) {
   return Unavailable("no CUDA backend in this build");
 }

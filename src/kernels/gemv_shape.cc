@@ -17,4 +17,10 @@ int GemvKSplitFor(int out, int in) {
   return split;
 }
 
+int GemvFp8KSplitFor(int out, int in) {
+  // The same rule counted in 16-byte chunks: an FP8 row of `in` codes has the chunks of a BF16 row
+  // of in / 2 elements.
+  return GemvKSplitFor(out, in / 2);
+}
+
 }  // namespace dl::kernels

@@ -246,5 +246,41 @@ TEST(GemvKSplit, FollowsTheShapeOnly) {
   EXPECT_EQ(GemvKSplitFor(100, 2056), 1);     // 257 chunks: no even split
 }
 
+TEST(GemvKSplit, Fp8CountsSixteenElementChunks) {
+  EXPECT_EQ(GemvFp8KSplitFor(2048, 8192), GemvKSplitFor(2048, 4096));  // 512 chunks of 16 codes
+  EXPECT_EQ(GemvFp8KSplitFor(100, 4112), 1);                           // 257 chunks: no even split
+}
+
+// The FP8 reference dequantises element [o, i] with its block's scale (partial blocks at both edges,
+// per-channel and per-tensor), and the FP8 GEMV reference is the dot of those FP32 weights.
+TEST(Reference, Fp8WeightsUseTheirBlocksScale) {
+  const int rows = 130, cols = 144;  // 2 x 2 blocks of 128, the last ones partial
+  std::vector<uint8_t> codes(static_cast<size_t>(rows) * cols, 0x38);  // E4M3 1.0
+  codes[1] = 0xb8;                                                      // -1.0
+  codes[129 * cols + 143] = 0x40;                                       // 2.0
+  const std::vector<float> scales = {0.5f, 0.25f, 3.0f, 0.125f};
+  const Fp8Weight w{codes.data(), scales.data(), 128, 128};
+  EXPECT_EQ(ref::Fp8WeightAt(w, cols, 0, 0), 0.5f);
+  EXPECT_EQ(ref::Fp8WeightAt(w, cols, 0, 1), -0.5f);
+  EXPECT_EQ(ref::Fp8WeightAt(w, cols, 127, 128), 0.25f);
+  EXPECT_EQ(ref::Fp8WeightAt(w, cols, 128, 127), 3.0f);
+  EXPECT_EQ(ref::Fp8WeightAt(w, cols, 129, 143), 0.25f);  // 2.0 * 0.125
+  const std::vector<float> per_channel(rows, 0.0f);
+  std::vector<float> channel(per_channel);
+  for (int o = 0; o < rows; ++o) channel[o] = 0.5f + o;
+  EXPECT_EQ(ref::Fp8WeightAt({codes.data(), channel.data(), 1, cols}, cols, 7, 100), 7.5f);
+  const float one = 0.75f;
+  EXPECT_EQ(ref::Fp8WeightAt({codes.data(), &one, rows, cols}, cols, 129, 143), 1.5f);
+  // GEMV: x = e_i picks column i of W (one BF16 product, exact).
+  std::vector<bf16> x(cols, FloatToBf16(0.0f)), y(rows);
+  x[143] = FloatToBf16(1.0f);
+  GemvParams p;
+  p.w_fp8 = w, p.x = x.data(), p.y = y.data(), p.out = rows, p.in = cols;
+  ref::Gemv(p);
+  EXPECT_EQ(Bf16ToFloat(y[0]), 0.25f);
+  EXPECT_EQ(Bf16ToFloat(y[128]), 0.125f);
+  EXPECT_EQ(Bf16ToFloat(y[129]), 0.25f);
+}
+
 }  // namespace
 }  // namespace dl::kernels

@@ -105,6 +105,36 @@ struct QkNormRopeAppendParams {
 };
 Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 
+// ---- FP8 weights (the FP8 weight contract, issue 18) ------------------------------------------------
+// An FP8 weight matrix [rows, cols]: E4M3 ("fn") codes, row-major, one byte each (rows 16-byte
+// aligned: cols % 16 == 0), and FP32 scales, one per block of block_rows x block_cols codes,
+// row-major over the blocks ([ceil(rows / block_rows), ceil(cols / block_cols)]):
+//   W[o, i] = float(code[o, i]) * scale[o / block_rows, i / block_cols]   (one FP32 multiply).
+// Blocks: 128 x 128 (both Laguna formats), one block (per tensor: rows x cols) or (1, cols) (per
+// channel). block_cols must be a power of two that is a multiple of 16, or >= cols (one block
+// column), so a 16-byte chunk of codes never straddles two scale columns.
+//
+// THE FP8 RULE, shared by every FP8 path at every T (batch-1 streaming and plain, fused norm, batched
+// T > 1, the MoE's batch-1 and grouped kernels), so batch 1 == batched == grouped bit for bit: a
+// lane's 16-byte chunk c of a row holds the 16 codes of elements 16c .. 16c + 15; with
+// s = scale[row / block_rows, 16c / block_cols], for e = 0 .. 15 in order:
+//   w = float(code_e) * s   (rounded to FP32: the CPU reference's dequantised weight, bit for bit)
+//   acc = fmaf(w, x[16c + e], acc)
+// The chunks a lane takes, the k_split slices (GemvFp8KSplitFor: GemvKSplitFor's rule counted in
+// 16-element chunks), the xor-butterfly warp sum, the slice order and the BF16 rounding points are
+// the BF16 rule's (GemvParams below): only the chunk holds 16 elements instead of 8. The CPU
+// reference dequantises W in FP32 the same way and runs its usual linear (kernels/reference).
+struct Fp8Weight {
+  const uint8_t* codes = nullptr;  // [rows, cols] E4M3 codes
+  const float* scales = nullptr;   // [ceil(rows / block_rows), ceil(cols / block_cols)] FP32
+  int block_rows = 0, block_cols = 0;
+  DL_HOST_DEVICE bool on() const { return codes != nullptr; }
+};
+// k_split of an FP8 weight [out, in]: GemvKSplitFor over in / 16 chunks of 16 bytes.
+int GemvFp8KSplitFor(int out, int in);
+// Whether GemvParams::streaming applies to an FP8 weight [out, in] with this ring.
+bool GemvFp8StreamSupported(int out, int in, int ring_kb = 128, int stage_kb = 32);
+
 // ---- 5. GEMV / small-T GEMM ------------------------------------------------------------------------
 // y[t, o] = bf16( sum_i W[o, i] * x[t, i] ), FP32 accumulation in a FIXED order per output element that
 // does not depend on T: GEMM over T tokens is bit-identical to T separate GEMVs (batch invariance, so
@@ -115,7 +145,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 // batched kernel (each warp holds batch_rows rows' chunks in registers for batch_tokens tokens, so W
 // is read once per token tile) unless a norm is fused, which takes the tiled plain kernel.
 struct GemvParams {
-  const bf16* w = nullptr;  // [out, in]
+  const bf16* w = nullptr;  // [out, in] BF16, or nullptr when w_fp8 is set
   const bf16* x = nullptr;  // [T, in] (row stride x_stride)
   bf16* y = nullptr;        // [T, out] (row stride y_stride)
   int out = 0, in = 0;      // in % 8 == 0
@@ -144,6 +174,10 @@ struct GemvParams {
   int batch_rows = 2;
   int batch_tokens = 8;
   bool release_after_wait = false;  // PDL release point (Tuning::late_release)
+  // Set (codes != nullptr, w == nullptr): the weight is FP8 (the FP8 rule above; in % 16 == 0). Every
+  // path and option above applies unchanged (k_split 0 = GemvFp8KSplitFor; streaming needs
+  // GemvFp8StreamSupported).
+  Fp8Weight w_fp8;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -197,6 +231,19 @@ struct MoeParams {
   int gate_up_stream_ring_kb = 128;
   // PDL release points (Tuning::late_release) of the router and the down kernel.
   bool router_release_after_wait = false, down_release_after_wait = false;
+  // FP8 experts (the FP8 rule above), per group: routed (gate/up/down of every expert) and shared
+  // (its gate/up/down) are each all BF16 or all FP8, independently (the S 2.1 export: routed FP8,
+  // shared BF16). Set: the BF16 pointers of that group are nullptr. The router stays BF16. When any
+  // group is FP8 the expert kernels are the FP8-capable ones (register kernels at batch 1, the grouped
+  // path at T > 1); their BF16 rows keep the BF16 rule, so a BF16 group gives the BF16 kernels' bits.
+  struct Fp8Experts {
+    const uint8_t* const* codes = nullptr;  // [E] (DEVICE array) -> [rows, cols] codes
+    const float* const* scales = nullptr;   // [E] (DEVICE array) -> that expert's scales
+    int block_rows = 0, block_cols = 0;      // the same for every expert
+    DL_HOST_DEVICE bool on() const { return codes != nullptr; }
+  };
+  Fp8Experts gate_fp8, up_fp8, down_fp8;  // gate/up [F, d], down [d, F]
+  Fp8Weight shared_gate_fp8, shared_up_fp8, shared_down_fp8;  // [Fs, d], [Fs, d], [d, Fs]
 };
 // Workspace for up to num_tokens tokens (the per-token router state and, for T > 1, the grouped path's
 // expert lists and per-slot outputs).

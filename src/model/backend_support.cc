@@ -31,14 +31,29 @@ Status CheckCudaShapeSupport(const ModelConfig& c) {
   return Status::Ok();
 }
 
+Status CheckCudaFp8WeightSupport(std::string_view tensor, int64_t cols, int64_t block_cols) {
+  if (cols % 16 != 0) {
+    return InvalidArgument(
+        "the CUDA backend cannot run FP8 weight {}: its rows hold {} codes, not a multiple of 16. Its kernels "
+        "read 16 FP8 codes per 16-byte load; --backend cpu runs any width",
+        tensor, cols);
+  }
+  const bool pow2 = block_cols > 0 && (block_cols & (block_cols - 1)) == 0;
+  if (block_cols < cols && !(pow2 && block_cols % 16 == 0)) {
+    return InvalidArgument(
+        "the CUDA backend cannot run FP8 weight {}: scale blocks of {} columns split its 16-code loads (they must "
+        "be a power of two multiple of 16, e.g. 128, or the whole row of {}); --backend cpu runs any block shape",
+        tensor, block_cols, cols);
+  }
+  return Status::Ok();
+}
+
 Status CheckCudaWeightSupport(const Checkpoint& checkpoint) {
   for (const TensorView& t : checkpoint.tensors()) {
-    if (t.dtype == DType::kF8E4M3) {
-      return Unimplemented(
-          "the CUDA backend cannot run FP8 weights yet (tensor '{}' is F8_E4M3; quant_method '{}'): its FP8 "
-          "kernels are not in this build. --backend cpu runs FP8 checkpoints (the exact FP32 reference)",
-          t.name, checkpoint.config().quant_method);
-    }
+    if (t.dtype != DType::kF8E4M3) continue;
+    // Shape-only FP8 views without a block shape are generated in 128 x 128 blocks (CudaWeights).
+    const int64_t cols = t.shape.size() > 1 ? t.shape[1] : 1;
+    DL_RETURN_IF_ERROR(CheckCudaFp8WeightSupport(t.name, cols, t.block_cols > 0 ? t.block_cols : 128));
   }
   return Status::Ok();
 }

@@ -2,6 +2,9 @@
 // error naming the config key, not a kernel's failure at the first forward.
 #pragma once
 
+#include <cstdint>
+#include <string_view>
+
 #include "base/status.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -15,9 +18,14 @@ namespace dl {
 // not, its value, and why; the CPU backend runs any width.
 Status CheckCudaShapeSupport(const ModelConfig& config);
 
-// Weight dtypes the CUDA backend uploads: BF16, F16, F32. FP8 weights (issue 18) are refused with an
-// Unimplemented naming the first FP8 tensor until the FP8 kernels and upload land (branch fp8k):
-// never converted silently, never a crash at upload.
+// An FP8 weight (the FP8 weight contract) the CUDA kernels run: rows of `cols` codes read 16 per
+// 16-byte load (cols % 16 == 0), and scale blocks that never split such a load (block_cols a power of
+// two multiple of 16, or the whole row). Which weights may be FP8 is the contract's (linears; never
+// the embedding, norms, router or correction bias: CudaWeights refuses those). InvalidArgument names
+// the tensor; the CPU backend runs any FP8 shape.
+Status CheckCudaFp8WeightSupport(std::string_view tensor, int64_t cols, int64_t block_cols);
+// Every FP8 tensor of `checkpoint` passes CheckCudaFp8WeightSupport (called before upload, so a
+// checkpoint the kernels cannot run fails by name before anything large is built).
 Status CheckCudaWeightSupport(const Checkpoint& checkpoint);
 
 }  // namespace dl

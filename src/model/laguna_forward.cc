@@ -55,7 +55,7 @@ LagunaWeights HostLagunaWeights(const ModelWeights& w) {
     L.o.parts = {lw.o};
     L.q_norm = lw.q_norm;
     L.k_norm = lw.k_norm;
-    if (!lw.mlp_gate.empty()) {
+    if (!lw.mlp_gate.shape.empty()) {  // shape-only checkpoints have views without data
       L.mlp_gate_up.parts = {lw.mlp_gate, lw.mlp_up};
       L.mlp_down.parts = {lw.mlp_down};
     }

@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "engine/scheduler.h"
 #include "backend/cuda_runner.h"
+#include "backend/cuda_weights.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
 #include "tests/common/batch_schedule.h"
@@ -213,7 +214,7 @@ KvScales TestKvScales(int32_t layers) {
 }
 
 Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
-             const std::vector<int32_t>& prompt, int32_t steps) {
+             const std::vector<int32_t>& prompt, int32_t steps, const SyntheticFp8Choice& synthetic_fp8 = {}) {
   const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
   auto kvc = KvCache::Create(spec);
   EXPECT_TRUE(kvc.ok());
@@ -223,6 +224,7 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   co.max_rows = 512;
   co.max_outputs = 1;
   co.use_graph = graph;
+  co.synthetic_fp8 = synthetic_fp8;
   auto runner = CudaRunner::Create(ck, spec, scales, co);
   EXPECT_TRUE(runner.ok()) << runner.status().ToString();
   Transcript run;
@@ -533,6 +535,44 @@ TEST(CudaRunnerTest, SkipOpsAreValidatedAndReported) {
     EXPECT_EQ(d["skipped_ops"].size(), static_cast<size_t>(skip));
   }
   EXPECT_LT(nodes[1], nodes[0]) << "skipping the MoE must remove its kernels from the step";
+}
+
+// FP8 weights generated on the device for a shape-only checkpoint (the FP8 contract's quantisation) in
+// the `all-linear` layout and the export's (routed experts only: FP8 experts beside a BF16 shared
+// expert and BF16 attention): the prompt's logits and the greedy tokens are bit-identical across
+// prefill chunkings (the FP8 GEMV and MoE at different T: batched, grouped and batch-1 streaming
+// paths), page sizes and graph vs eager, and run to run; and the model is the BF16 one up to FP8
+// rounding (the logits' cosine similarity with the BF16 weights' run).
+TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
+  SKIP_WITHOUT_GPU();
+  auto ck = MakeShapeOnlyCheckpoint(SmallXs2Geometry());
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const auto prompt = LongPrompt(600, ck->config().vocab_size);
+  const Transcript bf16 = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16);
+  ASSERT_FALSE(bf16.last_logits.empty());
+  const SyntheticFp8Choice routed_only = [](const std::string& n) { return n.find(".mlp.experts.") != std::string::npos; };
+  for (const auto& [layout, choice] : {std::pair{"all-linear", SyntheticFp8Choice(SyntheticFp8AllLinear)},
+                                       std::pair{"export", routed_only}}) {
+    SCOPED_TRACE(layout);
+    const Transcript reference = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16, choice);
+    ASSERT_EQ(reference.last_logits.size(), bf16.last_logits.size());
+    double dot = 0, a2 = 0, b2 = 0;
+    for (size_t i = 0; i < bf16.last_logits.size(); ++i) {
+      dot += double(reference.last_logits[i]) * bf16.last_logits[i];
+      a2 += double(reference.last_logits[i]) * reference.last_logits[i];
+      b2 += double(bf16.last_logits[i]) * bf16.last_logits[i];
+    }
+    const double cosine = dot / std::sqrt(a2 * b2);
+    EXPECT_GT(cosine, 0.9) << "FP8 weights should give nearly the BF16 model's logits";
+    EXPECT_LT(cosine, 1.0) << "FP8 weights should not be the BF16 weights";
+    for (auto [page, chunk, graph] : {std::tuple{32, 512, true}, std::tuple{16, 37, true}, std::tuple{64, 100, false},
+                                      std::tuple{32, 7, false}}) {
+      const Transcript r = Generate(*ck, DType::kF8E4M3, page, chunk, graph, prompt, 16, choice);
+      EXPECT_EQ(r.tokens, reference.tokens) << "page " << page << " chunk " << chunk << " graph " << graph;
+      EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
+          << "page " << page << " chunk " << chunk << " graph " << graph;
+    }
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
+#include "kernels/elementwise.h"
 #include "kernels/ops.h"
 #include "kernels/sampling.h"
 
@@ -105,7 +106,8 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, gemv_batch, norm, rope, attn, moe, argmax); the copy row always runs.
+  // Optional: one section only (gemv, gemv_batch, gemv_fp8, norm, rope, attn, moe, moe_fp8, argmax); the copy
+  // row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
@@ -175,6 +177,49 @@ int main(int argc, char** argv) {
             }, 50);
             rows.push_back({fmt::format("gemv {} T{}", name, T), fmt::format("{}x{} r{} t{}", out, in, br, bt),
                             ms * 1e3, 2.0 * out * in});
+          }
+        }
+      }
+    }
+  }
+
+  // FP8 weights (128x128 block scales, the FP8 rule) beside BF16 at XS.2's shapes: batch 1 (plain and
+  // streaming), T 8 and 64 (batched kernel, the runner's rows/warp choice). Bytes: the weight stream
+  // (codes + scales, or BF16), read once per call.
+  auto fp8_weight = [&](int out, int in, uint64_t key, cuda::DeviceBuffer* codes, cuda::DeviceBuffer* scales) {
+    *codes = Alloc(size_t(out) * in);
+    *scales = Alloc(size_t((out + 127) / 128) * ((in + 127) / 128) * 4);
+    CHECK_OK(FillAffineFp8(codes->as<uint8_t>(), scales->as<float>(), out, in, 128, 128, key, 0.02f, 0.0f, nullptr));
+  };
+  if (want("gemv_fp8")) {
+    auto xb = Random(size_t(64) * 8192, 11, 1.0f);
+    auto yb = Alloc(size_t(64) * 10304 * 2);
+    for (auto [name, out, in] : {std::tuple{"qkvg", 10304, 2048}, std::tuple{"o_proj", 2048, 8192}}) {
+      std::vector<cuda::DeviceBuffer> wb, codes(8), scales(8);
+      for (int c = 0; c < 8; ++c) {
+        wb.push_back(Random(size_t(out) * in, 30 + c, 0.02f));
+        fp8_weight(out, in, 300 + c, &codes[c], &scales[c]);
+      }
+      const double fp8_bytes = double(out) * in + 4.0 * ((out + 127) / 128) * ((in + 127) / 128);
+      for (int T : {1, 8, 64}) {
+        for (bool fp8 : {false, true}) {
+          for (bool stream : {false, true}) {
+            if (stream && T != 1) continue;
+            const double ms = TimeMs([&](int i) {
+              GemvParams p;
+              if (fp8) {
+                p.w_fp8 = {codes[i % 8].as<uint8_t>(), scales[i % 8].as<float>(), 128, 128};
+              } else {
+                p.w = wb[i % 8].as<bf16>();
+              }
+              p.x = xb.as<bf16>(), p.y = yb.as<bf16>(), p.out = out, p.in = in, p.num_tokens = T;
+              p.streaming.on = stream;
+              p.batch_rows = T <= 8 ? 2 : 4;
+              CHECK_OK(Gemv(p, g_stream));
+            }, T == 64 ? 50 : 200);
+            rows.push_back({fmt::format("gemv {} {} T{}{}", fp8 ? "fp8" : "bf16", name, T, stream ? " stream" : ""),
+                            fmt::format("{}x{} ks{}", out, in, fp8 ? GemvFp8KSplitFor(out, in) : GemvKSplitFor(out, in)),
+                            ms * 1e3, fp8 ? fp8_bytes : 2.0 * out * in});
           }
         }
       }
@@ -324,6 +369,61 @@ int main(int argc, char** argv) {
       const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, T > 64 ? 10 : 50);
       rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
+    }
+  }
+
+  // MoE with FP8 experts (routed and shared, 128x128 scales) at the XS.2 layer beside the BF16 rows of
+  // the moe section: batch 1 (register gate/up) and the grouped path at T 8 and 64.
+  if (want("moe_fp8")) {
+    const int E = 256, k = 8, d = 2048, F = 512;
+    const int layers = 2;
+    std::vector<cuda::DeviceBuffer> codes, scales, tables, routers, biases;
+    const size_t mat = size_t(F) * d, mat_scales = size_t(F / 128) * (d / 128);
+    for (int l = 0; l < layers; ++l) {
+      // One allocation per matrix kind: E + 1 experts (the last is the shared one).
+      std::vector<const uint8_t*> cp[3];
+      std::vector<const float*> sp[3];
+      for (int m = 0; m < 3; ++m) {
+        codes.push_back(Alloc(mat * (E + 1)));
+        scales.push_back(Alloc(mat_scales * (E + 1) * 4));
+        for (int e = 0; e <= E; ++e) {
+          uint8_t* c = codes.back().as<uint8_t>() + mat * e;
+          float* sc = scales.back().as<float>() + mat_scales * e;
+          const int rows = m == 2 ? d : F, cols = m == 2 ? F : d;
+          CHECK_OK(FillAffineFp8(c, sc, rows, cols, 128, 128, 5000 + (l * 3 + m) * 1000 + e, 0.02f, 0.0f, nullptr));
+          if (e < E) cp[m].push_back(c), sp[m].push_back(sc);
+        }
+      }
+      for (int m = 0; m < 3; ++m) tables.push_back(Upload(cp[m])), tables.push_back(Upload(sp[m]));
+      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
+      biases.push_back(Random(E, 60 + l, 0.05f));
+    }
+    auto xs = Random(size_t(64) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(64) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 64)), counter = Alloc(64 * 4);
+    auto ids = Alloc(size_t(64) * k * 4);
+    CHECK_OK(counter.Fill(0));
+    auto moe_params = [&](int i, int T) {
+      const int l = i % layers;
+      MoeParams p;
+      p.x = xs.as<bf16>() + (T == 1 ? size_t(i % 16) * d : 0), p.router_w = routers[l].as<bf16>();
+      p.router_bias = biases[l].as<bf16>();
+      MoeParams::Fp8Experts* kinds[3] = {&p.gate_fp8, &p.up_fp8, &p.down_fp8};
+      Fp8Weight* shared[3] = {&p.shared_gate_fp8, &p.shared_up_fp8, &p.shared_down_fp8};
+      for (int m = 0; m < 3; ++m) {
+        *kinds[m] = {tables[6 * l + 2 * m].as<const uint8_t*>(), tables[6 * l + 2 * m + 1].as<const float*>(), 128, 128};
+        *shared[m] = {codes[3 * l + m].as<uint8_t>() + mat * E, scales[3 * l + m].as<float>() + mat_scales * E, 128, 128};
+      }
+      p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+      p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
+      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      return p;
+    };
+    const double scale_bytes = 4.0 * mat_scales * 3;
+    for (int T : {1, 8, 64}) {
+      const double touched = T == 1 ? k : E * (1.0 - std::pow(1.0 - double(k) / E, T));
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, T), g_stream)); }, T > 8 ? 50 : 200);
+      rows.push_back({fmt::format("moe fp8 {}T{}", T == 1 ? "" : "grouped ", T), "E256 k8 F512 d2048 fp8", ms * 1e3,
+                      2.0 * E * d + (touched + 1) * (3.0 * F * d + scale_bytes)});
     }
   }
 

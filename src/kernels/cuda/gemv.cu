@@ -377,11 +377,14 @@ void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
   }
 }
 
+// The FP8-weight kernels (gemv_fp8.cu), for GemvParams::w_fp8.
+Status GemvFp8(const GemvParams& p, cudaStream_t s);
+
 }  // namespace dev
 
 Status Gemv(const GemvParams& params, Stream stream) {
   GemvParams p = params;
-  if (!p.w || !p.y) return InvalidArgument("gemv: w, x and y must be set");
+  if ((!p.w && !p.w_fp8.on()) || !p.y) return InvalidArgument("gemv: w, x and y must be set");
   if (p.out < 1 || p.in < 8 || p.in % 8 != 0 || p.num_tokens < 1) {
     return InvalidArgument("gemv: shape [{} x {}] x {} tokens unsupported (in must be a multiple "
                            "of 8)", p.out, p.in, p.num_tokens);
@@ -394,6 +397,7 @@ Status Gemv(const GemvParams& params, Stream stream) {
   } else if (!p.x) {
     return InvalidArgument("gemv: w, x and y must be set");
   }
+  if (p.w_fp8.on()) return dev::GemvFp8(p, reinterpret_cast<cudaStream_t>(stream));
   const int ks = p.k_split == 0 ? GemvKSplitFor(p.out, p.in) : p.k_split;
   if ((ks != 1 && ks != 2 && ks != 4 && ks != 8) || (p.in / 8) % ks != 0) {
     return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide in / 8 = {}", ks, p.in / 8);

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "kernels/cuda/bulk_copy.cuh"
+#include "kernels/cuda/fp8_weights.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -29,14 +30,16 @@ constexpr int kDownGroup = 4;  // routed slots whose down rows one warp loads to
 struct MoeWs {
   float* logits;      // [E]
   float* weights;     // [k]
-  const bf16** rows;  // [3, k]: gate, up and down base pointers of each selected expert
+  const bf16** rows;  // [3, k]: gate, up and down base pointers of each selected expert (FP8 experts:
+                      // their code pointers)
   uint16_t* h;        // [k+1, h_stride]
   int h_stride;       // max(F, Fs)
+  int32_t* ids;       // [k] the selected expert ids (FP8 experts: index their scale pointer arrays)
 };
 __host__ __device__ inline size_t Align16(size_t x) { return (x + 15) & ~size_t{15}; }
 // One token's workspace: byte offsets of MoeWs's arrays and the total; the one place that knows it.
 struct MoeWsLayout {
-  size_t logits, weights, rows, h, bytes;
+  size_t logits, weights, rows, h, ids, bytes;
   int h_stride;
 };
 __host__ __device__ inline MoeWsLayout MoeWorkspaceLayout(int E, int k, int ffn, int shared_ffn) {
@@ -47,6 +50,7 @@ __host__ __device__ inline MoeWsLayout MoeWorkspaceLayout(int E, int k, int ffn,
   l.weights = off, off += Align16(k * sizeof(float));
   l.rows = off, off += Align16(3 * k * sizeof(void*));
   l.h = off, off += Align16((k + 1) * static_cast<size_t>(l.h_stride) * sizeof(uint16_t));
+  l.ids = off, off += Align16(k * sizeof(int32_t));
   l.bytes = off;
   return l;
 }
@@ -55,7 +59,8 @@ __host__ __device__ inline MoeWs MoeWorkspace(const MoeParams& a, int t) {
   const MoeWsLayout l = MoeWorkspaceLayout(a.num_experts, a.top_k, a.ffn, a.shared_ffn);
   char* base = static_cast<char*>(a.workspace) + t * l.bytes;
   return {reinterpret_cast<float*>(base + l.logits), reinterpret_cast<float*>(base + l.weights),
-          reinterpret_cast<const bf16**>(base + l.rows), reinterpret_cast<uint16_t*>(base + l.h), l.h_stride};
+          reinterpret_cast<const bf16**>(base + l.rows), reinterpret_cast<uint16_t*>(base + l.h), l.h_stride,
+          reinterpret_cast<int32_t*>(base + l.ids)};
 }
 
 // Per-lane partial dots of NR BF16 rows (row r: n8[r] chunks, with vector xs[r]; a null row is skipped)
@@ -142,8 +147,12 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
   extern __shared__ uint4 s_u[];
   const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a));
   float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a));
+  // FP8 routed experts: their code pointers take the BF16 pointers' place (the expert kernels know which).
+  const bf16* const* gate_table = a.gate_fp8.on() ? reinterpret_cast<const bf16* const*>(a.gate_fp8.codes) : a.gate_w;
+  const bf16* const* up_table = a.up_fp8.on() ? reinterpret_cast<const bf16* const*>(a.up_fp8.codes) : a.up_w;
+  const bf16* const* down_table = a.down_fp8.on() ? reinterpret_cast<const bf16* const*>(a.down_fp8.codes) : a.down_w;
   for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
-    s_ptr[i] = a.gate_w[i], s_ptr[a.num_experts + i] = a.up_w[i], s_ptr[2 * a.num_experts + i] = a.down_w[i];
+    s_ptr[i] = gate_table[i], s_ptr[a.num_experts + i] = up_table[i], s_ptr[2 * a.num_experts + i] = down_table[i];
     s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
   }
   const FusedInputNorm& nm = a.norm;
@@ -243,6 +252,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
     for (int i = 0; i < a.top_k; ++i) sum += s_score[s_sel[i]];
     const float w = RoundBf16(s_score[e] / sum);
     ws.weights[j] = w;
+    ws.ids[j] = e;
     if (a.topk_ids) a.topk_ids[t * a.top_k + j] = e;
     if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
   }
@@ -789,6 +799,432 @@ __global__ void __launch_bounds__(256) MoeCombineKernel(MoeParams a) {
   a.y[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(y);
 }
 
+
+// ---- FP8-capable expert kernels (MoeParams::gate_fp8 ... shared_down_fp8). Used when any expert group
+// is FP8; the router, the grouping kernel and the combine are the ones above. Each is the BF16 kernel
+// above with every weight row described by a MoeWeightRow: BF16 rows run LaneDots' / SmemLaneDots'
+// exact code (so a BF16 group keeps its bits), FP8 rows the FP8 rule (kernels/ops.h): 16 codes per
+// 16-byte chunk, w = float(code) * scale, FMAs in order over x[16c .. 16c + 15]. The batch-1 gate/up is
+// the register kernel's layout (the TMA-ring gate/up has no FP8 twin yet).
+
+// The scale maps of the six expert matrices (routed ones without the per-expert scales pointer, which
+// comes from MoeParams::*_fp8.scales[expert]).
+struct MoeFp8Maps {
+  Fp8ScaleMap gate, up, down, shared_gate, shared_up, shared_down;
+};
+// One weight row of a dot: BF16 (n chunks of 8 elements) or FP8 (scales set: n chunks of 16 codes).
+struct MoeWeightRow {
+  const uint4* p = nullptr;       // nullptr: skipped
+  const float* scales = nullptr;  // FP8: the row's scales (column c >> shift); nullptr: BF16
+  int n = 0;                      // 16-byte chunks
+  int shift = 0;
+};
+__device__ __forceinline__ MoeWeightRow Bf16Row(const bf16* base, size_t row, int width) {
+  return {reinterpret_cast<const uint4*>(base + row * width), nullptr, width / 8, 0};
+}
+__device__ __forceinline__ MoeWeightRow Fp8Row(const uint8_t* codes, const float* scales, const Fp8ScaleMap& m,
+                                               int row, int width) {
+  return {reinterpret_cast<const uint4*>(codes + static_cast<size_t>(row) * width),
+          scales + static_cast<size_t>(row / m.block_rows) * m.cols, width / 16, m.shift};
+}
+
+// LaneDots over MoeWeightRows: row r with vector xs[r] ([width] BF16); the same load batching and
+// before_use contract (the trip count depends on the rows' chunk counts only).
+template <int NR, int U, typename BeforeUse>
+__device__ __forceinline__ void LaneDotsW(const MoeWeightRow (&rows)[NR], const bf16* const (&xs)[NR], int lane,
+                                          float (&acc)[NR], BeforeUse&& before_use) {
+  int nmax = 0;
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    acc[r] = 0.0f;
+    nmax = max(nmax, rows[r].n);
+  }
+  bool used = false;
+  for (int base = 0; base < nmax; base += 32 * U) {
+    const int c0 = base + lane;
+    uint4 rv[NR][U];
+    float sv[NR][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (rows[r].p && c0 + 32 * u < rows[r].n) {
+          rv[r][u] = LoadStreaming(rows[r].p + c0 + 32 * u);
+          if (rows[r].scales) sv[r][u] = __ldg(rows[r].scales + ((c0 + 32 * u) >> rows[r].shift));
+        }
+    if (!used) {
+      before_use();
+      used = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (!rows[r].p || c >= rows[r].n) continue;
+        const uint4* x = reinterpret_cast<const uint4*>(xs[r]);
+        if (rows[r].scales) {
+          float w[16];
+          Fp8ChunkWeights(rv[r][u], sv[r][u], w);
+          Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc[r]);
+        } else {
+          float rf[8], xf[8];
+          Bf16x8ToFloat(rv[r][u], rf);
+          Bf16x8ToFloat(x[c], xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] = fmaf(rf[e], xf[e], acc[r]);
+        }
+      }
+    }
+  }
+  if (!used) before_use();
+}
+
+// The gate and up rows f of slot j (k = the shared expert) of token t's selection; routed rows need the
+// router's output (call after the wait).
+__device__ __forceinline__ void GateUpRows(const MoeParams& a, const MoeFp8Maps& m, const MoeWs& ws, int j, int f,
+                                           MoeWeightRow (&rows)[2]) {
+  if (j == a.top_k) {
+    rows[0] = a.shared_gate_fp8.on() ? Fp8Row(a.shared_gate_fp8.codes, a.shared_gate_fp8.scales, m.shared_gate, f, a.d)
+                                     : Bf16Row(a.shared_gate_w, f, a.d);
+    rows[1] = a.shared_up_fp8.on() ? Fp8Row(a.shared_up_fp8.codes, a.shared_up_fp8.scales, m.shared_up, f, a.d)
+                                   : Bf16Row(a.shared_up_w, f, a.d);
+    return;
+  }
+  const bf16* g = LoadPointerFromL2(&ws.rows[j]);
+  const bf16* u = LoadPointerFromL2(&ws.rows[a.top_k + j]);
+  if (a.gate_fp8.on()) {
+    const int e = __ldcg(&ws.ids[j]);
+    rows[0] = Fp8Row(reinterpret_cast<const uint8_t*>(g), a.gate_fp8.scales[e], m.gate, f, a.d);
+    rows[1] = Fp8Row(reinterpret_cast<const uint8_t*>(u), a.up_fp8.scales[e], m.up, f, a.d);
+  } else {
+    rows[0] = Bf16Row(g, f, a.d);
+    rows[1] = Bf16Row(u, f, a.d);
+  }
+}
+
+// MoeGateUpKernel with MoeWeightRows: grid (ceil(Fmax / 8), k + 1, T), block row 0 the shared expert.
+template <int kMinBlocks, int kU>
+__global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeGateUpKernelW(MoeParams a, MoeFp8Maps m) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  const bool shared = blockIdx.y == 0;
+  const bool late = !shared;
+  AllowDependentsAtStart(late);
+  const int t = blockIdx.z;
+  const MoeWs ws = MoeWorkspace(a, t);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int j = shared ? a.top_k : static_cast<int>(blockIdx.y) - 1;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int f = blockIdx.x * kMoeWarps + warp;
+  if (f >= F) {
+    if (late) WaitReleasing(late);
+    return;
+  }
+  const bf16* x = a.x + static_cast<size_t>(t) * a.d;
+  const bf16* xs[2] = {x, x};
+  float acc[2];
+  MoeWeightRow rows[2];
+  if (shared) {
+    GateUpRows(a, m, ws, j, f, rows);
+    LaneDotsW<2, kU>(rows, xs, lane, acc, WaitForEarlierKernels{});
+  } else {
+    WaitReleasing(late);
+    GateUpRows(a, m, ws, j, f, rows);
+    LaneDotsW<2, kU>(rows, xs, lane, acc, NothingToWaitFor{});
+  }
+  const float g = RoundBf16(WarpSum(acc[0]));
+  const float u = RoundBf16(WarpSum(acc[1]));
+  if (lane == 0) {
+    const float act = RoundBf16(g / (1.0f + expf(-g)));
+    ws.h[static_cast<size_t>(j) * ws.h_stride + f] = FloatToBf16Bits(act * u);
+  }
+}
+
+// MoeDownKernel with MoeWeightRows: grid (ceil(d / rows per block), T).
+template <int kMinBlocks, int kU>
+__global__ void __launch_bounds__(kMoeWarps * 32, kMinBlocks) MoeDownKernelW(MoeParams a, MoeFp8Maps m) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  const bool late = a.down_release_after_wait;
+  AllowDependentsAtStart(late);
+  const int t = blockIdx.y;
+  const MoeWs ws = MoeWorkspace(a, t);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int per_row = MoeDownWarpsPerRow(a.top_k);
+  const int rows_per_block = kMoeWarps / per_row;
+  const int local_row = warp / per_row, group = warp % per_row;
+  const int i = blockIdx.x * rows_per_block + local_row;
+  const bool live = local_row < rows_per_block && i < a.d;
+  if (!live) WaitReleasing(late);
+  auto wait_after_loads = [late] { WaitReleasing(late); };
+  __shared__ float s_routed[kMoeWarps][kDownGroup];
+  __shared__ float s_shared[kMoeWarps];
+  const bf16* h = reinterpret_cast<const bf16*>(ws.h);
+  if (live) {
+    const int j0 = group * kDownGroup;
+    MoeWeightRow rows[kDownGroup + 1];
+    const bf16* xs[kDownGroup + 1];
+#pragma unroll
+    for (int r = 0; r < kDownGroup; ++r) {
+      const int j = j0 + r;
+      xs[r] = h + static_cast<size_t>(j < a.top_k ? j : 0) * ws.h_stride;
+      if (j >= a.top_k) continue;
+      const bf16* base = LoadPointerFromL2(&ws.rows[2 * a.top_k + j]);
+      rows[r] = a.down_fp8.on()
+                    ? Fp8Row(reinterpret_cast<const uint8_t*>(base), a.down_fp8.scales[__ldcg(&ws.ids[j])], m.down, i, a.ffn)
+                    : Bf16Row(base, i, a.ffn);
+    }
+    if (group == 0) {
+      rows[kDownGroup] = a.shared_down_fp8.on()
+                             ? Fp8Row(a.shared_down_fp8.codes, a.shared_down_fp8.scales, m.shared_down, i, a.shared_ffn)
+                             : Bf16Row(a.shared_down_w, i, a.shared_ffn);
+    }
+    xs[kDownGroup] = h + static_cast<size_t>(a.top_k) * ws.h_stride;
+    float o[kDownGroup + 1];
+    LaneDotsW<kDownGroup + 1, kU>(rows, xs, lane, o, wait_after_loads);
+#pragma unroll
+    for (int r = 0; r < kDownGroup; ++r) {
+      const float v = j0 + r < a.top_k ? RoundBf16(RoundBf16(WarpSum(o[r])) * ws.weights[j0 + r]) : 0.0f;
+      if (lane == 0) s_routed[warp][r] = v;
+    }
+    if (group == 0) {
+      const float sh = RoundBf16(WarpSum(o[kDownGroup]));
+      if (lane == 0) s_shared[warp] = sh;
+    }
+  }
+  __syncthreads();
+  if (live && group == 0 && lane == 0) {
+    float routed = 0.0f;
+    for (int j = 0; j < a.top_k; ++j) routed += s_routed[warp + j / kDownGroup][j % kDownGroup];
+    const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + s_shared[warp]);
+    a.y[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(y);
+  }
+}
+
+// SmemLaneDots for NR FP8 rows (nullptr codes: skipped) of n16 chunks each, scale rows s_rows, against
+// nt <= TT vectors staged in shared memory (xs: [nt][2 n16] 16-byte BF16 chunks).
+template <int NR, int TT, int U>
+__device__ __forceinline__ void SmemLaneDotsFp8(const uint4* const (&rows)[NR], const float* const (&s_rows)[NR],
+                                                int shift, const uint4* xs, int nt, int n16, int lane,
+                                                float (&acc)[NR][TT]) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) acc[r][tt] = 0.0f;
+  const int n8 = 2 * n16;
+  for (int base = 0; base < n16; base += 32 * U) {
+    const int c0 = base + lane;
+    uint4 rv[NR][U];
+    float sv[NR][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (rows[r] && c0 + 32 * u < n16) {
+          rv[r][u] = LoadStreaming(rows[r] + c0 + 32 * u);
+          sv[r][u] = __ldg(s_rows[r] + ((c0 + 32 * u) >> shift));
+        }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= n16) break;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        if (!rows[r]) continue;
+        float w[16];
+        Fp8ChunkWeights(rv[r][u], sv[r][u], w);
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+          if (tt >= nt) break;
+          Fp8ChunkFma(w, xs[tt * n8 + 2 * c], xs[tt * n8 + 2 * c + 1], acc[r][tt]);
+        }
+      }
+    }
+  }
+}
+
+// MoeGroupGateUpKernel with FP8 or BF16 rows per block (the block's expert: shared or routed).
+// kAllFp8: both groups FP8 (the BF16 branch compiled out: fewer registers).
+template <bool kAllFp8>
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeGroupGateUpKernelW(MoeParams a, MoeFp8Maps m, int tile) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  __shared__ BlockPairs bp;
+  if (!StageBlockPairs(a, g, &bp)) return;
+  extern __shared__ uint4 s_vec[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool shared = bp.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int n8 = a.d / 8;
+  const bool fp8 = kAllFp8 || (shared ? a.shared_gate_fp8.on() : a.gate_fp8.on());
+  const bf16* gate = nullptr;
+  const bf16* up = nullptr;
+  const uint8_t* gate_c = nullptr;
+  const uint8_t* up_c = nullptr;
+  const float* gate_s = nullptr;
+  const float* up_s = nullptr;
+  const Fp8ScaleMap& gm = shared ? m.shared_gate : m.gate;
+  const Fp8ScaleMap& um = shared ? m.shared_up : m.up;
+  if (fp8) {
+    gate_c = shared ? a.shared_gate_fp8.codes : a.gate_fp8.codes[bp.expert];
+    up_c = shared ? a.shared_up_fp8.codes : a.up_fp8.codes[bp.expert];
+    gate_s = shared ? a.shared_gate_fp8.scales : a.gate_fp8.scales[bp.expert];
+    up_s = shared ? a.shared_up_fp8.scales : a.up_fp8.scales[bp.expert];
+  } else {
+    gate = shared ? a.shared_gate_w : a.gate_w[bp.expert];
+    up = shared ? a.shared_up_w : a.up_w[bp.expert];
+  }
+  for (int i0 = 0; i0 < bp.n; i0 += tile) {
+    const int nt = min(tile, bp.n - i0);
+    StageVectors(s_vec, i0, nt, n8, [&](int i) { return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(bp.tok[i]) * a.d); });
+    for (int f = blockIdx.x * kGroupRows + warp; f < min(F, (blockIdx.x + 1) * kGroupRows); f += kMoeWarps) {
+      float acc[2][kGuTokens];
+      if (fp8) {
+        const uint4* rows[2] = {reinterpret_cast<const uint4*>(gate_c + static_cast<size_t>(f) * a.d),
+                                reinterpret_cast<const uint4*>(up_c + static_cast<size_t>(f) * a.d)};
+        const float* s_rows[2] = {gate_s + static_cast<size_t>(f / gm.block_rows) * gm.cols,
+                                  up_s + static_cast<size_t>(f / um.block_rows) * um.cols};
+        // gate and up share a shift only when their block columns agree; the launcher checks that.
+        SmemLaneDotsFp8<2, kGuTokens, kGateUpChunks>(rows, s_rows, gm.shift, s_vec, nt, a.d / 16, lane, acc);
+      } else {
+        const bf16* rows[2] = {gate + static_cast<size_t>(f) * a.d, up + static_cast<size_t>(f) * a.d};
+        SmemLaneDots<2, kGuTokens, kGateUpChunks>(rows, s_vec, nt, n8, lane, acc);
+      }
+#pragma unroll
+      for (int tt = 0; tt < kGuTokens; ++tt) {
+        if (tt >= nt) break;
+        const float gv = RoundBf16(WarpSum(acc[0][tt]));
+        const float uv = RoundBf16(WarpSum(acc[1][tt]));
+        if (lane == 0) {
+          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+          const MoeWs ws = MoeWorkspace(a, bp.tok[i0 + tt]);
+          ws.h[static_cast<size_t>(bp.slot[i0 + tt]) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+        }
+      }
+    }
+  }
+}
+
+// MoeGroupDownKernel with FP8 or BF16 rows per block (kAllFp8 as above).
+template <bool kAllFp8>
+__global__ void __launch_bounds__(kMoeWarps * 32, 2) MoeGroupDownKernelW(MoeParams a, MoeFp8Maps m, int tile) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  __shared__ BlockPairs bp;
+  if (!StageBlockPairs(a, g, &bp)) return;
+  extern __shared__ uint4 s_vec[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool shared = bp.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int n8 = F / 8;
+  const bool fp8 = kAllFp8 || (shared ? a.shared_down_fp8.on() : a.down_fp8.on());
+  const Fp8ScaleMap& dm = shared ? m.shared_down : m.down;
+  const bf16* down = nullptr;
+  const uint8_t* down_c = nullptr;
+  const float* down_s = nullptr;
+  if (fp8) {
+    down_c = shared ? a.shared_down_fp8.codes : a.down_fp8.codes[bp.expert];
+    down_s = shared ? a.shared_down_fp8.scales : a.down_fp8.scales[bp.expert];
+  } else {
+    down = shared ? a.shared_down_w : a.down_w[bp.expert];
+  }
+  for (int i0_pair = 0; i0_pair < bp.n; i0_pair += tile) {
+    const int nt = min(tile, bp.n - i0_pair);
+    StageVectors(s_vec, i0_pair, nt, n8, [&](int i) {
+      const MoeWs ws = MoeWorkspace(a, bp.tok[i]);
+      return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(bp.slot[i]) * ws.h_stride);
+    });
+    const int end = min(a.d, (blockIdx.x + 1) * kGroupRows);
+    for (int i0 = blockIdx.x * kGroupRows + warp; i0 < end; i0 += kDownRows * kMoeWarps) {
+      float acc[kDownRows][kDownTokens];
+      if (fp8) {
+        const uint4* rows[kDownRows];
+        const float* s_rows[kDownRows];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          const int i = i0 + r * kMoeWarps;
+          rows[r] = i < end ? reinterpret_cast<const uint4*>(down_c + static_cast<size_t>(i) * F) : nullptr;
+          s_rows[r] = down_s + static_cast<size_t>((i < end ? i : 0) / dm.block_rows) * dm.cols;
+        }
+        SmemLaneDotsFp8<kDownRows, kDownTokens, 2>(rows, s_rows, dm.shift, s_vec, nt, F / 16, lane, acc);
+      } else {
+        const bf16* rows[kDownRows];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          const int i = i0 + r * kMoeWarps;
+          rows[r] = i < end ? down + static_cast<size_t>(i) * F : nullptr;
+        }
+        SmemLaneDots<kDownRows, kDownTokens, 2>(rows, s_vec, nt, n8, lane, acc);
+      }
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        const int i = i0 + r * kMoeWarps;
+#pragma unroll
+        for (int tt = 0; tt < kDownTokens; ++tt) {
+          if (tt >= nt) break;
+          const float o = RoundBf16(WarpSum(acc[r][tt]));
+          if (lane == 0 && i < end) {
+            const int t = bp.tok[i0_pair + tt], j = bp.slot[i0_pair + tt];
+            if (shared) {
+              g.shared[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(o);
+            } else {
+              const float w = __ldcg(&MoeWorkspace(a, t).weights[j]);
+              g.routed[(static_cast<size_t>(t) * a.top_k + j) * a.d + i] = FloatToBf16Bits(RoundBf16(o * w));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Host: the FP8 groups' checks and scale maps (routed: all three matrices FP8 or none; shared likewise).
+inline Status MoeFp8Setup(const MoeParams& p, MoeFp8Maps* m) {
+  const bool routed = p.gate_fp8.on(), shared = p.shared_gate_fp8.on();
+  if (p.up_fp8.on() != routed || p.down_fp8.on() != routed) {
+    return InvalidArgument("moe: routed experts' gate, up and down must all be FP8 or all BF16");
+  }
+  if (p.shared_up_fp8.on() != shared || p.shared_down_fp8.on() != shared) {
+    return InvalidArgument("moe: the shared expert's gate, up and down must all be FP8 or all BF16");
+  }
+  auto table = [&](const MoeParams::Fp8Experts& x, int in, const char* what, Fp8ScaleMap* sm) -> Status {
+    if (x.scales == nullptr) return InvalidArgument("moe: FP8 {} experts need their scale pointer array", what);
+    if (in % 16 != 0) return InvalidArgument("moe: FP8 {} rows of width {} (must be a multiple of 16)", what, in);
+    Fp8Weight w{nullptr, reinterpret_cast<const float*>(x.scales), x.block_rows, x.block_cols};
+    if (!MakeFp8ScaleMap(w, in, sm)) {
+      return InvalidArgument("moe: FP8 {} block shape {} x {} unsupported (block_cols a power of two multiple of 16 "
+                             "or >= {})", what, x.block_rows, x.block_cols, in);
+    }
+    return Status::Ok();
+  };
+  if (routed) {
+    if (p.gate_w || p.up_w || p.down_w) return InvalidArgument("moe: set the routed experts' BF16 or FP8 arrays, not both");
+    DL_RETURN_IF_ERROR(table(p.gate_fp8, p.d, "gate", &m->gate));
+    DL_RETURN_IF_ERROR(table(p.up_fp8, p.d, "up", &m->up));
+    DL_RETURN_IF_ERROR(table(p.down_fp8, p.ffn, "down", &m->down));
+    if (m->gate.shift != m->up.shift) return InvalidArgument("moe: FP8 gate and up need the same block_cols");
+  } else if (!p.gate_w || !p.up_w || !p.down_w) {
+    return InvalidArgument("moe: the routed experts' weight arrays must be set");
+  }
+  if (shared) {
+    if (p.shared_gate_w || p.shared_up_w || p.shared_down_w) {
+      return InvalidArgument("moe: set the shared expert's BF16 or FP8 weights, not both");
+    }
+    DL_RETURN_IF_ERROR(CheckFp8Weight(p.shared_gate_fp8, p.d, "moe shared gate", &m->shared_gate));
+    DL_RETURN_IF_ERROR(CheckFp8Weight(p.shared_up_fp8, p.d, "moe shared up", &m->shared_up));
+    DL_RETURN_IF_ERROR(CheckFp8Weight(p.shared_down_fp8, p.shared_ffn, "moe shared down", &m->shared_down));
+    if (m->shared_gate.shift != m->shared_up.shift) {
+      return InvalidArgument("moe: FP8 shared gate and up need the same block_cols");
+    }
+  } else if (!p.shared_gate_w || !p.shared_up_w || !p.shared_down_w) {
+    return InvalidArgument("moe: the shared expert's weights must be set");
+  }
+  return Status::Ok();
+}
+
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
@@ -798,9 +1234,14 @@ size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_
 }
 
 Status Moe(const MoeParams& p, Stream stream) {
-  if (!p.x || !p.router_w || !p.router_bias || !p.gate_w || !p.up_w || !p.down_w ||
-      !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w || !p.y || !p.workspace ||
-      !p.counter) {
+  // Any FP8 expert group: the FP8-capable expert kernels (MoeFp8Setup checks both groups' weights).
+  const bool fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() ||
+                   p.shared_up_fp8.on() || p.shared_down_fp8.on();
+  dev::MoeFp8Maps fp8_maps;
+  if (fp8) DL_RETURN_IF_ERROR(dev::MoeFp8Setup(p, &fp8_maps));
+  if (!p.x || !p.router_w || !p.router_bias ||
+      (!fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
+      !p.y || !p.workspace || !p.counter) {
     return InvalidArgument("moe: every weight, x, y, workspace and counter must be set");
   }
   if (p.d < 8 || p.d % 8 || p.ffn < 8 || p.ffn % 8 || p.shared_ffn < 8 || p.shared_ffn % 8) {
@@ -844,6 +1285,27 @@ Status Moe(const MoeParams& p, Stream stream) {
       return std::max(1, std::min<int>(most, static_cast<int>(dev::kGroupSmemBudget / (static_cast<size_t>(width) * 2))));
     };
     const int gu_tile = tile_for(p.d, dev::kGuTokens), dn_tile = tile_for(fmax, dev::kDownTokens);
+    if (fp8) {
+      const bool all = p.gate_fp8.on() && p.shared_gate_fp8.on();
+      const dim3 gu_grid((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits);
+      const dim3 dn_grid((p.d + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits);
+      const size_t gu_smem = static_cast<size_t>(gu_tile) * p.d * 2, dn_smem = static_cast<size_t>(dn_tile) * fmax * 2;
+      if (all) {
+        dev::LaunchDependentSmem(dev::MoeGroupGateUpKernelW<true>, gu_grid, dim3(threads), gu_smem, s, p, fp8_maps, gu_tile);
+      } else {
+        dev::LaunchDependentSmem(dev::MoeGroupGateUpKernelW<false>, gu_grid, dim3(threads), gu_smem, s, p, fp8_maps, gu_tile);
+      }
+      DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up_fp8");
+      if (all) {
+        dev::LaunchDependentSmem(dev::MoeGroupDownKernelW<true>, dn_grid, dim3(threads), dn_smem, s, p, fp8_maps, dn_tile);
+      } else {
+        dev::LaunchDependentSmem(dev::MoeGroupDownKernelW<false>, dn_grid, dim3(threads), dn_smem, s, p, fp8_maps, dn_tile);
+      }
+      DL_KERNEL_LAUNCH_CHECK("moe_group_down_fp8");
+      dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
+      DL_KERNEL_LAUNCH_CHECK("moe_combine");
+      return Status::Ok();
+    }
     dev::LaunchDependentSmem(dev::MoeGroupGateUpKernel, dim3((fmax + dev::kGroupRows - 1) / dev::kGroupRows, listed, splits),
                              dim3(threads), static_cast<size_t>(gu_tile) * p.d * 2, s, p, gu_tile);
     DL_KERNEL_LAUNCH_CHECK("moe_group_gate_up");
@@ -852,6 +1314,16 @@ Status Moe(const MoeParams& p, Stream stream) {
     DL_KERNEL_LAUNCH_CHECK("moe_group_down");
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_combine");
+    return Status::Ok();
+  }
+  if (fp8) {
+    dev::LaunchDependent(dev::MoeGateUpKernelW<dev::kGateUpMinBlocks, dev::kGateUpChunks>,
+                         dim3((fmax + dev::kMoeWarps - 1) / dev::kMoeWarps, p.top_k + 1, 1), dim3(threads), s, p, fp8_maps);
+    DL_KERNEL_LAUNCH_CHECK("moe_gate_up_fp8");
+    const int down_rows = dev::kMoeWarps / dev::MoeDownWarpsPerRow(p.top_k);
+    dev::LaunchDependent(dev::MoeDownKernelW<dev::kDownMinBlocks, dev::kDownChunks>,
+                         dim3((p.d + down_rows - 1) / down_rows, 1), dim3(threads), s, p, fp8_maps);
+    DL_KERNEL_LAUNCH_CHECK("moe_down_combine_fp8");
     return Status::Ok();
   }
   const dev::MoeGateUpStreamGeometry gu =

@@ -17,6 +17,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
 }
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
 bool GemvStreamSupported(int, int, int, int) { return false; }
+bool GemvFp8StreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
 void SetDependentLaunch(bool) {}
 bool DependentLaunchEnabled() { return false; }

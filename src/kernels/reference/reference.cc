@@ -28,7 +28,25 @@ double Dot(const bf16* a, const bf16* b, int n) {
   return s;
 }
 
+// Row o of a weight [*, n] as FP32: BF16 widened, or FP8 dequantised (code * scale, one FP32 multiply).
+std::vector<float> WeightRow(const bf16* w, const Fp8Weight& f, int o, int n) {
+  std::vector<float> row(n);
+  for (int i = 0; i < n; ++i) row[i] = f.on() ? Fp8WeightAt(f, n, o, i) : B(w[static_cast<size_t>(o) * n + i]);
+  return row;
+}
+double Dot(const std::vector<float>& a, const bf16* b, int n) {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += static_cast<double>(a[i]) * B(b[i]);
+  return s;
+}
+
 }  // namespace
+
+float Fp8WeightAt(const Fp8Weight& w, int cols, int64_t o, int64_t i) {
+  const int64_t scale_cols = (cols + w.block_cols - 1) / w.block_cols;
+  const float scale = w.scales[(o / w.block_rows) * scale_cols + i / w.block_cols];
+  return Fp8E4M3ToFloat(w.codes[o * cols + i]) * scale;
+}
 
 float Softplus(float z) { return z > 20.0f ? z : std::log1p(std::exp(z)); }
 
@@ -141,10 +159,10 @@ void Attention(const AttentionParams& p) {
 
 void Gemv(const GemvParams& p) {
   const int64_t xs = p.x_stride ? p.x_stride : p.in, ys = p.y_stride ? p.y_stride : p.out;
-  for (int t = 0; t < p.num_tokens; ++t)
-    for (int o = 0; o < p.out; ++o)
-      p.y[t * ys + o] =
-          ToB(static_cast<float>(Dot(p.w + static_cast<size_t>(o) * p.in, p.x + t * xs, p.in)));
+  for (int o = 0; o < p.out; ++o) {
+    const std::vector<float> w = WeightRow(p.w, p.w_fp8, o, p.in);
+    for (int t = 0; t < p.num_tokens; ++t) p.y[t * ys + o] = ToB(static_cast<float>(Dot(w, p.x + t * xs, p.in)));
+  }
 }
 
 void Moe(const MoeParams& p, const float* logits_override) {
@@ -169,26 +187,33 @@ void Moe(const MoeParams& p, const float* logits_override) {
     if (p.topk_ids) p.topk_ids[j] = order[j];
     if (p.topk_weights) p.topk_weights[j] = w[j];
   }
-  auto expert = [&](const bf16* gw, const bf16* uw, const bf16* dw, int F, std::vector<float>& out) {
+  // Each matrix BF16 or FP8 (dequantised exactly, then the same FP32 expert).
+  auto expert = [&](const bf16* gw, const Fp8Weight& gf, const bf16* uw, const Fp8Weight& uf, const bf16* dw,
+                    const Fp8Weight& df, int F, std::vector<float>& out) {
     std::vector<bf16> h(F);
     for (int f = 0; f < F; ++f) {
-      const float g = RoundBf16(static_cast<float>(Dot(gw + static_cast<size_t>(f) * d, p.x, d)));
-      const float u = RoundBf16(static_cast<float>(Dot(uw + static_cast<size_t>(f) * d, p.x, d)));
+      const float g = RoundBf16(static_cast<float>(Dot(WeightRow(gw, gf, f, d), p.x, d)));
+      const float u = RoundBf16(static_cast<float>(Dot(WeightRow(uw, uf, f, d), p.x, d)));
       const float act = RoundBf16(g / (1.0f + std::exp(-g)));
       h[f] = ToB(act * u);
     }
     out.resize(d);
-    for (int i = 0; i < d; ++i)
-      out[i] = RoundBf16(static_cast<float>(Dot(dw + static_cast<size_t>(i) * F, h.data(), F)));
+    for (int i = 0; i < d; ++i) out[i] = RoundBf16(static_cast<float>(Dot(WeightRow(dw, df, i, F), h.data(), F)));
+  };
+  auto routed_fp8 = [](const MoeParams::Fp8Experts& x, int e) {
+    return x.on() ? Fp8Weight{x.codes[e], x.scales[e], x.block_rows, x.block_cols} : Fp8Weight{};
   };
   std::vector<double> routed(d, 0.0);
   std::vector<float> o;
   for (int j = 0; j < k; ++j) {
     const int e = order[j];
-    expert(p.gate_w[e], p.up_w[e], p.down_w[e], p.ffn, o);
+    const bool fp8 = p.gate_fp8.on();
+    expert(fp8 ? nullptr : p.gate_w[e], routed_fp8(p.gate_fp8, e), fp8 ? nullptr : p.up_w[e], routed_fp8(p.up_fp8, e),
+           fp8 ? nullptr : p.down_w[e], routed_fp8(p.down_fp8, e), p.ffn, o);
     for (int i = 0; i < d; ++i) routed[i] += RoundBf16(o[i] * w[j]);
   }
-  expert(p.shared_gate_w, p.shared_up_w, p.shared_down_w, p.shared_ffn, o);
+  expert(p.shared_gate_w, p.shared_gate_fp8, p.shared_up_w, p.shared_up_fp8, p.shared_down_w, p.shared_down_fp8,
+         p.shared_ffn, o);
   for (int i = 0; i < d; ++i) {
     const float r = RoundBf16(static_cast<float>(routed[i]));
     p.y[i] = ToB(RoundBf16(r * p.alpha) + o[i]);

@@ -18,8 +18,12 @@ void AddRmsNorm(const AddRmsNormParams& p);
 void QkNormRopeAppend(const QkNormRopeAppendParams& p);
 // Attention with the gate; ignores workspace.
 void Attention(const AttentionParams& p);
+// BF16 or FP8 weights (GemvParams::w_fp8: dequantised with Fp8WeightAt, then the same dot).
 void Gemv(const GemvParams& p);
-// Router + experts. `logits_override` ([E], optional): use these router logits (already BF16-rounded)
+// Element [o, i] of an FP8 weight with `cols` columns: float(code) * scale[o / br, i / bc], one FP32
+// multiply (the FP8 weight contract's meaning, and the dequantised value of the FP8 rule).
+float Fp8WeightAt(const Fp8Weight& w, int cols, int64_t o, int64_t i);
+// Router + experts (each expert group BF16 or FP8, dequantised exactly). `logits_override` ([E], optional): use these router logits (already BF16-rounded)
 // instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
 void Moe(const MoeParams& p, const float* logits_override = nullptr);
 int32_t Argmax(const bf16* logits, int n);

@@ -1,0 +1,107 @@
+// Device pieces of the FP8 rule (kernels/ops.h, "THE FP8 RULE"), shared by the FP8 GEMV and MoE
+// kernels: where a row's scales are, a chunk's 16 dequantised weights, and a lane's FMA over one chunk.
+// Every FP8 path computes a chunk with these and nothing else, so batch 1, batched and grouped give
+// the same bits.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device_utils.cuh"
+#include "kernels/ops.h"
+
+namespace dl::kernels::dev {
+
+// Where row `row`'s scales start and how a chunk index maps to its scale column: column = c >> shift
+// (block_cols = 16 << shift; shift 30 for a single block column: every chunk index is below 2^30).
+struct Fp8ScaleMap {
+  const float* scales = nullptr;
+  int block_rows = 1;
+  int cols = 1;   // scale columns per block row: ceil(in / block_cols)
+  int shift = 0;
+  __device__ __forceinline__ const float* Row(int row) const {
+    return scales + static_cast<size_t>(row / block_rows) * cols;
+  }
+};
+// Host side: the map of an FP8 weight with `in` columns; false when the block shape breaks the rule's
+// conditions (block_cols a power of two multiple of 16, or >= in).
+inline bool MakeFp8ScaleMap(const Fp8Weight& w, int in, Fp8ScaleMap* m) {
+  if (w.block_rows < 1 || w.block_cols < 1 || w.scales == nullptr) return false;
+  m->scales = w.scales;
+  m->block_rows = w.block_rows;
+  m->cols = (in + w.block_cols - 1) / w.block_cols;
+  if (w.block_cols >= in) {
+    m->shift = 30;
+    return true;
+  }
+  if (w.block_cols % 16 != 0 || (w.block_cols & (w.block_cols - 1)) != 0) return false;
+  int shift = 0;
+  while ((16 << shift) < w.block_cols) ++shift;
+  m->shift = shift;
+  return true;
+}
+
+// The 16 weights of a chunk: w[e] = float(code_e) * s (the rule's one FP32 multiply).
+__device__ __forceinline__ void Fp8ChunkWeights(const uint4& codes, float s, float (&w)[16]) {
+  Fp8x4ToFloat(codes.x, w);
+  Fp8x4ToFloat(codes.y, w + 4);
+  Fp8x4ToFloat(codes.z, w + 8);
+  Fp8x4ToFloat(codes.w, w + 12);
+#pragma unroll
+  for (int e = 0; e < 16; ++e) w[e] = w[e] * s;
+}
+// acc += the chunk's 16 weights times x[16c .. 16c + 15] (two 16-byte BF16 chunks), FMAs in order.
+__device__ __forceinline__ void Fp8ChunkFma(const float (&w)[16], const uint4& x_lo, const uint4& x_hi, float& acc) {
+  float xf[8];
+  Bf16x8ToFloat(x_lo, xf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(w[e], xf[e], acc);
+  Bf16x8ToFloat(x_hi, xf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc = fmaf(w[8 + e], xf[e], acc);
+}
+// A consumer lane's part of the dot of an FP8 row and x, both in shared memory (the FP8 twin of
+// LaneDotShared): chunks c = begin + lane, + 32, ... below end, in that order; scale_row: the row's
+// scales (global memory: four chunks' scales and codes are loaded before any is used).
+__device__ __forceinline__ float Fp8LaneDotShared(const uint4* w_row, const uint4* x, const float* scale_row,
+                                                  int shift, int begin, int end, int lane) {
+  constexpr int U = 4;
+  float acc = 0.0f;
+  for (int c0 = begin + lane; c0 < end; c0 += 32 * U) {
+    uint4 wv[U];
+    float sv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < end) {
+        wv[u] = w_row[c];
+        sv[u] = __ldg(scale_row + (c >> shift));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= end) break;
+      float w[16];
+      Fp8ChunkWeights(wv[u], sv[u], w);
+      Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc);
+    }
+  }
+  return acc;
+}
+
+// Host: checks an FP8 operand [rows, in] for the kernels (16-byte aligned codes, in % 16, scales, block
+// shape) and makes its scale map.
+inline Status CheckFp8Weight(const Fp8Weight& w, int in, const char* op, Fp8ScaleMap* m) {
+  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || in % 16 != 0) {
+    return InvalidArgument("{}: FP8 weights need 16-byte aligned codes and a row width that is a multiple of 16 "
+                           "(got {})", op, in);
+  }
+  if (!MakeFp8ScaleMap(w, in, m)) {
+    return InvalidArgument("{}: FP8 scales must be set with a block shape of >= 1 rows and block_cols a power of "
+                           "two multiple of 16 or >= the row width {} (got {} x {})",
+                           op, in, w.block_rows, w.block_cols);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dl::kernels::dev

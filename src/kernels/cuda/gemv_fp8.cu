@@ -1,0 +1,425 @@
+// FP8-weight GEMV (GemvParams::w_fp8): the BF16 kernels of gemv.cu (plain / fused-norm tiles, the
+// batched T > 1 kernel, the batch-1 streaming kernel with its TMA ring) over E4M3 codes with the FP8
+// rule of kernels/ops.h: a lane's 16-byte chunk holds 16 codes, each dequantised with its block's
+// scale (one FP32 multiply) and FMA'd in order. A separate file (not templates over gemv.cu) so the
+// BF16 kernels, tuned and measured, keep their code and registers untouched, and so the tensor-core
+// work beside it in gemv.cu does not collide; the grid shapes, PDL points and ring protocol are
+// gemv.cu's, written for 1-byte elements.
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/bulk_copy.cuh"
+#include "kernels/cuda/fp8_weights.cuh"
+#include "kernels/cuda/norm_block.cuh"
+#include "kernels/ops.h"
+
+namespace dl::kernels {
+namespace dev {
+
+constexpr int kFp8GemvWarps = 8;
+constexpr int kFp8GemvTile = 8;  // tokens per pass over W (fused-norm tiles)
+
+// Grid ceil(out / (8 / KS)); block 256 threads = 8 / KS rows x KS slices over in / 16 chunks. With a
+// fused input norm, dynamic shared memory holds the TT normalised input rows ([TT, in] BF16).
+template <int TT, int KS, bool kFusedNorm>
+__global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8Kernel(GemvParams a, Fp8ScaleMap sm, int t0, int nt) {
+  DL_TIMELINE_SCOPE(kGemv);
+  AllowDependentsAtStart(a.release_after_wait);
+  constexpr int U = TT == 1 ? 8 : 4;
+  constexpr int kRows = kFp8GemvWarps / KS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRows + warp / KS;
+  const int slice = warp % KS;
+  const int n16 = a.in / 16;
+  const int per = n16 / KS;
+  const int lo = slice * per, hi = lo + per;
+  float acc[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) acc[t] = 0.0f;
+  const bool live = row < a.out;
+  const int r = live ? row : 0;
+  const uint4* w_row = reinterpret_cast<const uint4*>(a.w_fp8.codes + static_cast<size_t>(r) * a.in);
+  const float* s_row = sm.Row(r);
+  uint4 wv[U];
+  float sv[U];  // each chunk's scale, loaded with it
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (live && c < hi) {
+        wv[u] = __ldg(w_row + c);
+        sv[u] = __ldg(s_row + (c >> sm.shift));
+      }
+    }
+  };
+  load(lo + lane);
+  const FusedInputNorm& nm = a.norm;
+  NormWeights norm_weight;
+  if constexpr (kFusedNorm) {
+    norm_weight = LoadNormWeights(nm.weight, a.in);
+    PrefetchNormResidual(nm, static_cast<size_t>(t0) * a.in, a.in, nt, kFp8GemvWarps * 32);
+  }
+  WaitReleasing(a.release_after_wait);
+  extern __shared__ uint4 s_x[];
+  const int n8 = a.in / 8;
+  if constexpr (kFusedNorm) {
+    for (int t = 0; t < nt; ++t) {
+      FusedNormRow(nm, static_cast<size_t>(t0 + t) * a.in, norm_weight, a.in, blockIdx.x == 0,
+                   reinterpret_cast<uint16_t*>(s_x + t * n8));
+    }
+  }
+  const uint4* x_base = kFusedNorm ? s_x : reinterpret_cast<const uint4*>(a.x + t0 * a.x_stride);
+  const int64_t x_step = kFusedNorm ? n8 : a.x_stride / 8;
+  if (live) {
+    for (int c0 = lo + lane; c0 < hi; c0 += 32 * U) {
+      if (c0 != lo + lane) load(c0);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= hi) break;
+        float w[16];
+        Fp8ChunkWeights(wv[u], sv[u], w);
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          if (t >= nt) break;
+          Fp8ChunkFma(w, x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[t]);
+        }
+      }
+    }
+  }
+  if constexpr (KS == 1) {
+    if (!live) return;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t >= nt) break;
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
+    }
+  } else {
+    __shared__ float s_part[kFp8GemvWarps][TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      const float s = WarpSum(acc[t]);
+      if (lane == 0) s_part[warp][t] = s;
+    }
+    __syncthreads();
+    if (slice != 0 || !live || lane >= nt) return;
+    const int t = lane;
+    float s = s_part[warp][t];
+#pragma unroll
+    for (int k = 1; k < KS; ++k) s += s_part[warp + k][t];
+    a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
+  }
+}
+
+// Batched (T > 1, no fused norm): GemvBatchKernel's layout (warp w: slice w % KS of R consecutive rows,
+// grid (token tiles of TT, row blocks)); each row's chunk is dequantised once and used for the tile's
+// tokens: the same w[e] values and FMA sequence as the kernel above.
+template <int R, int TT, int KS>
+__global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8BatchKernel(GemvParams a, Fp8ScaleMap sm) {
+  DL_TIMELINE_SCOPE(kGemv);
+  AllowDependentsAtStart(a.release_after_wait);
+  constexpr int kGroups = kFp8GemvWarps / KS;
+  constexpr int U = R == 1 ? 4 : 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slice = warp % KS;
+  const int row0 = (blockIdx.y * kGroups + warp / KS) * R;
+  const int t0 = blockIdx.x * TT;
+  const int nt = min(TT, a.num_tokens - t0);
+  const int n16 = a.in / 16;
+  const int per = n16 / KS;
+  const int lo = slice * per, hi = lo + per;
+  const uint4* w_rows[R];
+  const float* s_rows[R];
+  bool live[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    live[r] = row0 + r < a.out;
+    const int rr = live[r] ? row0 + r : 0;
+    w_rows[r] = reinterpret_cast<const uint4*>(a.w_fp8.codes + static_cast<size_t>(rr) * a.in);
+    s_rows[r] = sm.Row(rr);
+  }
+  float acc[R][TT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+  uint4 wv[U][R];
+  float sv[U][R];
+  auto load = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (live[r] && c0 + 32 * u < hi) {
+          wv[u][r] = __ldg(w_rows[r] + c0 + 32 * u);
+          sv[u][r] = __ldg(s_rows[r] + ((c0 + 32 * u) >> sm.shift));
+        }
+  };
+  load(lo + lane);
+  WaitReleasing(a.release_after_wait);
+  const uint4* x_base = reinterpret_cast<const uint4*>(a.x) + static_cast<size_t>(t0) * (a.x_stride / 8);
+  const int64_t x_step = a.x_stride / 8;
+  for (int c0 = lo + lane; c0 < hi; c0 += 32 * U) {
+    if (c0 != lo + lane) load(c0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= hi) break;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float w[16];
+        Fp8ChunkWeights(wv[u][r], sv[u][r], w);
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          if (t >= nt) break;
+          Fp8ChunkFma(w, x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[r][t]);
+        }
+      }
+    }
+  }
+  if constexpr (KS == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0 && live[r] && t < nt) a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
+      }
+  } else {
+    __shared__ float s_part[kFp8GemvWarps][R * TT];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        const float v = WarpSum(acc[r][t]);
+        if (lane == 0) s_part[warp][r * TT + t] = v;
+      }
+    __syncthreads();
+    if (slice != 0) return;
+    for (int i = lane; i < R * TT; i += 32) {
+      const int r = i / TT, t = i % TT;
+      if (!live[r] || t >= nt) continue;
+      float v = s_part[warp][i];
+#pragma unroll
+      for (int k = 1; k < KS; ++k) v += s_part[warp + k][i];
+      a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
+    }
+  }
+}
+
+template <int R, int TT>
+void LaunchGemvFp8Batch(const GemvParams& p, const Fp8ScaleMap& sm, int ks, cudaStream_t s) {
+  auto grid = [&](int k) {
+    const int rows_per_block = (kFp8GemvWarps / k) * R;
+    return dim3((p.num_tokens + TT - 1) / TT, (p.out + rows_per_block - 1) / rows_per_block);
+  };
+  const dim3 block(kFp8GemvWarps * 32);
+  switch (ks) {
+    case 1: LaunchDependent(GemvFp8BatchKernel<R, TT, 1>, grid(1), block, s, p, sm); break;
+    case 2: LaunchDependent(GemvFp8BatchKernel<R, TT, 2>, grid(2), block, s, p, sm); break;
+    case 4: LaunchDependent(GemvFp8BatchKernel<R, TT, 4>, grid(4), block, s, p, sm); break;
+    default: LaunchDependent(GemvFp8BatchKernel<R, TT, 8>, grid(8), block, s, p, sm); break;
+  }
+}
+template <int R>
+void LaunchGemvFp8BatchRows(const GemvParams& p, const Fp8ScaleMap& sm, int ks, cudaStream_t s) {
+  switch (p.batch_tokens) {
+    case 4: LaunchGemvFp8Batch<R, 4>(p, sm, ks, s); break;
+    case 16: LaunchGemvFp8Batch<R, 16>(p, sm, ks, s); break;
+    default: LaunchGemvFp8Batch<R, 8>(p, sm, ks, s); break;
+  }
+}
+
+// ---- Streaming (batch 1): GemvStreamKernel (gemv.cu) over rows of `in` bytes. One block per SM owns
+// rows [b * rpb, b * rpb + rows): warp 8's lane 0 copies them stage by stage into the ring (the first
+// prefetch_bytes before the PDL wait), warps 0-7 consume: warp w takes slice w % KS of rows w / KS,
+// + 8 / KS, ... of each stage with Fp8LaneDotShared (the rule's chunk order), then WarpSum and the
+// slices in order. Shared memory: [2 * stages] mbarriers | ring [stages, stage_rows, in] codes |
+// x [in] BF16 | partial sums [rpb, KS] FP32.
+struct GemvFp8StreamGeometry {
+  int ks = 1, stage_rows = 0, stages = 0, rpb = 0, grid = 0;
+  size_t ring_off = 0, x_off = 0, part_off = 0, smem = 0;
+  size_t prefetch_bytes = 0;
+};
+constexpr int kFp8StreamMaxStages = 32;
+
+inline GemvFp8StreamGeometry Fp8StreamGeometry(int out, int in, int ring_kb, int stage_kb, int sms) {
+  GemvFp8StreamGeometry g;
+  if (out < 1 || in < 16 || in % 16 != 0 || sms < 1) return g;
+  g.ks = GemvFp8KSplitFor(out, in);
+  const int group = kFp8GemvWarps / g.ks;
+  const size_t row_bytes = static_cast<size_t>(in);
+  g.rpb = (out + sms - 1) / sms;
+  g.grid = (out + g.rpb - 1) / g.rpb;
+  const size_t want = static_cast<size_t>(std::max(stage_kb, 1)) * 1024;
+  g.stage_rows = std::max<int>(group, static_cast<int>(want / row_bytes) / group * group);
+  g.stage_rows = std::min(g.stage_rows, (g.rpb + group - 1) / group * group);
+  const size_t stage_bytes = g.stage_rows * row_bytes;
+  const int needed = (g.rpb + g.stage_rows - 1) / g.stage_rows;
+  int stages = static_cast<int>(static_cast<size_t>(std::max(ring_kb, 1)) * 1024 / stage_bytes);
+  stages = std::min({stages, needed, kFp8StreamMaxStages});
+  if (stages < std::min(2, needed)) return g;
+  g.ring_off = RingOffset(kFp8StreamMaxStages);
+  g.x_off = g.ring_off + AlignUp(stages * stage_bytes, 16);
+  g.part_off = g.x_off + AlignUp(row_bytes * 2, 16);
+  g.smem = g.part_off + static_cast<size_t>(g.rpb) * g.ks * sizeof(float);
+  if (g.smem > kMaxBlockSmem) return GemvFp8StreamGeometry{};
+  g.stages = stages;
+  return g;
+}
+
+static_assert(kFp8GemvWarps * 32 == kNormThreads, "the streaming GEMV's consumers run the fused norm");
+
+template <bool kFusedNorm>
+__global__ void __launch_bounds__((kFp8GemvWarps + 1) * 32, 1)
+    GemvFp8StreamKernel(GemvParams a, Fp8ScaleMap sm, GemvFp8StreamGeometry g) {
+  DL_TIMELINE_SCOPE(kGemv);
+  AllowDependentsAtStart(a.release_after_wait);
+  extern __shared__ __align__(128) unsigned char s_stream[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
+  uint64_t* empty = full + kFp8StreamMaxStages;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n16 = a.in / 16, n8 = a.in / 8;
+  const size_t stage_chunks = static_cast<size_t>(g.stage_rows) * n16;
+  uint4* ring = reinterpret_cast<uint4*>(s_stream + g.ring_off);
+  uint4* s_x = reinterpret_cast<uint4*>(s_stream + g.x_off);
+  float* s_part = reinterpret_cast<float*>(s_stream + g.part_off);
+  const int r0 = blockIdx.x * g.rpb;
+  const int rows = max(0, min(g.rpb, a.out - r0));
+  const int n_stages = (rows + g.stage_rows - 1) / g.stage_rows;
+  InitRing(full, empty, g.stages, 1, kFp8GemvWarps);
+  if (warp == kFp8GemvWarps) {  // the producer
+    if (lane == 0) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.w_fp8.codes) + static_cast<size_t>(r0) * n16;
+      const size_t stage_bytes = stage_chunks * 16;
+      bool waited = false;
+      for (int s = 0; s < n_stages; ++s) {
+        const int slot = s % g.stages, use = s / g.stages;
+        if (use > 0) MbarWait(empty + slot, (use - 1) & 1);
+        if (!waited && (s + 1) * stage_bytes > g.prefetch_bytes) {
+          WaitForGrid();
+          if (a.release_after_wait) AllowDependents();
+          waited = true;
+        }
+        const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
+        BulkCopyToShared(ring + slot * stage_chunks, src + s * stage_chunks,
+                         static_cast<uint32_t>(stage_rows) * n16 * 16, full + slot);
+      }
+    }
+    return;
+  }
+  NormWeights norm_weight;
+  if constexpr (kFusedNorm) {
+    norm_weight = LoadNormWeights(a.norm.weight, a.in);
+    PrefetchNormResidual(a.norm, 0, a.in, 1, kFp8GemvWarps * 32);
+  }
+  WaitReleasing(a.release_after_wait);
+  if constexpr (kFusedNorm) {
+    FusedNormRow<true>(a.norm, 0, norm_weight, a.in, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_x));
+  } else {
+    for (int c = threadIdx.x; c < n8; c += kFp8GemvWarps * 32) s_x[c] = reinterpret_cast<const uint4*>(a.x)[c];
+    ConsumerSync<kFp8GemvWarps>();
+  }
+  const int ks = g.ks, group = kFp8GemvWarps / ks;
+  const int slice = warp % ks, per = n16 / ks, lo = slice * per, hi = lo + per;
+  for (int s = 0; s < n_stages; ++s) {
+    const int slot = s % g.stages, use = s / g.stages;
+    MbarWait(full + slot, use & 1);
+    const int stage_rows = min(g.stage_rows, rows - s * g.stage_rows);
+    const uint4* st = ring + slot * stage_chunks;
+    for (int r = warp / ks; r < stage_rows; r += group) {
+      const int row = r0 + s * g.stage_rows + r;
+      const float v = WarpSum(Fp8LaneDotShared(st + static_cast<size_t>(r) * n16, s_x, sm.Row(row), sm.shift, lo, hi, lane));
+      if (lane == 0) s_part[(s * g.stage_rows + r) * ks + slice] = v;
+    }
+    __syncwarp();
+    if (lane == 0) MbarArrive(empty + slot);
+  }
+  ConsumerSync<kFp8GemvWarps>();
+  for (int i = threadIdx.x; i < rows; i += kFp8GemvWarps * 32) {
+    float sum = s_part[i * ks];
+    for (int k = 1; k < ks; ++k) sum += s_part[i * ks + k];
+    a.y[r0 + i] = FloatToBf16Bits(sum);
+  }
+}
+
+template <int TT>
+void LaunchGemvFp8(const GemvParams& p, const Fp8ScaleMap& sm, int ks, int t0, int nt, cudaStream_t s) {
+  auto grid = [&](int k) { return dim3((p.out + kFp8GemvWarps / k - 1) / (kFp8GemvWarps / k)); };
+  const dim3 block(kFp8GemvWarps * 32);
+  if (p.norm.residual) {
+    const size_t smem = static_cast<size_t>(TT) * p.in * sizeof(uint16_t);
+    switch (ks) {
+      case 1: LaunchDependentSmem(GemvFp8Kernel<TT, 1, true>, grid(1), block, smem, s, p, sm, t0, nt); break;
+      case 2: LaunchDependentSmem(GemvFp8Kernel<TT, 2, true>, grid(2), block, smem, s, p, sm, t0, nt); break;
+      case 4: LaunchDependentSmem(GemvFp8Kernel<TT, 4, true>, grid(4), block, smem, s, p, sm, t0, nt); break;
+      default: LaunchDependentSmem(GemvFp8Kernel<TT, 8, true>, grid(8), block, smem, s, p, sm, t0, nt); break;
+    }
+    return;
+  }
+  switch (ks) {
+    case 1: LaunchDependent(GemvFp8Kernel<TT, 1, false>, grid(1), block, s, p, sm, t0, nt); break;
+    case 2: LaunchDependent(GemvFp8Kernel<TT, 2, false>, grid(2), block, s, p, sm, t0, nt); break;
+    case 4: LaunchDependent(GemvFp8Kernel<TT, 4, false>, grid(4), block, s, p, sm, t0, nt); break;
+    default: LaunchDependent(GemvFp8Kernel<TT, 8, false>, grid(8), block, s, p, sm, t0, nt); break;
+  }
+}
+
+// Gemv()'s FP8 branch (gemv.cu calls it when w_fp8 is set; x_stride / y_stride are filled in there,
+// the fused norm checked).
+Status GemvFp8(const GemvParams& p, cudaStream_t s) {
+  if (p.w != nullptr) return InvalidArgument("gemv: set either w (BF16) or w_fp8, not both");
+  Fp8ScaleMap sm;
+  DL_RETURN_IF_ERROR(CheckFp8Weight(p.w_fp8, p.in, "gemv", &sm));
+  const int n16 = p.in / 16;
+  const int ks = p.k_split == 0 ? GemvFp8KSplitFor(p.out, p.in) : p.k_split;
+  if ((ks != 1 && ks != 2 && ks != 4 && ks != 8) || n16 % ks != 0) {
+    return InvalidArgument("gemv: k_split {} must be 1, 2, 4 or 8 and divide the FP8 chunk count in / 16 = {}", ks, n16);
+  }
+  if (p.streaming.on) {
+    GemvFp8StreamGeometry g = Fp8StreamGeometry(p.out, p.in, p.streaming.ring_kb, p.streaming.stage_kb, SmCount());
+    g.prefetch_bytes = static_cast<size_t>(std::max(p.streaming.prefetch_kb, 0)) * 1024;
+    if (p.num_tokens != 1 || p.k_split != 0 || g.stages == 0 || !DeviceHasBulkCopy() ||
+        reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
+      return InvalidArgument("gemv: FP8 streaming needs one token, the default k_split, 16-byte aligned x and a "
+                             "shape whose two stages fit (GemvFp8StreamSupported); got [{} x {}] x {} tokens, ring {} KB",
+                             p.out, p.in, p.num_tokens, p.streaming.ring_kb);
+    }
+    const dim3 block((kFp8GemvWarps + 1) * 32);
+    if (p.norm.residual) {
+      LaunchDependentSmem(GemvFp8StreamKernel<true>, dim3(g.grid), block, g.smem, s, p, sm, g);
+    } else {
+      LaunchDependentSmem(GemvFp8StreamKernel<false>, dim3(g.grid), block, g.smem, s, p, sm, g);
+    }
+    DL_KERNEL_LAUNCH_CHECK("gemv_fp8_stream");
+    return Status::Ok();
+  }
+  if (p.num_tokens == 1) {
+    LaunchGemvFp8<1>(p, sm, ks, 0, 1, s);
+  } else if (!p.norm.residual) {
+    if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
+      return InvalidArgument("gemv: the batched kernel needs 16-byte aligned x rows");
+    }
+    switch (p.batch_rows) {
+      case 1: LaunchGemvFp8BatchRows<1>(p, sm, ks, s); break;
+      case 4: LaunchGemvFp8BatchRows<4>(p, sm, ks, s); break;
+      default: LaunchGemvFp8BatchRows<2>(p, sm, ks, s); break;
+    }
+  } else {
+    for (int t0 = 0; t0 < p.num_tokens; t0 += kFp8GemvTile) {
+      const int nt = std::min(kFp8GemvTile, p.num_tokens - t0);
+      LaunchGemvFp8<kFp8GemvTile>(p, sm, ks, t0, nt, s);
+    }
+  }
+  DL_KERNEL_LAUNCH_CHECK("gemv_fp8");
+  return Status::Ok();
+}
+
+}  // namespace dev
+
+bool GemvFp8StreamSupported(int out, int in, int ring_kb, int stage_kb) {
+  return dev::DeviceHasBulkCopy() && dev::Fp8StreamGeometry(out, in, ring_kb, stage_kb, dev::SmCount()).stages > 0;
+}
+
+}  // namespace dl::kernels
