@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "kernels/cuda/bulk_copy.cuh"
+#include "kernels/cuda/mma_product.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -789,12 +790,193 @@ __global__ void __launch_bounds__(256) MoeCombineKernel(MoeParams a) {
   a.y[static_cast<size_t>(t) * a.d + i] = FloatToBf16Bits(y);
 }
 
+// ---- The MMA experts (MoeParams::mma): the grouped path above (router, lists, combine) with each
+// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh) at every T,
+// batch 1 included, so a token's bits do not depend on which tokens share its experts. Splits: gate
+// and up use MmaKSplitFor(ffn, d) for the routed and the shared expert alike; down uses
+// MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks too: functions of the
+// shapes only. The h, routed and shared buffers and every rounding are the CUDA-core grouped path's.
+constexpr int kMoeMmaWarps = 8;
+
+inline int MoeMmaGateUpSplit(int d, int ffn) { return MmaKSplitFor(ffn, d); }
+inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
+  int ks = MmaKSplitFor(d, ffn);
+  while (ks > 1 && ((shared_ffn + kMmaChunk - 1) / kMmaChunk) % ks != 0) ks /= 2;
+  return ks;
+}
+
+// Pair columns j = 0 .. NT-1 of lane (gq, c): pair first + 8j + gq of the block's list; its x row (or
+// h vector) through vec(t, slot), offset by c pieces; zeros past the list.
+template <int NT, typename Vec>
+__device__ __forceinline__ void MoeMmaColumns(const MoeParams& a, const MoeGroupWs& g, const GroupRows& gr, int first,
+                                              int gq, int c, const uint4* (&xr)[NT], bool (&live)[NT], Vec&& vec) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int i = first + 8 * j + gq;
+    live[j] = i < gr.count;
+    int t = 0, slot = 0;
+    if (live[j]) PairOf(a, g, gr, i, &t, &slot);
+    xr[j] = vec(t, slot) + c;
+  }
+}
+
+// Adds the ks slices' partial sums (warp w's in registers) in ascending order into the slice-0 warp's
+// registers; false for the other warps, which are then done.
+template <int NM, int NT>
+__device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], int ks, int warp, int lane) {
+  if (ks == 1) return true;
+  __shared__ float s_part[kMoeMmaWarps][NM * NT * 4][32];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_part[warp][(m * NT + j) * 4 + e][lane] = acc[m][j][e];
+  __syncthreads();
+  if (warp % ks != 0) return false;
+  for (int k = 1; k < ks; ++k)
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] += s_part[warp + k][(m * NT + j) * 4 + e][lane];
+  return true;
+}
+
+// Grid (ceil(T / (8 NT)), ceil(ceil(Fmax / 16) / (8 / ks)), min(E, T k) + 1): the passes over one
+// expert's rows run together (L2 serves the later ones). Block row z: the shared expert (z = 0, every
+// token) or listed expert z - 1 (GroupRowOf); blockIdx.x: pairs [8 NT x, + 8 NT) of its list. Warp w:
+// the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two
+// products of a (row, pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
+// h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token t's workspace.
+template <int NT>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  GroupRows gr;
+  const int first = blockIdx.x * 8 * NT;
+  if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;  // the same in every thread
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int tiles_per_block = kMoeMmaWarps / ks;
+  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) return;
+  constexpr int U = NT == 1 ? 8 : 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int slice = warp % ks;
+  const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
+  const int n8 = a.d / 8, per = (a.d + kMmaChunk - 1) / kMmaChunk / ks;
+  const uint4* gate = reinterpret_cast<const uint4*>(shared ? a.shared_gate_w : a.gate_w[gr.expert]);
+  const uint4* up = reinterpret_cast<const uint4*>(shared ? a.shared_up_w : a.up_w[gr.expert]);
+  const bool la = r0 + gq < F, lb = r0 + gq + 8 < F;
+  const size_t ra = static_cast<size_t>(la ? r0 + gq : 0) * n8 + c, rb = static_cast<size_t>(lb ? r0 + gq + 8 : 0) * n8 + c;
+  const uint4* wa[2] = {gate + ra, up + ra};
+  const uint4* wb[2] = {gate + rb, up + rb};
+  const bool live_a[2] = {la, la}, live_b[2] = {lb, lb};
+  const uint4* xr[NT];
+  bool tok_live[NT];
+  MoeMmaColumns<NT>(a, g, gr, first, gq, c, xr, tok_live, [&](int t, int) {
+    return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
+  });
+  float acc[2][NT][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+  MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
+  if (!MoeMmaAddSlices<2, NT>(acc, ks, warp, lane)) return;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+      if (f >= F || i >= gr.count) continue;
+      int t, slot;
+      PairOf(a, g, gr, i, &t, &slot);
+      const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
+      const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+      const MoeWs ws = MoeWorkspace(a, t);
+      ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+    }
+}
+
+// Grid (ceil(T / (8 NT)), ceil(ceil(d / 16) / (8 / ks)), min(E, T k) + 1), as the gate/up kernel, over
+// the down matrices [d, F] and the pairs' h vectors: bf16(bf16(o) * w(t, slot)) into routed, the
+// shared expert's bf16(o) into shared; MoeCombineKernel adds them.
+template <int NT>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams a, int ks) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  GroupRows gr;
+  const int first = blockIdx.x * 8 * NT;
+  if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  constexpr int U = NT == 1 ? 8 : 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int slice = warp % ks;
+  const int r0 = (blockIdx.y * (kMoeMmaWarps / ks) + warp / ks) * 16;
+  const int n8 = F / 8, per = (F + kMmaChunk - 1) / kMmaChunk / ks;
+  const uint4* down = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
+  const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
+  const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
+  const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
+  const uint4* xr[NT];
+  bool tok_live[NT];
+  MoeMmaColumns<NT>(a, g, gr, first, gq, c, xr, tok_live, [&](int t, int slot) {
+    const MoeWs ws = MoeWorkspace(a, t);
+    return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
+  });
+  float acc[1][NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
+  MmaSliceDots<1, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
+  if (!MoeMmaAddSlices<1, NT>(acc, ks, warp, lane)) return;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+      if (row >= a.d || i >= gr.count) continue;
+      int t, slot;
+      PairOf(a, g, gr, i, &t, &slot);
+      const float o = RoundBf16(acc[0][j][e]);
+      if (shared) {
+        g.shared[static_cast<size_t>(t) * a.d + row] = FloatToBf16Bits(o);
+      } else {
+        const float w = __ldcg(&MoeWorkspace(a, t).weights[slot]);
+        g.routed[(static_cast<size_t>(t) * a.top_k + slot) * a.d + row] = FloatToBf16Bits(RoundBf16(o * w));
+      }
+    }
+}
+
+template <int NT>
+void LaunchMoeMma(const MoeParams& p, int listed, cudaStream_t s) {
+  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
+  const int fmax = std::max(p.ffn, p.shared_ffn);
+  const int z = (p.num_tokens + 8 * NT - 1) / (8 * NT);
+  auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
+  const dim3 block(kMoeMmaWarps * 32);
+  LaunchDependent(MoeMmaGateUpKernel<NT>, dim3(z, blocks(fmax, gu_ks), listed), block, s, p, gu_ks);
+  LaunchDependent(MoeMmaDownKernel<NT>, dim3(z, blocks(p.d, dn_ks), listed), block, s, p, dn_ks);
+}
+
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
+  // The grouped path's lists are part of it at every T: the MMA experts (MoeParams::mma) use them at
+  // batch 1 too.
   const int T = std::max(num_tokens, 1);
   const size_t per_token = dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes * static_cast<size_t>(T);
-  return T == 1 ? per_token : per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
+  return per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
 }
 
 Status Moe(const MoeParams& p, Stream stream) {
@@ -829,6 +1011,27 @@ Status Moe(const MoeParams& p, Stream stream) {
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
+  if (p.mma) {  // every T through the lists, the experts on the tensor-core product
+    if (!p.topk_ids) return InvalidArgument("moe: the MMA experts (mma) need topk_ids");
+    if (p.num_experts > dev::kGroupThreads) {
+      return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
+    }
+    const int listed = std::min(p.num_experts, T * p.top_k) + 1;  // + the shared expert
+    if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
+    dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_group");
+    if (T <= 8) {
+      dev::LaunchMoeMma<1>(p, listed, s);
+    } else if (T <= 16) {
+      dev::LaunchMoeMma<2>(p, listed, s);
+    } else {
+      dev::LaunchMoeMma<4>(p, listed, s);
+    }
+    DL_KERNEL_LAUNCH_CHECK("moe_mma_gate_up_down");
+    dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_combine");
+    return Status::Ok();
+  }
   if (T > 1) {
     if (!p.topk_ids) return InvalidArgument("moe: the grouped path (T > 1) needs topk_ids");
     if (p.num_experts > dev::kGroupThreads) {
