@@ -57,6 +57,7 @@ void AddKernelsCommand(CLI::App& root, CommandContext& ctx) {
         {"attn_combine", "split-KV chunk combine + softplus gate (per head / per element)"},
         {"attn_generic_fallback", "slow generic attention, only with --allow-fallback"},
         {"gemv", "BF16 GEMV / batch-invariant small-T GEMM"},
+        {"gemv_mma", "tensor-core product (mma.sync) for every row count, and the MoE experts (--tune mma_products=1)"},
         {"moe", "router top-k + routed/shared SwiGLU experts + combine (3 launches)"},
         {"argmax", "argmax over the vocabulary (ties -> lowest index)"},
     };

@@ -318,7 +318,9 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   kernels::GemvParams p;
   // The dense MLP's gate/up takes the norm before it (the measured policy: only the norm before the
   // MLP is folded, and only at batch 1 where the streaming kernel takes it); everything else runs it.
-  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty()) {
+  // The tensor-core product takes no fused norm.
+  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty() &&
+      !opt.tuning.mma_products) {
     p.norm = TakeFusedNorm(nullptr);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -334,7 +336,12 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   p.streaming.ring_kb = tu.stream_ring_kb;
   p.streaming.stage_kb = tu.stream_stage_kb;
   p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
-  p.streaming.on = rows == 1 && tu.stream_gemv && kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
+  // mma_products: every row count on the tensor-core product (ops.h 5b), so a row's bits do not
+  // depend on the batch; the CUDA-core kernels' streaming and batched variants do not apply.
+  p.mma = tu.mma_products;
+  p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
+  p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
+                   kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
   p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
   p.batch_tokens = tu.batch_gemv_tokens;
   p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
@@ -463,6 +470,7 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.workspace = ws.moe_ws;
   mp.counter = ws.moe_counter;
   mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
+  mp.mma = opt.tuning.mma_products;  // the experts on the tensor-core product at every row count
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
   return kernels::Moe(mp, s()).WithContext(fmt::format("layer {}", l));

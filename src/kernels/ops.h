@@ -225,11 +225,14 @@ struct MoeParams {
   int gate_up_stream_ring_kb = 128;
   // PDL release points (Tuning::late_release) of the router and the down kernel.
   bool router_release_after_wait = false, down_release_after_wait = false;
-  // on: every T (batch 1 included) through the grouped path's lists, with the expert products on the
+  // on: T > 1 through the grouped path's lists, with the expert products on the
   // tensor-core product's arithmetic (ops.h 5b; splits MmaKSplitFor(F, d) for gate/up and
   // MmaKSplitFor(d, F) for down, halved until it divides Fs's chunks): router, lists, gate/up
   // (SiLU * up fused), down, combine. Other bits than off, the same for every T and grouping.
+  // Batch 1 skips the lists: router, gate/up of the selected slots, down + combine in one kernel
+  // (three launches); the same bits (mma_batch1_lists: through the lists anyway, for the tests).
   bool mma = false;
+  bool mma_batch1_lists = false;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

@@ -333,9 +333,10 @@ int main(int argc, char** argv) {
       biases.push_back(Random(E, 60 + l, 0.05f));
       shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
     }
-    auto xs = Random(size_t(512) * d, 80, 1.0f);
-    auto yv = Alloc(size_t(512) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 512)), counter = Alloc(512 * 4);
-    auto ids = Alloc(size_t(512) * k * 4);
+    const int kMaxT = 4096;  // the MMA experts' prefill rows
+    auto xs = Random(size_t(kMaxT) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT)), counter = Alloc(kMaxT * 4);
+    auto ids = Alloc(size_t(kMaxT) * k * 4);
     CHECK_OK(counter.Fill(0));
     // Launch i of a timed graph: layer i % layers, input row i % 16 (batch 1) or rows [0, T).
     auto moe_params = [&](int i, int top_k, int T) {
@@ -365,6 +366,17 @@ int main(int argc, char** argv) {
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
       const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, T > 64 ? 10 : 50);
       rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
+                      2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
+    }
+    // The MMA experts (MoeParams::mma, every T through the lists, batch 1 included).
+    for (int T : {1, 2, 8, 64, 512, 1024, 4096}) {
+      const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
+      const double ms = TimeMs([&](int i) {
+        MoeParams p = moe_params(i, k, T);
+        p.mma = true;
+        CHECK_OK(Moe(p, g_stream));
+      }, T > 64 ? 10 : 50);
+      rows.push_back({fmt::format("moe mma T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
     }
   }

@@ -991,7 +991,8 @@ TEST(MoeGpu, GroupedPathMatchesEveryTokenAlone) {
 // ---------------------------------------------------------------------------------------------------
 // The MMA experts (MoeParams::mma): close to the reference per token (its router logits as the
 // override, so the selection is the kernel's own), run to run, and every token's row of a T-token
-// launch equals the token alone (T = 1 takes the same lists) and inside a shuffled subset: the grouped
+// launch equals the token alone (through the batch-1 kernels and through the lists) and inside a
+// shuffled subset: the grouped
 // path's promise on the tensor-core product. Shapes: small, XS.2's (E 256, k 8, d 2048, F 512), and
 // odd ones (d not a multiple of 32, Fs of another chunk count).
 TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
@@ -1042,7 +1043,12 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
       ASSERT_OK(Moe(one, nullptr));
       Sync();
       const auto y1 = Download<bf16>(d_y1, sh.d);
-      ASSERT_EQ(y1, Rows(y_all, sh.d, t, 1)) << "token " << t;
+      ASSERT_EQ(y1, Rows(y_all, sh.d, t, 1)) << "token " << t << " alone (batch-1 kernels, no lists)";
+      MoeParams listed = one;
+      listed.mma_batch1_lists = true;
+      ASSERT_OK(Moe(listed, nullptr));
+      Sync();
+      ASSERT_EQ(Download<bf16>(d_y1, sh.d), y1) << "token " << t << " alone through the lists";
       if (!with_reference || t > 12) continue;
       const auto logits = Download<float>(d_ws1, sh.E);  // the workspace starts with token 0's router logits
       std::vector<bf16> y_ref(sh.d);

@@ -8,7 +8,7 @@
 # mma_products 0 and 1 (TPOT at batch 1, TTFT of a 1,024-token prompt). Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
 #     bash tools/device/mma_check.sh [--skip-tests] [--skip-bench] [--skip-e2e]
-#   KB_SECTIONS="mma moe" picks the kernel microbenchmark's sections (default mma).
+#   KB_SECTIONS="mma" picks the kernel microbenchmark's sections (default "mma moe").
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/mma_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
@@ -35,8 +35,9 @@ fi
 echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
 # Registers, spills and the instructions the product must use (HMMA; no LDL/STL local memory).
 obj=$(find build -name 'mma.cu.o' | head -1)
-if [ -n "$obj" ] && command -v cuobjdump > /dev/null; then
-  cuobjdump --dump-sass "$obj" > "$OUT/mma_sass.txt" 2>&1
+CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+if [ -n "$obj" ] && [ -x "$CUOBJDUMP" ]; then
+  "$CUOBJDUMP" --dump-sass "$obj" > "$OUT/mma_sass.txt" 2>&1
   echo "sass mma.cu.o: HMMA $(grep -c HMMA "$OUT/mma_sass.txt"), LDG.E.128 $(grep -c 'LDG.E.128' "$OUT/mma_sass.txt"), LDS.128 $(grep -c 'LDS.128' "$OUT/mma_sass.txt"), LDGSTS $(grep -c LDGSTS "$OUT/mma_sass.txt"), LDL/STL $(grep -cE 'LDL|STL' "$OUT/mma_sass.txt")"
 else
   echo "sass: no cuobjdump or no mma.cu.o"
@@ -52,6 +53,9 @@ if [ "$TESTS" = 1 ]; then
       --gtest_filter='MmaGpu.OddShapesEveryKernel:MmaGpu.RejectsWhatItDoesNotDo' > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool (MmaGpu small shapes) rc=$?: $(grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) ' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
   done
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_gpu_test \
+    --gtest_filter='MoeGpu.Mma*' > "$OUT/sanitizer_moe_memcheck.log" 2>&1
+  echo "compute-sanitizer memcheck (MoeGpu.Mma*) rc=$?: $(grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) ' "$OUT/sanitizer_moe_memcheck.log" | tr '\n' ' ')"
   timeout 500 ./build/tests/gpu/cuda_runner_test --gtest_filter='CudaRunnerTest.MmaProducts*:CudaRunnerTest.BatchInvariant*' \
     > "$OUT/cuda_runner_test.log" 2>&1
   echo "cuda_runner_test (mma + batch invariance) rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_runner_test.log" | tr '\n' ' ')"
@@ -60,7 +64,7 @@ if [ "$TESTS" = 1 ]; then
   echo "tests done: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$BENCH" = 1 ]; then
-  for sec in ${KB_SECTIONS-mma}; do
+  for sec in ${KB_SECTIONS-mma moe}; do
     timeout 300 ./build/tests/gpu/kernels_bench "$sec" > "$OUT/kb_$sec.log" 2>&1
     echo "kernels_bench $sec rc=$?"
     grep -vE "^(kernel |d2d copy|device:|$)" "$OUT/kb_$sec.log" | tail -n 190

@@ -791,8 +791,9 @@ __global__ void __launch_bounds__(256) MoeCombineKernel(MoeParams a) {
 }
 
 // ---- The MMA experts (MoeParams::mma): the grouped path above (router, lists, combine) with each
-// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh) at every T,
-// batch 1 included, so a token's bits do not depend on which tokens share its experts. Splits: gate
+// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh), and at batch 1
+// the same products over the router's selection without the lists (MoeMmaGateUpKernel<1, true>,
+// MoeMmaDownCombineKernel), so a token's bits do not depend on which tokens share its experts. Splits: gate
 // and up use MmaKSplitFor(ffn, d) for the routed and the shared expert alike; down uses
 // MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks too: functions of the
 // shapes only. The h, routed and shared buffers and every rounding are the CUDA-core grouped path's.
@@ -805,17 +806,18 @@ inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
   return ks;
 }
 
-// Pair columns j = 0 .. NT-1 of lane (gq, c): pair first + 8j + gq of the block's list; its x row (or
-// h vector) through vec(t, slot), offset by c pieces; zeros past the list.
-template <int NT, typename Vec>
-__device__ __forceinline__ void MoeMmaColumns(const MoeParams& a, const MoeGroupWs& g, const GroupRows& gr, int first,
-                                              int gq, int c, const uint4* (&xr)[NT], bool (&live)[NT], Vec&& vec) {
+// Pair columns j = 0 .. NT-1 of lane (gq, c): pair first + 8j + gq of the block's `count` pairs
+// (pair_of(i, &t, &slot)); its x row (or h vector) through vec(t, slot), offset by c pieces; zeros
+// past the count.
+template <int NT, typename PairOfFn, typename Vec>
+__device__ __forceinline__ void MoeMmaColumns(int first, int count, int gq, int c, const uint4* (&xr)[NT],
+                                              bool (&live)[NT], PairOfFn&& pair_of, Vec&& vec) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int i = first + 8 * j + gq;
-    live[j] = i < gr.count;
+    live[j] = i < count;
     int t = 0, slot = 0;
-    if (live[j]) PairOf(a, g, gr, i, &t, &slot);
+    if (live[j]) pair_of(i, &t, &slot);
     xr[j] = vec(t, slot) + c;
   }
 }
@@ -847,29 +849,57 @@ __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], int ks,
 // Grid (ceil(T / (8 NT)), ceil(ceil(Fmax / 16) / (8 / ks)), min(E, T k) + 1): the passes over one
 // expert's rows run together (L2 serves the later ones). Block row z: the shared expert (z = 0, every
 // token) or listed expert z - 1 (GroupRowOf); blockIdx.x: pairs [8 NT x, + 8 NT) of its list. Warp w:
-// the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two
-// products of a (row, pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
+// the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two products of a (row,
+// pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
 // h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token t's workspace.
-template <int NT>
+// kDirect (T = 1, NT = 1): no lists; block row z is slot z - 1 of the router's selection (its expert
+// pointers from the router's workspace) or the shared expert (z = 0), whose weights are loaded before
+// the wait. The same product per (row, pair), so the same bits as through the lists.
+template <int NT, bool kDirect>
 __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
-  WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
+  const MoeWs ws0 = MoeWorkspace(a, 0);
   GroupRows gr;
   const int first = blockIdx.x * 8 * NT;
-  if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;  // the same in every thread
+  if constexpr (kDirect) {
+    gr.expert = blockIdx.z == 0 ? -1 : static_cast<int>(blockIdx.z) - 1;  // direct: the slot, not the expert
+    gr.count = 1;
+  } else {
+    WaitForPrerequisites();
+    if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;  // the same in every thread
+  }
   const bool shared = gr.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int tiles_per_block = kMoeMmaWarps / ks;
-  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) return;
+  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) {
+    if (kDirect) WaitForPrerequisites();
+    return;
+  }
+  auto pair_of = [&](int i, int* t, int* slot) {
+    if constexpr (kDirect) {
+      *t = 0, *slot = shared ? a.top_k : gr.expert;
+    } else {
+      PairOf(a, g, gr, i, t, slot);
+    }
+  };
   constexpr int U = NT == 1 ? 8 : 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
   const int n8 = a.d / 8, per = (a.d + kMmaChunk - 1) / kMmaChunk / ks;
-  const uint4* gate = reinterpret_cast<const uint4*>(shared ? a.shared_gate_w : a.gate_w[gr.expert]);
-  const uint4* up = reinterpret_cast<const uint4*>(shared ? a.shared_up_w : a.up_w[gr.expert]);
+  const bf16 *gate_w, *up_w;
+  if (shared) {
+    gate_w = a.shared_gate_w, up_w = a.shared_up_w;
+  } else if constexpr (kDirect) {
+    WaitForPrerequisites();  // the router's selection
+    gate_w = LoadPointerFromL2(&ws0.rows[gr.expert]), up_w = LoadPointerFromL2(&ws0.rows[a.top_k + gr.expert]);
+  } else {
+    gate_w = a.gate_w[gr.expert], up_w = a.up_w[gr.expert];
+  }
+  const uint4* gate = reinterpret_cast<const uint4*>(gate_w);
+  const uint4* up = reinterpret_cast<const uint4*>(up_w);
   const bool la = r0 + gq < F, lb = r0 + gq + 8 < F;
   const size_t ra = static_cast<size_t>(la ? r0 + gq : 0) * n8 + c, rb = static_cast<size_t>(lb ? r0 + gq + 8 : 0) * n8 + c;
   const uint4* wa[2] = {gate + ra, up + ra};
@@ -877,7 +907,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
   const bool live_a[2] = {la, la}, live_b[2] = {lb, lb};
   const uint4* xr[NT];
   bool tok_live[NT];
-  MoeMmaColumns<NT>(a, g, gr, first, gq, c, xr, tok_live, [&](int t, int) {
+  MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int) {
     return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
   });
   float acc[2][NT][4];
@@ -887,7 +917,10 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
-  MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
+  // The direct shared expert's first weights go out before the wait (they need no router).
+  MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+    if (kDirect && shared) WaitForPrerequisites();
+  });
   if (!MoeMmaAddSlices<2, NT>(acc, ks, warp, lane)) return;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -896,7 +929,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
       const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
       if (f >= F || i >= gr.count) continue;
       int t, slot;
-      PairOf(a, g, gr, i, &t, &slot);
+      pair_of(i, &t, &slot);
       const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
       const float act = RoundBf16(gv / (1.0f + expf(-gv)));
       const MoeWs ws = MoeWorkspace(a, t);
@@ -929,7 +962,8 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams 
   const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
   const uint4* xr[NT];
   bool tok_live[NT];
-  MoeMmaColumns<NT>(a, g, gr, first, gq, c, xr, tok_live, [&](int t, int slot) {
+  MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, [&](int i, int* t, int* slot) { PairOf(a, g, gr, i, t, slot); },
+                    [&](int t, int slot) {
     const MoeWs ws = MoeWorkspace(a, t);
     return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
   });
@@ -958,6 +992,80 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams 
     }
 }
 
+// Batch 1 (T = 1): down and the combine in one kernel, no lists. Grid ceil(d / 16): block b owns
+// output rows 16b .. 16b + 15; its 8 warps take the (k + 1) ks tasks (product, slice; product 0 the
+// shared expert, whose weights need no router and go out before the wait, product p > 0 slot p - 1)
+// in turn, w, w + 8, ...; each task's 16 sums go to shared memory, then thread r adds
+// row r's slices in order (MoeMmaAddSlices' sum: the grouped down kernel's o, bit for bit) and
+// combines the slots in order with MoeCombineKernel's roundings.
+constexpr int kMoeMmaMaxTasks = (kMoeMaxTopK + 1) * 8;
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownCombineKernel(MoeParams a, int ks) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  const bool late = a.down_release_after_wait;
+  AllowDependentsAtStart(late);
+  __shared__ float s_sum[kMoeMmaMaxTasks][16];
+  const MoeWs ws = MoeWorkspace(a, 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int r0 = blockIdx.x * 16;
+  const int tasks = (a.top_k + 1) * ks;
+  const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
+  bool waited = false;
+  for (int task = warp; task < tasks; task += kMoeMmaWarps) {
+    const int product = task / ks, slice = task % ks;
+    const bool shared = product == 0;
+    const int p = shared ? a.top_k : product - 1;  // the slot of h
+    const int F = shared ? a.shared_ffn : a.ffn;
+    const int n8 = F / 8, per = (F + kMmaChunk - 1) / kMmaChunk / ks;
+    if (!shared && !waited) {  // the expert pointers come from the router, h from gate/up
+      WaitReleasing(late);
+      waited = true;
+    }
+    const bf16* down_w = shared ? a.shared_down_w : LoadPointerFromL2(&ws.rows[2 * a.top_k + p]);
+    const uint4* down = reinterpret_cast<const uint4*>(down_w);
+    const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
+    const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
+    const uint4* xr[1] = {reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(p) * ws.h_stride) + c};
+    const bool tok_live[1] = {gq == 0};
+    float acc[1][1][4] = {{{0.0f, 0.0f, 0.0f, 0.0f}}};
+    MmaSliceDots<1, 1, 8>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+      if (!waited) {  // the shared expert's first weights are in flight; h is gate/up's
+        WaitReleasing(late);
+        waited = true;
+      }
+    });
+    if (c == 0) {  // column 0 (the token): rows gq and gq + 8
+      s_sum[task][gq] = acc[0][0][0];
+      s_sum[task][gq + 8] = acc[0][0][2];
+    }
+  }
+  if (!waited) WaitReleasing(late);
+  __syncthreads();
+  const int row = r0 + static_cast<int>(threadIdx.x);
+  if (threadIdx.x >= 16 || row >= a.d) return;
+  auto o_of = [&](int slot) {  // slices in ascending order, then the rounding
+    const int product = slot == a.top_k ? 0 : slot + 1;
+    float v = s_sum[product * ks][threadIdx.x];
+    for (int k = 1; k < ks; ++k) v += s_sum[product * ks + k][threadIdx.x];
+    return RoundBf16(v);
+  };
+  float routed = 0.0f;
+  for (int j = 0; j < a.top_k; ++j) routed += RoundBf16(o_of(j) * __ldcg(&ws.weights[j]));
+  const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + o_of(a.top_k));
+  a.y[row] = FloatToBf16Bits(y);
+}
+
+// Batch 1: router (already launched), direct gate/up, down + combine: three launches, as the
+// CUDA-core batch-1 path.
+inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
+  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
+  const int fmax = std::max(p.ffn, p.shared_ffn);
+  const int tiles_per_block = kMoeMmaWarps / gu_ks;
+  const dim3 block(kMoeMmaWarps * 32);
+  LaunchDependent(MoeMmaGateUpKernel<1, true>, dim3(1, ((fmax + 15) / 16 + tiles_per_block - 1) / tiles_per_block, p.top_k + 1),
+                  block, s, p, gu_ks);
+  LaunchDependent(MoeMmaDownCombineKernel, dim3((p.d + 15) / 16), block, s, p, dn_ks);
+}
+
 template <int NT>
 void LaunchMoeMma(const MoeParams& p, int listed, cudaStream_t s) {
   const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
@@ -965,15 +1073,15 @@ void LaunchMoeMma(const MoeParams& p, int listed, cudaStream_t s) {
   const int z = (p.num_tokens + 8 * NT - 1) / (8 * NT);
   auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
   const dim3 block(kMoeMmaWarps * 32);
-  LaunchDependent(MoeMmaGateUpKernel<NT>, dim3(z, blocks(fmax, gu_ks), listed), block, s, p, gu_ks);
+  LaunchDependent(MoeMmaGateUpKernel<NT, false>, dim3(z, blocks(fmax, gu_ks), listed), block, s, p, gu_ks);
   LaunchDependent(MoeMmaDownKernel<NT>, dim3(z, blocks(p.d, dn_ks), listed), block, s, p, dn_ks);
 }
 
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
-  // The grouped path's lists are part of it at every T: the MMA experts (MoeParams::mma) use them at
-  // batch 1 too.
+  // The grouped path's lists are part of it at every T: the MMA experts (MoeParams::mma) can use them
+  // at batch 1 too (mma_batch1_lists).
   const int T = std::max(num_tokens, 1);
   const size_t per_token = dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes * static_cast<size_t>(T);
   return per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
@@ -1011,6 +1119,11 @@ Status Moe(const MoeParams& p, Stream stream) {
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
+  if (p.mma && T == 1 && !p.mma_batch1_lists) {  // the experts on the tensor-core product, no lists
+    dev::LaunchMoeMmaDirect(p, s);
+    DL_KERNEL_LAUNCH_CHECK("moe_mma_direct");
+    return Status::Ok();
+  }
   if (p.mma) {  // every T through the lists, the experts on the tensor-core product
     if (!p.topk_ids) return InvalidArgument("moe: the MMA experts (mma) need topk_ids");
     if (p.num_experts > dev::kGroupThreads) {
