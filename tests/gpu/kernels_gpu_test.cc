@@ -683,6 +683,37 @@ TEST(MmaGpu, OddShapesEveryKernel) {
   }
 }
 
+// Row strides (a fused q/k/v/g output read in place, a wider y buffer): the dense result's bits, through
+// both kernels, and nothing outside each row's out elements written.
+TEST(MmaGpu, RowStridesGiveTheDenseBits) {
+  SKIP_WITHOUT_GPU();
+  const int out = 300, in = 520, T = 70, xs = in + 24, ys = out + 5;
+  auto w = Upload(RandomBf16(static_cast<size_t>(out) * in, 195, 0.05f));
+  auto x = RandomBf16(static_cast<size_t>(T) * in, 196);
+  std::vector<bf16> x_strided(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));  // gaps that would show
+  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, x_strided.begin() + static_cast<size_t>(t) * xs);
+  auto d_x = Upload(x), d_xs = Upload(x_strided);
+  auto d_dense = Alloc(static_cast<size_t>(T) * out * 2);
+  GemvParams p{w.as<bf16>(), d_x.as<bf16>(), d_dense.as<bf16>(), out, in, T};
+  p.mma = true;
+  ASSERT_OK(Gemv(p, nullptr));
+  const auto dense = Download<bf16>(d_dense, static_cast<size_t>(T) * out);
+  for (int tiled_min : {kMmaAlwaysRegister, 1}) {
+    auto d_y = Alloc(static_cast<size_t>(T) * ys * 2, 0x7f);
+    GemvParams q = p;
+    q.x = d_xs.as<bf16>(), q.y = d_y.as<bf16>(), q.x_stride = xs, q.y_stride = ys, q.mma_tiled_min_tokens = tiled_min;
+    ASSERT_OK(Gemv(q, nullptr));
+    Sync();
+    const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * ys);
+    for (int t = 0; t < T; ++t) {
+      ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
+                Rows(dense, out, t, 1))
+          << "token " << t << (tiled_min == 1 ? " (tiled)" : " (register)");
+      for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written";
+    }
+  }
+}
+
 TEST(MmaGpu, RejectsWhatItDoesNotDo) {
   SKIP_WITHOUT_GPU();
   auto w = Alloc(64 * 512 * 2, 0), x = Alloc(4 * 512 * 2, 0), y = Alloc(4 * 64 * 2);
