@@ -1031,8 +1031,10 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
   struct Shape {
     int E, k, d, F, Fs, T;
   };
+  // T 200 over 16 experts: ~50 pairs per expert, so each block loops over several passes of 32 and the
+  // shared expert is cut into segments (MoeMmaLists).
   for (const Shape sh : {Shape{16, 4, 512, 128, 64, 40}, Shape{8, 3, 264, 96, 40, 21}, Shape{64, 8, 512, 128, 128, 33},
-                         Shape{256, 8, 2048, 512, 512, 64}}) {
+                         Shape{16, 4, 512, 128, 64, 200}, Shape{256, 8, 2048, 512, 512, 64}}) {
     SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " F " << sh.F << " Fs "
                                     << sh.Fs << " T " << sh.T);
     const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 7000, 702, 703);

@@ -823,11 +823,12 @@ __device__ __forceinline__ void MoeMmaColumns(int first, int count, int gq, int 
 }
 
 // Adds the ks slices' partial sums (warp w's in registers) in ascending order into the slice-0 warp's
-// registers; false for the other warps, which are then done.
+// registers; false for the other warps. Every warp of the block calls it (a barrier), and again for a
+// next pass only after MoeMmaPassDone.
 template <int NM, int NT>
-__device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], int ks, int warp, int lane) {
+__device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], float (*s_part)[NM * NT * 4][32], int ks,
+                                                int warp, int lane) {
   if (ks == 1) return true;
-  __shared__ float s_part[kMoeMmaWarps][NM * NT * 4][32];
 #pragma unroll
   for (int m = 0; m < NM; ++m)
 #pragma unroll
@@ -845,10 +846,42 @@ __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], int ks,
         for (int e = 0; e < 4; ++e) acc[m][j][e] += s_part[warp + k][(m * NT + j) * 4 + e][lane];
   return true;
 }
+// The end of a pass: the partial sums are read before the next pass writes them.
+__device__ __forceinline__ void MoeMmaPassDone(int ks) {
+  if (ks > 1) __syncthreads();
+}
 
-// Grid (ceil(T / (8 NT)), ceil(ceil(Fmax / 16) / (8 / ks)), min(E, T k) + 1): the passes over one
-// expert's rows run together (L2 serves the later ones). Block row z: the shared expert (z = 0, every
-// token) or listed expert z - 1 (GroupRowOf); blockIdx.x: pairs [8 NT x, + 8 NT) of its list. Warp w:
+// The lists' grid: blockIdx.z < shared_segments is the shared expert over tokens [z L, z L + L), the
+// others listed expert z - shared_segments (GroupRowOf row 1 + that); blockIdx.x = p takes the passes
+// p, p + P, ... (8 NT pairs each) of its list, P = gridDim.x. P and L come from the expected pairs per
+// routed expert (T k / E), so a block has about one list's worth of work and few blocks have none
+// (a grid sized for the longest possible list, T passes per expert, was mostly empty blocks).
+struct MoeMmaLists {
+  int shared_segments = 1, segment_tokens = 1;
+};
+inline MoeMmaLists MoeMmaListsFor(const MoeParams& p, int cols, int* passes) {
+  const int expected = (p.num_tokens * p.top_k + p.num_experts - 1) / p.num_experts;
+  *passes = std::max(1, (expected + cols - 1) / cols);
+  MoeMmaLists l;
+  l.segment_tokens = *passes * cols;
+  l.shared_segments = (p.num_tokens + l.segment_tokens - 1) / l.segment_tokens;
+  return l;
+}
+// Block row z's list (false past the listed experts) and, for a shared segment, its first token.
+__device__ __forceinline__ bool MoeMmaListOf(const MoeParams& a, const MoeGroupWs& g, const MoeMmaLists& l, int z,
+                                             GroupRows* gr, int* token0) {
+  *token0 = 0;
+  if (z < l.shared_segments) {
+    gr->expert = -1;
+    *token0 = z * l.segment_tokens;
+    gr->begin = 0;
+    gr->count = min(l.segment_tokens, a.num_tokens - *token0);
+    return true;
+  }
+  return GroupRowOf(a, g, 1 + z - l.shared_segments, gr);
+}
+
+// Grid (P, ceil(ceil(Fmax / 16) / (8 / ks)), shared_segments + min(E, T k)) (MoeMmaLists). Warp w:
 // the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two products of a (row,
 // pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
 // h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token t's workspace.
@@ -856,19 +889,21 @@ __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], int ks,
 // pointers from the router's workspace) or the shared expert (z = 0), whose weights are loaded before
 // the wait. The same product per (row, pair), so the same bits as through the lists.
 template <int NT, bool kDirect>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks) {
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
   const MoeGroupWs g = MoeGroupWorkspace(a);
   const MoeWs ws0 = MoeWorkspace(a, 0);
+  __shared__ float s_part[kMoeMmaWarps][2 * NT * 4][32];
   GroupRows gr;
-  const int first = blockIdx.x * 8 * NT;
+  int token0 = 0;
+  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
   if constexpr (kDirect) {
     gr.expert = blockIdx.z == 0 ? -1 : static_cast<int>(blockIdx.z) - 1;  // direct: the slot, not the expert
     gr.count = 1;
   } else {
     WaitForPrerequisites();
-    if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;  // the same in every thread
+    if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
   }
   const bool shared = gr.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
@@ -880,6 +915,8 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
   auto pair_of = [&](int i, int* t, int* slot) {
     if constexpr (kDirect) {
       *t = 0, *slot = shared ? a.top_k : gr.expert;
+    } else if (shared) {
+      *t = token0 + i, *slot = a.top_k;
     } else {
       PairOf(a, g, gr, i, t, slot);
     }
@@ -905,52 +942,65 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
   const uint4* wa[2] = {gate + ra, up + ra};
   const uint4* wb[2] = {gate + rb, up + rb};
   const bool live_a[2] = {la, la}, live_b[2] = {lb, lb};
-  const uint4* xr[NT];
-  bool tok_live[NT];
-  MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int) {
-    return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
-  });
-  float acc[2][NT][4];
+  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
+    const uint4* xr[NT];
+    bool tok_live[NT];
+    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int) {
+      return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
+    });
+    float acc[2][NT][4];
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
-  // The direct shared expert's first weights go out before the wait (they need no router).
-  MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
-    if (kDirect && shared) WaitForPrerequisites();
-  });
-  if (!MoeMmaAddSlices<2, NT>(acc, ks, warp, lane)) return;
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+    // The direct shared expert's first weights go out before the wait (they need no router).
+    MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+      if (kDirect && shared) WaitForPrerequisites();
+    });
+    if (MoeMmaAddSlices<2, NT>(acc, s_part, ks, warp, lane)) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
-      if (f >= F || i >= gr.count) continue;
-      int t, slot;
-      pair_of(i, &t, &slot);
-      const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
-      const float act = RoundBf16(gv / (1.0f + expf(-gv)));
-      const MoeWs ws = MoeWorkspace(a, t);
-      ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+        for (int e = 0; e < 4; ++e) {
+          const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+          if (f >= F || i >= gr.count) continue;
+          int t, slot;
+          pair_of(i, &t, &slot);
+          const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
+          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+          const MoeWs ws = MoeWorkspace(a, t);
+          ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+        }
     }
+    MoeMmaPassDone(ks);
+  }
 }
 
-// Grid (ceil(T / (8 NT)), ceil(ceil(d / 16) / (8 / ks)), min(E, T k) + 1), as the gate/up kernel, over
+// Grid (P, ceil(ceil(d / 16) / (8 / ks)), shared_segments + min(E, T k)), as the gate/up kernel, over
 // the down matrices [d, F] and the pairs' h vectors: bf16(bf16(o) * w(t, slot)) into routed, the
 // shared expert's bf16(o) into shared; MoeCombineKernel adds them.
 template <int NT>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams a, int ks) {
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
+  __shared__ float s_part[kMoeMmaWarps][NT * 4][32];
   GroupRows gr;
-  const int first = blockIdx.x * 8 * NT;
-  if (!GroupRowOf(a, g, blockIdx.z, &gr) || first >= gr.count) return;
+  int token0 = 0;
+  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
+  if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
   const bool shared = gr.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
+  auto pair_of = [&](int i, int* t, int* slot) {
+    if (shared) {
+      *t = token0 + i, *slot = a.top_k;
+    } else {
+      PairOf(a, g, gr, i, t, slot);
+    }
+  };
   constexpr int U = NT == 1 ? 8 : 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
@@ -960,36 +1010,39 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams 
   const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
   const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
   const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
-  const uint4* xr[NT];
-  bool tok_live[NT];
-  MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, [&](int i, int* t, int* slot) { PairOf(a, g, gr, i, t, slot); },
-                    [&](int t, int slot) {
-    const MoeWs ws = MoeWorkspace(a, t);
-    return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
-  });
-  float acc[1][NT][4];
+  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
+    const uint4* xr[NT];
+    bool tok_live[NT];
+    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int slot) {
+      const MoeWs ws = MoeWorkspace(a, t);
+      return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
+    });
+    float acc[1][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
-  MmaSliceDots<1, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
-  if (!MoeMmaAddSlices<1, NT>(acc, ks, warp, lane)) return;
+      for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
+    MmaSliceDots<1, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
+    if (MoeMmaAddSlices<1, NT>(acc, s_part, ks, warp, lane)) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
-      if (row >= a.d || i >= gr.count) continue;
-      int t, slot;
-      PairOf(a, g, gr, i, &t, &slot);
-      const float o = RoundBf16(acc[0][j][e]);
-      if (shared) {
-        g.shared[static_cast<size_t>(t) * a.d + row] = FloatToBf16Bits(o);
-      } else {
-        const float w = __ldcg(&MoeWorkspace(a, t).weights[slot]);
-        g.routed[(static_cast<size_t>(t) * a.top_k + slot) * a.d + row] = FloatToBf16Bits(RoundBf16(o * w));
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int row = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+          if (row >= a.d || i >= gr.count) continue;
+          int t, slot;
+          pair_of(i, &t, &slot);
+          const float o = RoundBf16(acc[0][j][e]);
+          if (shared) {
+            g.shared[static_cast<size_t>(t) * a.d + row] = FloatToBf16Bits(o);
+          } else {
+            const float w = __ldcg(&MoeWorkspace(a, t).weights[slot]);
+            g.routed[(static_cast<size_t>(t) * a.top_k + slot) * a.d + row] = FloatToBf16Bits(RoundBf16(o * w));
+          }
+        }
     }
+    MoeMmaPassDone(ks);
+  }
 }
 
 // Batch 1 (T = 1): down and the combine in one kernel, no lists. Grid ceil(d / 16): block b owns
@@ -1062,19 +1115,23 @@ inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
   const int tiles_per_block = kMoeMmaWarps / gu_ks;
   const dim3 block(kMoeMmaWarps * 32);
   LaunchDependent(MoeMmaGateUpKernel<1, true>, dim3(1, ((fmax + 15) / 16 + tiles_per_block - 1) / tiles_per_block, p.top_k + 1),
-                  block, s, p, gu_ks);
+                  block, s, p, gu_ks, MoeMmaLists{});
   LaunchDependent(MoeMmaDownCombineKernel, dim3((p.d + 15) / 16), block, s, p, dn_ks);
 }
 
 template <int NT>
-void LaunchMoeMma(const MoeParams& p, int listed, cudaStream_t s) {
+Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
   const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
   const int fmax = std::max(p.ffn, p.shared_ffn);
-  const int z = (p.num_tokens + 8 * NT - 1) / (8 * NT);
+  int passes = 1;
+  const MoeMmaLists lists = MoeMmaListsFor(p, 8 * NT, &passes);
+  const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
+  if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
   auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
   const dim3 block(kMoeMmaWarps * 32);
-  LaunchDependent(MoeMmaGateUpKernel<NT, false>, dim3(z, blocks(fmax, gu_ks), listed), block, s, p, gu_ks);
-  LaunchDependent(MoeMmaDownKernel<NT>, dim3(z, blocks(p.d, dn_ks), listed), block, s, p, dn_ks);
+  LaunchDependent(MoeMmaGateUpKernel<NT, false>, dim3(passes, blocks(fmax, gu_ks), rows_z), block, s, p, gu_ks, lists);
+  LaunchDependent(MoeMmaDownKernel<NT>, dim3(passes, blocks(p.d, dn_ks), rows_z), block, s, p, dn_ks, lists);
+  return Status::Ok();
 }
 
 }  // namespace dev
@@ -1129,16 +1186,14 @@ Status Moe(const MoeParams& p, Stream stream) {
     if (p.num_experts > dev::kGroupThreads) {
       return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
     }
-    const int listed = std::min(p.num_experts, T * p.top_k) + 1;  // + the shared expert
-    if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
     dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     if (T <= 8) {
-      dev::LaunchMoeMma<1>(p, listed, s);
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<1>(p, s));
     } else if (T <= 16) {
-      dev::LaunchMoeMma<2>(p, listed, s);
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<2>(p, s));
     } else {
-      dev::LaunchMoeMma<4>(p, listed, s);
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<4>(p, s));
     }
     DL_KERNEL_LAUNCH_CHECK("moe_mma_gate_up_down");
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
