@@ -58,6 +58,7 @@ void AddKernelsCommand(CLI::App& root, CommandContext& ctx) {
         {"attn_generic_fallback", "slow generic attention, only with --allow-fallback"},
         {"gemv", "BF16 GEMV / batch-invariant small-T GEMM"},
         {"gemv_fp8", "FP8-weight GEMV / small-T GEMM, block scales in the kernel (the FP8 rule, ops.h)"},
+        {"gemv_mma", "tensor-core product (mma.sync) for every row count, and the MoE experts (--tune mma_products=1)"},
         {"moe", "router top-k + routed/shared SwiGLU experts + combine (3 launches)"},
         {"moe_fp8", "the MoE with FP8 routed and/or shared experts (BF16 router)"},
         {"argmax", "argmax over the vocabulary (ties -> lowest index)"},

@@ -324,7 +324,9 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   kernels::FusedInputNorm norm;
   // The dense MLP's gate/up takes the norm before it (the measured policy: only the norm before the
   // MLP is folded, and only at batch 1 where the streaming kernel takes it); everything else runs it.
-  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty() && w.parts.size() == 1) {
+  // The tensor-core product takes no fused norm.
+  if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty() && w.parts.size() == 1 &&
+      !opt.tuning.mma_products) {
     norm = TakeFusedNorm(nullptr);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -351,7 +353,12 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
     p.streaming.ring_kb = tu.stream_ring_kb;
     p.streaming.stage_kb = tu.stream_stage_kb;
     p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
-    p.streaming.on = rows == 1 && tu.stream_gemv &&
+    // mma_products: every row count on the tensor-core product (ops.h 5b), so a row's bits do not
+    // depend on the batch; the CUDA-core kernels' streaming and batched variants do not apply. The
+    // product is BF16-only: FP8 weights keep the FP8 kernels.
+    p.mma = tu.mma_products && !fp8;
+    p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
+    p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
                      (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
                           : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
     p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
@@ -502,6 +509,9 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.workspace = ws.moe_ws;
   mp.counter = ws.moe_counter;
   mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
+  // The experts on the tensor-core product at every row count; the product is BF16-only, so FP8
+  // experts keep the FP8 kernels.
+  mp.mma = opt.tuning.mma_products && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
   return kernels::Moe(mp, s()).WithContext(fmt::format("layer {}", l));

@@ -24,3 +24,20 @@ int GemvFp8KSplitFor(int out, int in) {
 }
 
 }  // namespace dl::kernels
+
+namespace dl::kernels {
+
+int MmaKSplitFor(int out, int in) {
+  // Enough warps (one per 16-row tile and slice) to keep ~32 KB of weight loads in flight per SM on
+  // 132 SMs; each slice keeps at least 8 chunks of 32 elements (two register batches).
+  constexpr int kWantWarps = 1024, kMinChunks = 8;
+  const int chunks = (in + 31) / 32, tiles = (out + 15) / 16;
+  int split = 1;
+  while (split < 8 && static_cast<int64_t>(tiles) * split < kWantWarps && chunks % (split * 2) == 0 &&
+         chunks / (split * 2) >= kMinChunks) {
+    split *= 2;
+  }
+  return split;
+}
+
+}  // namespace dl::kernels

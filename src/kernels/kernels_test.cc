@@ -131,6 +131,15 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   EXPECT_EQ(SetTuning(&t, "stream_gemv").code(), StatusCode::kInvalidArgument);
   EXPECT_NE(SetTuning(&t, "stream_ring_kb=abc").message().find("stream_ring_kb"), std::string::npos);
   EXPECT_NE(TuningHelp().find("batch_gemv_rows"), std::string::npos);
+  // The product switch: off by default (until measured), 0 or 1, and the tiled kernel's threshold >= 1.
+  EXPECT_FALSE(Tuning{}.mma_products);
+  ASSERT_TRUE(SetTuning(&t, "mma_products=1").ok());
+  EXPECT_TRUE(t.mma_products);
+  EXPECT_EQ(SetTuning(&t, "mma_products=2").code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(SetTuning(&t, "mma_tiled_min_tokens=16").ok());
+  EXPECT_EQ(t.mma_tiled_min_tokens, 16);
+  EXPECT_EQ(SetTuning(&t, "mma_tiled_min_tokens=0").code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(TuningString(t).find("mma_products=1 mma_tiled_min_tokens=16"), std::string::npos);
 }
 
 TEST(Reference, RmsNormAddsResidualAndNormalisesToUnitRms) {
@@ -280,6 +289,19 @@ TEST(Reference, Fp8WeightsUseTheirBlocksScale) {
   EXPECT_EQ(Bf16ToFloat(y[0]), 0.25f);
   EXPECT_EQ(Bf16ToFloat(y[128]), 0.125f);
   EXPECT_EQ(Bf16ToFloat(y[129]), 0.25f);
+}
+
+TEST(MmaKSplit, FollowsTheShapeOnly) {
+  EXPECT_EQ(MmaKSplitFor(10304, 2048), 2);   // q/k/v/g (sliding): 644 tiles of 16 rows
+  EXPECT_EQ(MmaKSplitFor(8240, 2048), 2);    // q/k/v/g (global)
+  EXPECT_EQ(MmaKSplitFor(2048, 8192), 8);    // o_proj (sliding), dense down: 128 tiles
+  EXPECT_EQ(MmaKSplitFor(2048, 6144), 8);    // o_proj (global): 24 chunks per slice
+  EXPECT_EQ(MmaKSplitFor(16384, 2048), 1);   // dense gate/up: 1,024 tiles
+  EXPECT_EQ(MmaKSplitFor(100352, 2048), 1);  // LM head
+  EXPECT_EQ(MmaKSplitFor(512, 2048), 8);     // one expert's gate or up
+  EXPECT_EQ(MmaKSplitFor(2048, 512), 2);     // one expert's down: 16 chunks, 8 per slice at least
+  EXPECT_EQ(MmaKSplitFor(1001, 2056), 1);    // 65 chunks (the last one padded): no even split
+  EXPECT_EQ(MmaKSplitFor(37, 72), 1);        // 3 chunks
 }
 
 }  // namespace

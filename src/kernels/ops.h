@@ -178,6 +178,13 @@ struct GemvParams {
   // path and option above applies unchanged (k_split 0 = GemvFp8KSplitFor; streaming needs
   // GemvFp8StreamSupported).
   Fp8Weight w_fp8;
+  // on: the tensor-core product (section 5b below) instead of the CUDA-core kernels above; k_split
+  // then means the MMA product's split (0 = MmaKSplitFor). Other bits than off (another summation
+  // order), the same bits for every num_tokens. No fused norm, no streaming.
+  bool mma = false;
+  // The MMA product's tiled kernel runs from this many tokens on, the register kernel below it (the
+  // same bits either way: the choice only moves bytes). Tuning::mma_tiled_min_tokens.
+  int mma_tiled_min_tokens = 64;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -185,6 +192,27 @@ int GemvKSplitFor(int out, int in);
 // Whether GemvParams::streaming applies to this shape with this ring (two stages of whole row groups fit).
 bool GemvStreamSupported(int out, int in, int ring_kb = 128, int stage_kb = 32);
 Status Gemv(const GemvParams& p, Stream stream);
+
+// ---- 5b. The tensor-core product (GemvParams::mma) -------------------------------------------------
+// y[t, o] = bf16( sum_i W[o, i] x[t, i] ) on mma.sync.m16n8k16 (BF16 operands, FP32 accumulation):
+// W is the MMA's A (16 output rows per tile, tiles at multiples of 16), tokens are its N (8 columns
+// per MMA; an MMA computes each output element from its own row, column and accumulator only, so
+// tokens never mix). The order per output element is a function of (out, in) only, never of T:
+//   - the input is cut into chunks of 32 elements (the last one padded with zeros) and the chunks
+//     into k_split = MmaKSplitFor(out, in) equal slices;
+//   - per slice, from a zero accumulator, chunk q ascending, two MMAs per chunk (h = 0, then 1):
+//     MMA (q, h) takes elements 32q + 8c + 4h + {0, 1, 2, 3} as its logical k {2c, 2c+1, 2c+8,
+//     2c+9}, c = 0..3: a fixed permutation of k (the same for W and x) that lets every lane take
+//     its operands of both MMAs with one 16-byte load per row;
+//   - the slices' FP32 sums are added in ascending order (p0 + p1 + ...), then one BF16 rounding.
+// Two kernels compute exactly this: the register kernel (W fragments straight from global memory
+// into registers, 8, 16 or 32 tokens per pass: decode and small batches) and the tiled kernel
+// (128 x 128 output tiles, W and x staged through shared memory with cp.async: prefill), chosen by
+// GemvParams::mma_tiled_min_tokens. Bits differ from the CUDA-core kernels (another order), so a
+// backend uses one product for every row count (Tuning::mma_products).
+// Splits the input when there are too few 16-row tiles to keep the loads in flight (o_proj, the
+// dense down projection): until ~1,024 warps, each slice at least 8 chunks, k_split | chunks.
+int MmaKSplitFor(int out, int in);
 
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
 // Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);
@@ -244,9 +272,17 @@ struct MoeParams {
   };
   Fp8Experts gate_fp8, up_fp8, down_fp8;  // gate/up [F, d], down [d, F]
   Fp8Weight shared_gate_fp8, shared_up_fp8, shared_down_fp8;  // [Fs, d], [Fs, d], [d, Fs]
+  // on: T > 1 through the grouped path's lists, with the expert products on the
+  // tensor-core product's arithmetic (ops.h 5b; splits MmaKSplitFor(F, d) for gate/up and
+  // MmaKSplitFor(d, F) for down, halved until it divides Fs's chunks): router, lists, gate/up
+  // (SiLU * up fused), down, combine. Other bits than off, the same for every T and grouping.
+  // Batch 1 skips the lists: router, gate/up of the selected slots, down + combine in one kernel
+  // (three launches); the same bits (mma_batch1_lists: through the lists anyway, for the tests).
+  bool mma = false;
+  bool mma_batch1_lists = false;
 };
-// Workspace for up to num_tokens tokens (the per-token router state and, for T > 1, the grouped path's
-// expert lists and per-slot outputs).
+// Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
+// lists and per-slot outputs).
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
 

@@ -28,6 +28,8 @@ constexpr Setting kSettings[] = {
     {"moe_gate_up_stream_kb", "batch-1 MoE gate/up ring size (0 = register kernel)", 0, 200, false, &Tuning::moe_gate_up_stream_kb, nullptr},
     {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4; 0 = by token count)", 0, 4, false, &Tuning::batch_gemv_rows, nullptr},
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
+    {"mma_products", "linear layers on the tensor-core product at every row count (other bits than 0, the same for every batch)", 0, 1, true, nullptr, &Tuning::mma_products},
+    {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
 };
 
 std::string ValueOf(const Tuning& t, const Setting& s) {
@@ -116,7 +118,8 @@ std::string TuningString(const Tuning& t) {
 
 std::string TuningHelp() {
   const Tuning d;
-  std::string out = "Kernel tuning, name=value (repeatable; every value gives the same bits):\n";
+  std::string out = "Kernel tuning, name=value (repeatable; every value gives the same bits except mma_products,\n"
+                    "which picks the linear layers' product and with it their bits):\n";
   out += fmt::format("  late_release (default {}): kernels releasing their successor after their PDL wait: "
                      "a comma list of {} or none\n",
                      LateReleaseList(d.late_release), fmt::join(kLateReleaseNames, ","));

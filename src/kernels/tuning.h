@@ -1,7 +1,9 @@
 // Kernel tuning: one value the CUDA backend is built with (from `--tune name=value` on the command
 // line), printed by bench, Describe and /v1/decodelab/state next to every result. Nothing below
 // apps/ reads the environment for it. Every setting changes only when and how bytes move, never the
-// arithmetic: results are bit-identical for every value (the GPU tests run the variants).
+// arithmetic: results are bit-identical for every value (the GPU tests run the variants), with one
+// exception that says so: mma_products picks the linear layers' product, and with it their bits
+// (each product is batch- and chunk-invariant on its own; docs/exactness.md).
 // Measurements behind the defaults: docs/performance.md.
 #pragma once
 
@@ -48,6 +50,12 @@ struct Tuning {
   // tokens per pass over a row (4, 8 or 16). Any choice gives the batch-1 kernel's bits.
   int batch_gemv_rows = 0;
   int batch_gemv_tokens = 8;
+  // Every linear layer (any row count, batch 1 included) on the tensor-core product (ops.h 5b)
+  // instead of the CUDA-core GEMVs: other bits than off (another summation order), the same bits for
+  // every batch and chunking. Off until measured on the device (docs/performance.md, issue 17).
+  bool mma_products = false;
+  // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
+  int mma_tiled_min_tokens = 64;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

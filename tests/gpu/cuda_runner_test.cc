@@ -214,7 +214,8 @@ KvScales TestKvScales(int32_t layers) {
 }
 
 Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
-             const std::vector<int32_t>& prompt, int32_t steps, const SyntheticFp8Choice& synthetic_fp8 = {}) {
+             const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {},
+             const SyntheticFp8Choice& synthetic_fp8 = {}) {
   const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
   auto kvc = KvCache::Create(spec);
   EXPECT_TRUE(kvc.ok());
@@ -225,6 +226,7 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   co.max_outputs = 1;
   co.use_graph = graph;
   co.synthetic_fp8 = synthetic_fp8;
+  co.tuning = tuning;
   auto runner = CudaRunner::Create(ck, spec, scales, co);
   EXPECT_TRUE(runner.ok()) << runner.status().ToString();
   Transcript run;
@@ -309,8 +311,7 @@ TEST(CudaRunnerTest, TokensIdenticalAcrossPageSizesChunksAndGraphs) {
 // row that produced one (greedy and seeded top-k/top-p sampling) are bit-identical alone and under
 // random schedules of arrivals, subsets, prefill chunk sizes and batch buckets (padding rows
 // included), with FP8 and BF16 caches and with graphs or eager launches.
-TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
-  SKIP_WITHOUT_GPU();
+void CheckBatchInvariantUnderRandomSchedules(const kernels::Tuning& tuning) {
   auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 13, DType::kBF16);
   ASSERT_TRUE(ck.ok()) << ck.status().ToString();
   std::vector<std::vector<int32_t>> prompts;
@@ -335,6 +336,7 @@ TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
       co.max_rows = 96;
       co.max_outputs = static_cast<int32_t>(prompts.size());
       co.use_graph = graph;
+      co.tuning = tuning;
       auto runner = CudaRunner::Create(*ck, spec, scales, co);
       ASSERT_TRUE(runner.ok()) << runner.status().ToString();
       engine->runner = std::move(*runner);
@@ -357,6 +359,50 @@ TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
       }
     }
   }
+}
+TEST(CudaRunnerTest, BatchInvariantUnderRandomSchedules) {
+  SKIP_WITHOUT_GPU();
+  CheckBatchInvariantUnderRandomSchedules(kernels::Tuning{});
+}
+
+// The tensor-core product for every linear layer (--tune mma_products=1): one product at every row
+// count, so the same promises hold as with the CUDA-core kernels: batch invariance under the random
+// schedules, and prefill chunking (512, 100, 37 and 1 row at a time: prefill = decode; the tiled and
+// the register kernel, the lists and the batch-1 experts), page size and graphs change no token and no
+// logit bit. Its bits differ from the CUDA-core product's (another
+// summation order): the logits stay close to them.
+TEST(CudaRunnerTest, MmaProductsKeepBatchChunkAndPageInvariance) {
+  SKIP_WITHOUT_GPU();
+  kernels::Tuning mma;
+  mma.mma_products = true;
+  auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 11, DType::kBF16);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const auto prompt = LongPrompt(600, ck->config().vocab_size);
+  for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
+    const Transcript reference = Generate(*ck, kv, 32, 512, true, prompt, 24, mma);
+    for (auto [page, chunk, graph] : {std::tuple{32, 100, true}, std::tuple{16, 37, false}, std::tuple{64, 1, true},
+                                      std::tuple{32, 512, false}}) {
+      // A tiled-kernel threshold of 16 rows puts the 37- and 100-row chunks' rows through the tiled kernel.
+      kernels::Tuning t = mma;
+      t.mma_tiled_min_tokens = chunk == 37 ? 16 : 64;
+      const Transcript r = Generate(*ck, kv, page, chunk, graph, prompt, 24, t);
+      EXPECT_EQ(r.tokens, reference.tokens) << DTypeName(kv) << " page " << page << " chunk " << chunk;
+      EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
+          << DTypeName(kv) << " page " << page << " chunk " << chunk << " graph " << graph;
+    }
+    const Transcript cuda_cores = Generate(*ck, kv, 32, 512, true, prompt, 24);
+    const double rel = RelL2(reference.last_logits, cuda_cores.last_logits);
+    // A BF16-level difference can flip a near-tied expert choice (see TeacherForcedAgainstTransformersBf16):
+    // the same bound as against transformers' BF16 run.
+    EXPECT_LT(rel, 6e-2) << "the two products' last prompt logits";
+    std::printf("[mma] %s: last prompt logits %.3g rel L2 from the CUDA-core product's; the first %zu of %zu "
+                "greedy tokens equal\n",
+                std::string(DTypeName(kv)).c_str(), rel,
+                static_cast<size_t>(std::mismatch(reference.tokens.begin(), reference.tokens.end(),
+                                                  cuda_cores.tokens.begin()).first - reference.tokens.begin()),
+                reference.tokens.size());
+  }
+  CheckBatchInvariantUnderRandomSchedules(mma);
 }
 
 // Speculative decoding on the GPU: a verify row computes bit-identically to the decode row at its
@@ -554,7 +600,7 @@ TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
   for (const auto& [layout, choice] : {std::pair{"all-linear", SyntheticFp8Choice(SyntheticFp8AllLinear)},
                                        std::pair{"export", routed_only}}) {
     SCOPED_TRACE(layout);
-    const Transcript reference = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16, choice);
+    const Transcript reference = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16, {}, choice);
     ASSERT_EQ(reference.last_logits.size(), bf16.last_logits.size());
     double dot = 0, a2 = 0, b2 = 0;
     for (size_t i = 0; i < bf16.last_logits.size(); ++i) {
@@ -567,7 +613,7 @@ TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
     EXPECT_LT(cosine, 1.0) << "FP8 weights should not be the BF16 weights";
     for (auto [page, chunk, graph] : {std::tuple{32, 512, true}, std::tuple{16, 37, true}, std::tuple{64, 100, false},
                                       std::tuple{32, 7, false}}) {
-      const Transcript r = Generate(*ck, DType::kF8E4M3, page, chunk, graph, prompt, 16, choice);
+      const Transcript r = Generate(*ck, DType::kF8E4M3, page, chunk, graph, prompt, 16, {}, choice);
       EXPECT_EQ(r.tokens, reference.tokens) << "page " << page << " chunk " << chunk << " graph " << graph;
       EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
           << "page " << page << " chunk " << chunk << " graph " << graph;

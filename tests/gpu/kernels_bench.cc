@@ -106,7 +106,7 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, gemv_batch, gemv_fp8, norm, rope, attn, moe, moe_fp8, argmax); the copy
+  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, moe, moe_fp8, argmax); the copy
   // row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
@@ -226,6 +226,48 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The tensor-core product (GemvParams::mma) against the CUDA-core GEMV at every token count, on
+  // XS.2's linear layers. Per row: time, the bytes it must move (W once, x and y once) over that time,
+  // the FLOP rate, and the floor: max(bytes / the copy bandwidth measured above, FLOPs / 790 TFLOP/s,
+  // the dense BF16 rate measured on an H200, issue 17). "gemv" is what the backend runs today (the
+  // streaming kernel at one token, the batched kernel above); "mma" the product's dispatch (register
+  // kernel below mma_tiled_min_tokens = 64, tiled from there); "mma reg" / "mma tiled" force one kernel.
+  struct ProductRow {
+    std::string kernel, layer;
+    int out, in, T;
+    double us;
+  };
+  std::vector<ProductRow> products;
+  if (want("mma")) {
+    const int kMaxT = 4096;
+    auto xb = Random(size_t(kMaxT) * 8192, 12, 1.0f);
+    auto yb = Alloc(size_t(kMaxT) * 100352 * 2);
+    for (auto [layer, out, in, copies] : {std::tuple{"qkvg", 10304, 2048, 4}, std::tuple{"o_proj", 2048, 8192, 4},
+                                          std::tuple{"mlp gate_up", 16384, 2048, 4}, std::tuple{"mlp down", 2048, 8192, 4},
+                                          std::tuple{"lm_head", 100352, 2048, 1}}) {
+      std::vector<cuda::DeviceBuffer> w;
+      for (int c = 0; c < copies; ++c) w.push_back(Random(size_t(out) * in, 40 + c, 0.02f));
+      for (int T : {1, 2, 4, 8, 16, 64, 256, 1024, 4096}) {
+        const int iters = T <= 16 ? 100 : T <= 256 ? 20 : 5;
+        auto run = [&](const char* kernel, bool mma, int tiled_min) {
+          const double ms = TimeMs([&](int i) {
+            GemvParams p{w[i % copies].as<bf16>(), xb.as<bf16>(), yb.as<bf16>(), out, in, T};
+            p.mma = mma;
+            p.mma_tiled_min_tokens = tiled_min;
+            p.streaming.on = !mma && T == 1 && GemvStreamSupported(out, in);
+            p.batch_rows = T <= 8 ? 2 : 4;  // the backend's choice (batch_gemv_rows=0)
+            CHECK_OK(Gemv(p, g_stream));
+          }, iters);
+          products.push_back({kernel, layer, out, in, T, ms * 1e3});
+        };
+        run("gemv", false, 64);
+        run("mma", true, 64);
+        if (T <= 256) run("mma reg", true, 1 << 30);
+        if (T >= 8) run("mma tiled", true, 1);
+      }
+    }
+  }
+
   // Residual add + RMSNorm, d = 2048.
   if (want("norm")) {
     auto h = Random(2048, 2, 1.0f), dl = Random(2048, 3, 1.0f), w = Random(2048, 4, 1.0f);
@@ -336,9 +378,10 @@ int main(int argc, char** argv) {
       biases.push_back(Random(E, 60 + l, 0.05f));
       shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
     }
-    auto xs = Random(size_t(512) * d, 80, 1.0f);
-    auto yv = Alloc(size_t(512) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 512)), counter = Alloc(512 * 4);
-    auto ids = Alloc(size_t(512) * k * 4);
+    const int kMaxT = 4096;  // the MMA experts' prefill rows
+    auto xs = Random(size_t(kMaxT) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT)), counter = Alloc(kMaxT * 4);
+    auto ids = Alloc(size_t(kMaxT) * k * 4);
     CHECK_OK(counter.Fill(0));
     // Launch i of a timed graph: layer i % layers, input row i % 16 (batch 1) or rows [0, T).
     auto moe_params = [&](int i, int top_k, int T) {
@@ -368,6 +411,17 @@ int main(int argc, char** argv) {
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
       const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, k, T), g_stream)); }, T > 64 ? 10 : 50);
       rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
+                      2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
+    }
+    // The MMA experts (MoeParams::mma, every T through the lists, batch 1 included).
+    for (int T : {1, 2, 8, 64, 512, 1024, 4096}) {
+      const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
+      const double ms = TimeMs([&](int i) {
+        MoeParams p = moe_params(i, k, T);
+        p.mma = true;
+        CHECK_OK(Moe(p, g_stream));
+      }, T > 64 ? 10 : 50);
+      rows.push_back({fmt::format("moe mma T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
     }
   }
@@ -460,6 +514,19 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (!products.empty()) {
+    constexpr double kPeakTflops = 790.0;
+    std::printf("\n%-10s %-12s %-13s %5s %10s %9s %8s %10s %8s\n", "product", "layer", "shape", "T", "us/call", "GB/s",
+                "TFLOP/s", "floor us", "%floor");
+    for (const ProductRow& r : products) {
+      const double bytes = 2.0 * (double(r.out) * r.in + double(r.T) * (r.in + r.out));
+      const double flops = 2.0 * double(r.out) * r.in * r.T;
+      const double floor_us = std::max(bytes / (copy_gbs * 1e9), flops / (kPeakTflops * 1e12)) * 1e6;
+      std::printf("%-10s %-12s %-13s %5d %10.2f %9.1f %8.1f %10.2f %7.1f%%\n", r.kernel.c_str(), r.layer.c_str(),
+                  fmt::format("{}x{}", r.out, r.in).c_str(), r.T, r.us, bytes / (r.us * 1e-6) / 1e9,
+                  flops / (r.us * 1e-6) / 1e12, floor_us, 100.0 * floor_us / r.us);
+    }
+  }
   std::printf("\n%-24s %-32s %10s %10s %8s\n", "kernel", "shape", "us/call", "GB/s", "%copy");
   for (const Row& r : rows) {
     const double gbs = r.bytes / (r.us * 1e-6) / 1e9;

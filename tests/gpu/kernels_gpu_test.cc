@@ -570,6 +570,177 @@ TEST(GemvGpu, FusedInputNormMatchesSeparateKernels) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The tensor-core product (GemvParams::mma, ops.h 5b). Its promise: a token's outputs depend on its
+// x row and the shape only. Checked against the FP32 reference (tolerance: BF16 operands, FP32 sums
+// in another order), then bit for bit: every row of a 1,000-token launch (tiled kernel) equals that
+// row launched alone (register kernel, and the tiled kernel at one token), equals the register
+// kernel over the same 1,000 tokens, and equals it inside launches of 2, 5, 8, 16, 17 and 64 tokens
+// starting at several offsets (every position inside the 8-token MMA columns and the 128-token tiles).
+constexpr int kMmaAlwaysRegister = 1 << 30;
+
+struct MmaShape {
+  int out, in, ks;
+};
+
+// y = the product of rows [first, first + n) of x (device, [*, in]) into y (device, [n, out]).
+Status RunMma(const cuda::DeviceBuffer& w, const cuda::DeviceBuffer& x, cuda::DeviceBuffer& y, const MmaShape& s,
+              int first, int n, int tiled_min_tokens, size_t y_row = 0) {
+  GemvParams p{w.as<bf16>(), x.as<bf16>() + static_cast<size_t>(first) * s.in,
+               y.as<bf16>() + y_row * s.out, s.out, s.in, n, 0, 0, s.ks};
+  p.mma = true;
+  p.mma_tiled_min_tokens = tiled_min_tokens;
+  return Gemv(p, nullptr);
+}
+
+void CheckMmaShape(const MmaShape& s, int big_t, bool every_row_alone) {
+  SCOPED_TRACE(testing::Message() << s.out << "x" << s.in << " k_split " << s.ks << " (default "
+                                  << MmaKSplitFor(s.out, s.in) << ")");
+  auto w = RandomBf16(static_cast<size_t>(s.out) * s.in, 191, 0.05f);
+  auto x = RandomBf16(static_cast<size_t>(big_t) * s.in, 192);
+  auto d_w = Upload(w), d_x = Upload(x);
+  // Close to the reference: 17 tokens (two column tiles of the register kernel, the second partial).
+  {
+    const int T = 17;
+    auto d_y = Alloc(static_cast<size_t>(T) * s.out * 2);
+    ASSERT_OK(RunMma(d_w, d_x, d_y, s, 0, T, kMmaAlwaysRegister));
+    std::vector<bf16> ref(static_cast<size_t>(T) * s.out);
+    GemvParams r{w.data(), x.data(), ref.data(), s.out, s.in, T, 0, 0};
+    ref::Gemv(r);
+    const auto y = Download<bf16>(d_y, ref.size());
+    ExpectClose(y, ref, 1e-3f, 1.0f / 128, "mma vs reference");
+    double num = 0, den = 0;
+    for (size_t i = 0; i < y.size(); ++i) {
+      const double d = Bf16ToFloat(y[i]) - Bf16ToFloat(ref[i]);
+      num += d * d, den += static_cast<double>(Bf16ToFloat(ref[i])) * Bf16ToFloat(ref[i]);
+    }
+    EXPECT_LT(std::sqrt(num / den), 4e-3) << "relative L2 error";
+  }
+  // The big launch through the tiled kernel, and through the register kernel: the same bits.
+  const size_t big = static_cast<size_t>(big_t) * s.out;
+  auto d_big = Alloc(big * 2), d_big_reg = Alloc(big * 2);
+  ASSERT_OK(RunMma(d_w, d_x, d_big, s, 0, big_t, 1));
+  ASSERT_OK(RunMma(d_w, d_x, d_big_reg, s, 0, big_t, kMmaAlwaysRegister));
+  Sync();
+  const auto want = Download<bf16>(d_big, big);
+  for (size_t i = 0; i < big; ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(want[i]))) << "unwritten element " << i;
+  EXPECT_EQ(Download<bf16>(d_big_reg, big), want) << "register kernel at " << big_t << " tokens";
+  // Every row alone (register kernel), each into its own row of one buffer; a few through the tiled
+  // kernel at one token.
+  {
+    auto d_alone = Alloc(big * 2);
+    const int step = every_row_alone ? 1 : 13;
+    for (int t = 0; t < big_t; t += step) ASSERT_OK(RunMma(d_w, d_x, d_alone, s, t, 1, kMmaAlwaysRegister, t));
+    Sync();
+    const auto alone = Download<bf16>(d_alone, big);
+    int bad = 0;
+    for (int t = 0; t < big_t && bad < 5; t += step) {
+      if (Rows(alone, s.out, t, 1) != Rows(want, s.out, t, 1)) {
+        ADD_FAILURE() << "token " << t << " alone differs from token " << t << " of " << big_t;
+        ++bad;
+      }
+    }
+    auto d_one = Alloc(static_cast<size_t>(s.out) * 2);
+    for (int t : {0, 1, 7, 130, big_t - 1}) {
+      ASSERT_OK(RunMma(d_w, d_x, d_one, s, t, 1, 1));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_one, s.out), Rows(want, s.out, t, 1)) << "tiled kernel, token " << t << " alone";
+    }
+  }
+  // Other token counts at several offsets, through both kernels.
+  for (int n : {2, 5, 8, 16, 17, 64}) {
+    auto d_yn = Alloc(static_cast<size_t>(n) * s.out * 2);
+    for (int first : {0, 3, 61, big_t - n}) {
+      for (int tiled_min : {kMmaAlwaysRegister, 1}) {
+        ASSERT_OK(RunMma(d_w, d_x, d_yn, s, first, n, tiled_min));
+        Sync();
+        EXPECT_EQ(Download<bf16>(d_yn, static_cast<size_t>(n) * s.out), Rows(want, s.out, first, n))
+            << n << " tokens from " << first << (tiled_min == 1 ? " (tiled)" : " (register)");
+      }
+    }
+  }
+}
+
+TEST(MmaGpu, MatchesReferenceAndEveryRowIsItsAloneResult) {
+  SKIP_WITHOUT_GPU();
+  // The decode shapes (q/k/v/g of both layer kinds, o_proj of both, the dense MLP), a slice of the
+  // LM head's width, explicit splits, and odd shapes: out not a multiple of 16 or 128, in a multiple
+  // of 8 but not of 32 (a zero-padded last chunk).
+  for (const MmaShape s : {MmaShape{10304, 2048, 0}, MmaShape{8240, 2048, 0}, MmaShape{2048, 8192, 0},
+                           MmaShape{2048, 6144, 0}, MmaShape{2048, 8192, 1}, MmaShape{300, 8192, 8},
+                           MmaShape{1001, 2056, 0}, MmaShape{1000, 2048, 4}, MmaShape{64, 512, 0}}) {
+    CheckMmaShape(s, 1000, /*every_row_alone=*/s.out * static_cast<size_t>(s.in) <= 2048u * 8192u);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Small odd shapes (also what compute-sanitizer runs: tools/device/mma_check.sh).
+TEST(MmaGpu, OddShapesEveryKernel) {
+  SKIP_WITHOUT_GPU();
+  for (const MmaShape s : {MmaShape{37, 72, 0}, MmaShape{16, 32, 0}, MmaShape{129, 264, 0}, MmaShape{200, 512, 2},
+                           MmaShape{17, 1024, 8}}) {
+    CheckMmaShape(s, 300, true);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Row strides (a fused q/k/v/g output read in place, a wider y buffer): the dense result's bits, through
+// both kernels, and nothing outside each row's out elements written.
+TEST(MmaGpu, RowStridesGiveTheDenseBits) {
+  SKIP_WITHOUT_GPU();
+  const int out = 300, in = 520, T = 70, xs = in + 24, ys = out + 5;
+  auto w = Upload(RandomBf16(static_cast<size_t>(out) * in, 195, 0.05f));
+  auto x = RandomBf16(static_cast<size_t>(T) * in, 196);
+  std::vector<bf16> x_strided(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));  // gaps that would show
+  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, x_strided.begin() + static_cast<size_t>(t) * xs);
+  auto d_x = Upload(x), d_xs = Upload(x_strided);
+  auto d_dense = Alloc(static_cast<size_t>(T) * out * 2);
+  GemvParams p{w.as<bf16>(), d_x.as<bf16>(), d_dense.as<bf16>(), out, in, T};
+  p.mma = true;
+  ASSERT_OK(Gemv(p, nullptr));
+  const auto dense = Download<bf16>(d_dense, static_cast<size_t>(T) * out);
+  for (int tiled_min : {kMmaAlwaysRegister, 1}) {
+    auto d_y = Alloc(static_cast<size_t>(T) * ys * 2, 0x7f);
+    GemvParams q = p;
+    q.x = d_xs.as<bf16>(), q.y = d_y.as<bf16>(), q.x_stride = xs, q.y_stride = ys, q.mma_tiled_min_tokens = tiled_min;
+    ASSERT_OK(Gemv(q, nullptr));
+    Sync();
+    const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * ys);
+    for (int t = 0; t < T; ++t) {
+      ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
+                Rows(dense, out, t, 1))
+          << "token " << t << (tiled_min == 1 ? " (tiled)" : " (register)");
+      for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written";
+    }
+  }
+}
+
+TEST(MmaGpu, RejectsWhatItDoesNotDo) {
+  SKIP_WITHOUT_GPU();
+  auto w = Alloc(64 * 512 * 2, 0), x = Alloc(4 * 512 * 2, 0), y = Alloc(4 * 64 * 2);
+  GemvParams p{w.as<bf16>(), x.as<bf16>(), y.as<bf16>(), 64, 512, 4};
+  p.mma = true;
+  EXPECT_TRUE(Gemv(p, nullptr).ok());
+  GemvParams bad = p;
+  bad.k_split = 3;
+  EXPECT_FALSE(Gemv(bad, nullptr).ok()) << "k_split 3";
+  bad = p;
+  bad.k_split = 8;  // 16 chunks: divisible, allowed
+  EXPECT_TRUE(Gemv(bad, nullptr).ok());
+  bad = p;
+  bad.in = 488, bad.k_split = 2;  // 16 chunks (the last one padded): 2 divides
+  EXPECT_TRUE(Gemv(bad, nullptr).ok());
+  bad.in = 456;  // 15 chunks
+  EXPECT_FALSE(Gemv(bad, nullptr).ok()) << "k_split 2 of 15 chunks";
+  bad = p;
+  bad.streaming.on = true, bad.num_tokens = 1;
+  EXPECT_FALSE(Gemv(bad, nullptr).ok()) << "streaming";
+  bad = p;
+  bad.norm.residual = x.as<bf16>(), bad.norm.weight = x.as<bf16>(), bad.x = nullptr;
+  EXPECT_FALSE(Gemv(bad, nullptr).ok()) << "fused norm";
+  Sync();
+}
+
+// ---------------------------------------------------------------------------------------------------
 struct MoeCase {
   int E, k, d, F, Fs;
   float softcap;
@@ -849,6 +1020,102 @@ TEST(MoeGpu, GroupedPathMatchesEveryTokenAlone) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The MMA experts (MoeParams::mma): close to the reference per token (its router logits as the
+// override, so the selection is the kernel's own), run to run, and every token's row of a T-token
+// launch equals the token alone (through the batch-1 kernels and through the lists) and inside a
+// shuffled subset: the grouped
+// path's promise on the tensor-core product. Shapes: small, XS.2's (E 256, k 8, d 2048, F 512), and
+// odd ones (d not a multiple of 32, Fs of another chunk count).
+TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int E, k, d, F, Fs, T;
+  };
+  // T 200 over 16 experts: ~50 pairs per expert, so each block loops over several passes of 32 and the
+  // shared expert is cut into segments (MoeMmaLists).
+  for (const Shape sh : {Shape{16, 4, 512, 128, 64, 40}, Shape{8, 3, 264, 96, 40, 21}, Shape{64, 8, 512, 128, 128, 33},
+                         Shape{16, 4, 512, 128, 64, 200}, Shape{256, 8, 2048, 512, 512, 64}}) {
+    SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " F " << sh.F << " Fs "
+                                    << sh.Fs << " T " << sh.T);
+    const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 7000, 702, 703);
+    const int T = sh.T;
+    auto x = RandomBf16(static_cast<size_t>(T) * sh.d, 701);
+    auto d_x = Upload(x);
+    auto d_y = Alloc(static_cast<size_t>(T) * sh.d * 2), d_ids = Alloc(static_cast<size_t>(T) * sh.k * 4);
+    auto d_ws = Alloc(MoeWorkspaceBytes(sh.d, sh.E, sh.k, sh.F, sh.Fs, T)), d_counter = Alloc(T * 4, 0);
+    MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(),
+                               d_counter.as<uint32_t>(), T);
+    p.mma = true;
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    const auto y_all = Download<bf16>(d_y, static_cast<size_t>(T) * sh.d);
+    for (size_t i = 0; i < y_all.size(); ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(y_all[i]))) << "unwritten " << i;
+    ASSERT_OK(Moe(p, nullptr));
+    Sync();
+    EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "run to run";
+    // Host copies of the weights for the reference (small layers only).
+    const bool with_reference = sh.E <= 64;
+    std::vector<std::vector<bf16>> hw;
+    std::vector<const bf16*> hg(sh.E), hu(sh.E), hd(sh.E);
+    std::vector<bf16> router, bias;
+    if (with_reference) {
+      for (int e = 0; e <= sh.E; ++e) {
+        const int f = e == sh.E ? sh.Fs : sh.F;
+        for (int m = 0; m < 3; ++m) hw.push_back(Download<bf16>(layer.weights[3 * e + m], static_cast<size_t>(f) * sh.d));
+      }
+      for (int e = 0; e < sh.E; ++e) hg[e] = hw[3 * e].data(), hu[e] = hw[3 * e + 1].data(), hd[e] = hw[3 * e + 2].data();
+      router = Download<bf16>(layer.router, static_cast<size_t>(sh.E) * sh.d);
+      bias = Download<bf16>(layer.bias, sh.E);
+    }
+    auto d_y1 = Alloc(sh.d * 2), d_ids1 = Alloc(sh.k * 4), d_ws1 = Alloc(MoeWorkspaceBytes(sh.d, sh.E, sh.k, sh.F, sh.Fs, 1));
+    for (int t = 0; t < T; t += 3) {
+      MoeParams one = p;
+      one.num_tokens = 1;
+      one.x = d_x.as<bf16>() + static_cast<size_t>(t) * sh.d;
+      one.y = d_y1.as<bf16>(), one.topk_ids = d_ids1.as<int32_t>(), one.workspace = d_ws1.data();
+      ASSERT_OK(Moe(one, nullptr));
+      Sync();
+      const auto y1 = Download<bf16>(d_y1, sh.d);
+      ASSERT_EQ(y1, Rows(y_all, sh.d, t, 1)) << "token " << t << " alone (batch-1 kernels, no lists)";
+      MoeParams listed = one;
+      listed.mma_batch1_lists = true;
+      ASSERT_OK(Moe(listed, nullptr));
+      Sync();
+      ASSERT_EQ(Download<bf16>(d_y1, sh.d), y1) << "token " << t << " alone through the lists";
+      if (!with_reference || t > 12) continue;
+      const auto logits = Download<float>(d_ws1, sh.E);  // the workspace starts with token 0's router logits
+      std::vector<bf16> y_ref(sh.d);
+      std::vector<int32_t> ids_ref(sh.k);
+      std::vector<float> w_ref(sh.k);
+      MoeParams r = one;
+      r.x = x.data() + static_cast<size_t>(t) * sh.d, r.router_w = router.data(), r.router_bias = bias.data();
+      r.gate_w = hg.data(), r.up_w = hu.data(), r.down_w = hd.data();
+      r.shared_gate_w = hw[3 * sh.E].data(), r.shared_up_w = hw[3 * sh.E + 1].data();
+      r.shared_down_w = hw[3 * sh.E + 2].data(), r.y = y_ref.data();
+      r.topk_ids = ids_ref.data(), r.topk_weights = w_ref.data();
+      ref::Moe(r, logits.data());
+      EXPECT_EQ(Download<int32_t>(d_ids1, sh.k), ids_ref) << "token " << t;
+      ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe mma y, token " + std::to_string(t));
+    }
+    // A shuffled subset of the tokens in another batch: the same rows.
+    std::vector<int> pick(T);
+    std::iota(pick.begin(), pick.end(), 0);
+    std::shuffle(pick.begin(), pick.end(), std::mt19937(9));
+    pick.resize(T / 2 + 1);
+    std::vector<bf16> xs;
+    for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * sh.d, x.begin() + static_cast<size_t>(t + 1) * sh.d);
+    auto d_xs = Upload(xs);
+    const int n = static_cast<int>(pick.size());
+    auto d_ys = Alloc(static_cast<size_t>(n) * sh.d * 2), d_idss = Alloc(static_cast<size_t>(n) * sh.k * 4);
+    MoeParams sub = p;
+    sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
+    ASSERT_OK(Moe(sub, nullptr));
+    Sync();
+    const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * sh.d);
+    for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, sh.d, i, 1), Rows(y_all, sh.d, pick[i], 1)) << "token " << pick[i];
+  }
+}
+
 TEST(ArgmaxGpu, MatchesReferenceWithTiesAndNan) {
   SKIP_WITHOUT_GPU();
   for (int n : {100352, 1001, 512}) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/bulk_copy.cuh"
+#include "kernels/cuda/mma_product.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -392,6 +393,7 @@ Status Gemv(const GemvParams& params, Stream stream) {
   if (p.x_stride == 0) p.x_stride = p.in;
   if (p.y_stride == 0) p.y_stride = p.out;
   if (p.x_stride % 8 != 0) return InvalidArgument("gemv: x_stride {} not a multiple of 8", p.x_stride);
+  if (p.mma) return dev::MmaGemv(p, reinterpret_cast<cudaStream_t>(stream));  // ops.h, section 5b
   if (p.norm.residual) {
     DL_RETURN_IF_ERROR(dev::CheckFusedInputNorm(p.norm, p.in, "gemv"));
   } else if (!p.x) {

@@ -16,6 +16,7 @@
 
 #include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/fp8_weights.cuh"
+#include "kernels/cuda/mma_product.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
 
@@ -1225,12 +1226,358 @@ inline Status MoeFp8Setup(const MoeParams& p, MoeFp8Maps* m) {
   return Status::Ok();
 }
 
+// ---- The MMA experts (MoeParams::mma): the grouped path above (router, lists, combine) with each
+// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh), and at batch 1
+// the same products over the router's selection without the lists (MoeMmaGateUpKernel<1, true>,
+// MoeMmaDownCombineKernel), so a token's bits do not depend on which tokens share its experts. Splits: gate
+// and up use MmaKSplitFor(ffn, d) for the routed and the shared expert alike; down uses
+// MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks too: functions of the
+// shapes only. The h, routed and shared buffers and every rounding are the CUDA-core grouped path's.
+constexpr int kMoeMmaWarps = 8;
+
+inline int MoeMmaGateUpSplit(int d, int ffn) { return MmaKSplitFor(ffn, d); }
+inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
+  int ks = MmaKSplitFor(d, ffn);
+  while (ks > 1 && ((shared_ffn + kMmaChunk - 1) / kMmaChunk) % ks != 0) ks /= 2;
+  return ks;
+}
+
+// Pair columns j = 0 .. NT-1 of lane (gq, c): pair first + 8j + gq of the block's `count` pairs
+// (pair_of(i, &t, &slot)); its x row (or h vector) through vec(t, slot), offset by c pieces; zeros
+// past the count.
+template <int NT, typename PairOfFn, typename Vec>
+__device__ __forceinline__ void MoeMmaColumns(int first, int count, int gq, int c, const uint4* (&xr)[NT],
+                                              bool (&live)[NT], PairOfFn&& pair_of, Vec&& vec) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int i = first + 8 * j + gq;
+    live[j] = i < count;
+    int t = 0, slot = 0;
+    if (live[j]) pair_of(i, &t, &slot);
+    xr[j] = vec(t, slot) + c;
+  }
+}
+
+// Adds the ks slices' partial sums (warp w's in registers) in ascending order into the slice-0 warp's
+// registers; false for the other warps. Every warp of the block calls it (a barrier), and again for a
+// next pass only after MoeMmaPassDone.
+template <int NM, int NT>
+__device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], float (*s_part)[NM * NT * 4][32], int ks,
+                                                int warp, int lane) {
+  if (ks == 1) return true;
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_part[warp][(m * NT + j) * 4 + e][lane] = acc[m][j][e];
+  __syncthreads();
+  if (warp % ks != 0) return false;
+  for (int k = 1; k < ks; ++k)
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] += s_part[warp + k][(m * NT + j) * 4 + e][lane];
+  return true;
+}
+// The end of a pass: the partial sums are read before the next pass writes them.
+__device__ __forceinline__ void MoeMmaPassDone(int ks) {
+  if (ks > 1) __syncthreads();
+}
+
+// The lists' grid: blockIdx.z < shared_segments is the shared expert over tokens [z L, z L + L), the
+// others listed expert z - shared_segments (GroupRowOf row 1 + that); blockIdx.x = p takes the passes
+// p, p + P, ... (8 NT pairs each) of its list, P = gridDim.x. P and L come from the expected pairs per
+// routed expert (T k / E), so a block has about one list's worth of work and few blocks have none
+// (a grid sized for the longest possible list, T passes per expert, was mostly empty blocks).
+struct MoeMmaLists {
+  int shared_segments = 1, segment_tokens = 1;
+};
+inline MoeMmaLists MoeMmaListsFor(const MoeParams& p, int cols, int* passes) {
+  const int expected = (p.num_tokens * p.top_k + p.num_experts - 1) / p.num_experts;
+  *passes = std::max(1, (expected + cols - 1) / cols);
+  MoeMmaLists l;
+  l.segment_tokens = *passes * cols;
+  l.shared_segments = (p.num_tokens + l.segment_tokens - 1) / l.segment_tokens;
+  return l;
+}
+// Block row z's list (false past the listed experts) and, for a shared segment, its first token.
+__device__ __forceinline__ bool MoeMmaListOf(const MoeParams& a, const MoeGroupWs& g, const MoeMmaLists& l, int z,
+                                             GroupRows* gr, int* token0) {
+  *token0 = 0;
+  if (z < l.shared_segments) {
+    gr->expert = -1;
+    *token0 = z * l.segment_tokens;
+    gr->begin = 0;
+    gr->count = min(l.segment_tokens, a.num_tokens - *token0);
+    return true;
+  }
+  return GroupRowOf(a, g, 1 + z - l.shared_segments, gr);
+}
+
+// Grid (P, ceil(ceil(Fmax / 16) / (8 / ks)), shared_segments + min(E, T k)) (MoeMmaLists). Warp w:
+// the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two products of a (row,
+// pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
+// h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token t's workspace.
+// kDirect (T = 1, NT = 1): no lists; block row z is slot z - 1 of the router's selection (its expert
+// pointers from the router's workspace) or the shared expert (z = 0), whose weights are loaded before
+// the wait. The same product per (row, pair), so the same bits as through the lists.
+template <int NT, bool kDirect>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  AllowDependents();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  const MoeWs ws0 = MoeWorkspace(a, 0);
+  __shared__ float s_part[kMoeMmaWarps][2 * NT * 4][32];
+  GroupRows gr;
+  int token0 = 0;
+  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
+  if constexpr (kDirect) {
+    gr.expert = blockIdx.z == 0 ? -1 : static_cast<int>(blockIdx.z) - 1;  // direct: the slot, not the expert
+    gr.count = 1;
+  } else {
+    WaitForPrerequisites();
+    if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
+  }
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int tiles_per_block = kMoeMmaWarps / ks;
+  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) {
+    if (kDirect) WaitForPrerequisites();
+    return;
+  }
+  auto pair_of = [&](int i, int* t, int* slot) {
+    if constexpr (kDirect) {
+      *t = 0, *slot = shared ? a.top_k : gr.expert;
+    } else if (shared) {
+      *t = token0 + i, *slot = a.top_k;
+    } else {
+      PairOf(a, g, gr, i, t, slot);
+    }
+  };
+  constexpr int U = NT == 1 ? 8 : 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int slice = warp % ks;
+  const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
+  const int n8 = a.d / 8, per = (a.d + kMmaChunk - 1) / kMmaChunk / ks;
+  const bf16 *gate_w, *up_w;
+  if (shared) {
+    gate_w = a.shared_gate_w, up_w = a.shared_up_w;
+  } else if constexpr (kDirect) {
+    WaitForPrerequisites();  // the router's selection
+    gate_w = LoadPointerFromL2(&ws0.rows[gr.expert]), up_w = LoadPointerFromL2(&ws0.rows[a.top_k + gr.expert]);
+  } else {
+    gate_w = a.gate_w[gr.expert], up_w = a.up_w[gr.expert];
+  }
+  const uint4* gate = reinterpret_cast<const uint4*>(gate_w);
+  const uint4* up = reinterpret_cast<const uint4*>(up_w);
+  const bool la = r0 + gq < F, lb = r0 + gq + 8 < F;
+  const size_t ra = static_cast<size_t>(la ? r0 + gq : 0) * n8 + c, rb = static_cast<size_t>(lb ? r0 + gq + 8 : 0) * n8 + c;
+  const uint4* wa[2] = {gate + ra, up + ra};
+  const uint4* wb[2] = {gate + rb, up + rb};
+  const bool live_a[2] = {la, la}, live_b[2] = {lb, lb};
+  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
+    const uint4* xr[NT];
+    bool tok_live[NT];
+    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int) {
+      return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
+    });
+    float acc[2][NT][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+    // The direct shared expert's first weights go out before the wait (they need no router).
+    MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+      if (kDirect && shared) WaitForPrerequisites();
+    });
+    if (MoeMmaAddSlices<2, NT>(acc, s_part, ks, warp, lane)) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+          if (f >= F || i >= gr.count) continue;
+          int t, slot;
+          pair_of(i, &t, &slot);
+          const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
+          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+          const MoeWs ws = MoeWorkspace(a, t);
+          ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
+        }
+    }
+    MoeMmaPassDone(ks);
+  }
+}
+
+// Grid (P, ceil(ceil(d / 16) / (8 / ks)), shared_segments + min(E, T k)), as the gate/up kernel, over
+// the down matrices [d, F] and the pairs' h vectors: bf16(bf16(o) * w(t, slot)) into routed, the
+// shared expert's bf16(o) into shared; MoeCombineKernel adds them.
+template <int NT>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  AllowDependents();
+  WaitForPrerequisites();
+  const MoeGroupWs g = MoeGroupWorkspace(a);
+  __shared__ float s_part[kMoeMmaWarps][NT * 4][32];
+  GroupRows gr;
+  int token0 = 0;
+  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
+  if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  auto pair_of = [&](int i, int* t, int* slot) {
+    if (shared) {
+      *t = token0 + i, *slot = a.top_k;
+    } else {
+      PairOf(a, g, gr, i, t, slot);
+    }
+  };
+  constexpr int U = NT == 1 ? 8 : 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int slice = warp % ks;
+  const int r0 = (blockIdx.y * (kMoeMmaWarps / ks) + warp / ks) * 16;
+  const int n8 = F / 8, per = (F + kMmaChunk - 1) / kMmaChunk / ks;
+  const uint4* down = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
+  const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
+  const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
+  const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
+  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
+    const uint4* xr[NT];
+    bool tok_live[NT];
+    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int slot) {
+      const MoeWs ws = MoeWorkspace(a, t);
+      return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
+    });
+    float acc[1][NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
+    MmaSliceDots<1, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
+    if (MoeMmaAddSlices<1, NT>(acc, s_part, ks, warp, lane)) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
+          if (row >= a.d || i >= gr.count) continue;
+          int t, slot;
+          pair_of(i, &t, &slot);
+          const float o = RoundBf16(acc[0][j][e]);
+          if (shared) {
+            g.shared[static_cast<size_t>(t) * a.d + row] = FloatToBf16Bits(o);
+          } else {
+            const float w = __ldcg(&MoeWorkspace(a, t).weights[slot]);
+            g.routed[(static_cast<size_t>(t) * a.top_k + slot) * a.d + row] = FloatToBf16Bits(RoundBf16(o * w));
+          }
+        }
+    }
+    MoeMmaPassDone(ks);
+  }
+}
+
+// Batch 1 (T = 1): down and the combine in one kernel, no lists. Grid ceil(d / 16): block b owns
+// output rows 16b .. 16b + 15; its 8 warps take the (k + 1) ks tasks (product, slice; product 0 the
+// shared expert, whose weights need no router and go out before the wait, product p > 0 slot p - 1)
+// in turn, w, w + 8, ...; each task's 16 sums go to shared memory, then thread r adds
+// row r's slices in order (MoeMmaAddSlices' sum: the grouped down kernel's o, bit for bit) and
+// combines the slots in order with MoeCombineKernel's roundings.
+constexpr int kMoeMmaMaxTasks = (kMoeMaxTopK + 1) * 8;
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownCombineKernel(MoeParams a, int ks) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  const bool late = a.down_release_after_wait;
+  AllowDependentsAtStart(late);
+  __shared__ float s_sum[kMoeMmaMaxTasks][16];
+  const MoeWs ws = MoeWorkspace(a, 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
+  const int r0 = blockIdx.x * 16;
+  const int tasks = (a.top_k + 1) * ks;
+  const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
+  bool waited = false;
+  for (int task = warp; task < tasks; task += kMoeMmaWarps) {
+    const int product = task / ks, slice = task % ks;
+    const bool shared = product == 0;
+    const int p = shared ? a.top_k : product - 1;  // the slot of h
+    const int F = shared ? a.shared_ffn : a.ffn;
+    const int n8 = F / 8, per = (F + kMmaChunk - 1) / kMmaChunk / ks;
+    if (!shared && !waited) {  // the expert pointers come from the router, h from gate/up
+      WaitReleasing(late);
+      waited = true;
+    }
+    const bf16* down_w = shared ? a.shared_down_w : LoadPointerFromL2(&ws.rows[2 * a.top_k + p]);
+    const uint4* down = reinterpret_cast<const uint4*>(down_w);
+    const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
+    const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
+    const uint4* xr[1] = {reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(p) * ws.h_stride) + c};
+    const bool tok_live[1] = {gq == 0};
+    float acc[1][1][4] = {{{0.0f, 0.0f, 0.0f, 0.0f}}};
+    MmaSliceDots<1, 1, 8>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+      if (!waited) {  // the shared expert's first weights are in flight; h is gate/up's
+        WaitReleasing(late);
+        waited = true;
+      }
+    });
+    if (c == 0) {  // column 0 (the token): rows gq and gq + 8
+      s_sum[task][gq] = acc[0][0][0];
+      s_sum[task][gq + 8] = acc[0][0][2];
+    }
+  }
+  if (!waited) WaitReleasing(late);
+  __syncthreads();
+  const int row = r0 + static_cast<int>(threadIdx.x);
+  if (threadIdx.x >= 16 || row >= a.d) return;
+  auto o_of = [&](int slot) {  // slices in ascending order, then the rounding
+    const int product = slot == a.top_k ? 0 : slot + 1;
+    float v = s_sum[product * ks][threadIdx.x];
+    for (int k = 1; k < ks; ++k) v += s_sum[product * ks + k][threadIdx.x];
+    return RoundBf16(v);
+  };
+  float routed = 0.0f;
+  for (int j = 0; j < a.top_k; ++j) routed += RoundBf16(o_of(j) * __ldcg(&ws.weights[j]));
+  const float y = RoundBf16(RoundBf16(RoundBf16(routed) * a.alpha) + o_of(a.top_k));
+  a.y[row] = FloatToBf16Bits(y);
+}
+
+// Batch 1: router (already launched), direct gate/up, down + combine: three launches, as the
+// CUDA-core batch-1 path.
+inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
+  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
+  const int fmax = std::max(p.ffn, p.shared_ffn);
+  const int tiles_per_block = kMoeMmaWarps / gu_ks;
+  const dim3 block(kMoeMmaWarps * 32);
+  LaunchDependent(MoeMmaGateUpKernel<1, true>, dim3(1, ((fmax + 15) / 16 + tiles_per_block - 1) / tiles_per_block, p.top_k + 1),
+                  block, s, p, gu_ks, MoeMmaLists{});
+  LaunchDependent(MoeMmaDownCombineKernel, dim3((p.d + 15) / 16), block, s, p, dn_ks);
+}
+
+template <int NT>
+Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
+  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
+  const int fmax = std::max(p.ffn, p.shared_ffn);
+  int passes = 1;
+  const MoeMmaLists lists = MoeMmaListsFor(p, 8 * NT, &passes);
+  const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
+  if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
+  auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
+  const dim3 block(kMoeMmaWarps * 32);
+  LaunchDependent(MoeMmaGateUpKernel<NT, false>, dim3(passes, blocks(fmax, gu_ks), rows_z), block, s, p, gu_ks, lists);
+  LaunchDependent(MoeMmaDownKernel<NT>, dim3(passes, blocks(p.d, dn_ks), rows_z), block, s, p, dn_ks, lists);
+  return Status::Ok();
+}
+
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
+  // The grouped path's lists are part of it at every T: the MMA experts (MoeParams::mma) can use them
+  // at batch 1 too (mma_batch1_lists).
   const int T = std::max(num_tokens, 1);
   const size_t per_token = dev::MoeWorkspaceLayout(num_experts, top_k, ffn, shared_ffn).bytes * static_cast<size_t>(T);
-  return T == 1 ? per_token : per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
+  return per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
 }
 
 Status Moe(const MoeParams& p, Stream stream) {
@@ -1239,6 +1586,9 @@ Status Moe(const MoeParams& p, Stream stream) {
                    p.shared_up_fp8.on() || p.shared_down_fp8.on();
   dev::MoeFp8Maps fp8_maps;
   if (fp8) DL_RETURN_IF_ERROR(dev::MoeFp8Setup(p, &fp8_maps));
+  if (fp8 && p.mma) {
+    return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
+  }
   if (!p.x || !p.router_w || !p.router_bias ||
       (!fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
       !p.y || !p.workspace || !p.counter) {
@@ -1270,6 +1620,30 @@ Status Moe(const MoeParams& p, Stream stream) {
                            dim3(threads), router_smem, s, p);
   DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
   const int fmax = std::max(p.ffn, p.shared_ffn);
+  if (p.mma && T == 1 && !p.mma_batch1_lists) {  // the experts on the tensor-core product, no lists
+    dev::LaunchMoeMmaDirect(p, s);
+    DL_KERNEL_LAUNCH_CHECK("moe_mma_direct");
+    return Status::Ok();
+  }
+  if (p.mma) {  // every T through the lists, the experts on the tensor-core product
+    if (!p.topk_ids) return InvalidArgument("moe: the MMA experts (mma) need topk_ids");
+    if (p.num_experts > dev::kGroupThreads) {
+      return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
+    }
+    dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_group");
+    if (T <= 8) {
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<1>(p, s));
+    } else if (T <= 16) {
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<2>(p, s));
+    } else {
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<4>(p, s));
+    }
+    DL_KERNEL_LAUNCH_CHECK("moe_mma_gate_up_down");
+    dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_combine");
+    return Status::Ok();
+  }
   if (T > 1) {
     if (!p.topk_ids) return InvalidArgument("moe: the grouped path (T > 1) needs topk_ids");
     if (p.num_experts > dev::kGroupThreads) {
