@@ -5,7 +5,8 @@
 # CUDA-backend tests with mma_products on (batch, chunk and page invariance), SASS counts (HMMA
 # present, no local memory), the kernel microbenchmark's mma section (CUDA-core GEMV against the MMA
 # product at T = 1 .. 4096 on XS.2's linear layers, with floors), then the XS.2 bench with
-# mma_products 0 and 1 (TPOT at batch 1, TTFT of a 1,024-token prompt). Logs under $OUT.
+# mma_products 0 and 1 (TPOT at batch 1, TTFT of a 1,024-token prompt) and the TTFT of an 8,192-token
+# prompt with it on. Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
 #     bash tools/device/mma_check.sh [--skip-tests] [--skip-bench] [--skip-e2e]
 #   KB_SECTIONS="mma" picks the kernel microbenchmark's sections (default "mma moe").
@@ -80,6 +81,10 @@ if [ "$E2E" = 1 ]; then
     grep -E "^  (TPOT|TTFT|device step|floor|kernels|tuning)" "$OUT/bench_mma$mma.log"
     grep -iE "error|fail" "$OUT/bench_mma$mma.log" | head -5
   done
+  # An 8,192-token prompt with the product on (issue 17's second target; 8.5 s with it off, session 9).
+  timeout 120 $B bench --shape xs2 --prompt-len 8192 --gen-len 2 --repeat 1 --kv-dtype fp8 --page-size 32 \
+    --tune mma_products=1 > "$OUT/bench_mma1_8k.log" 2>&1
+  echo "bench 8K prompt, mma_products=1 rc=$?: $(grep -E '^  TTFT' "$OUT/bench_mma1_8k.log")"
 fi
 echo "total: $(( $(date +%s) - t0 )) s"
 tar -czf "$RESULTS/mma_check_logs.tgz" -C /tmp mma_check 2>/dev/null
