@@ -477,9 +477,12 @@ void Scheduler::Step() {
         const int32_t first = batch.AddSequence(s.kv, rows);
         const SamplingParams& p = s.req.sampling;
         const size_t prompt_len = s.req.prompt.size();
-        std::vector<int32_t> generated(s.tokens.begin() + static_cast<std::ptrdiff_t>(prompt_len), s.tokens.end());
+        // The generated tokens only matter to logit processors: copied only when there are some.
+        const bool processors = HasLogitProcessors(p);
+        std::vector<int32_t> generated;
+        if (processors) generated.assign(s.tokens.begin() + static_cast<std::ptrdiff_t>(prompt_len), s.tokens.end());
         for (int32_t j = 0; j < n; ++j) {
-          if (j > 0) generated.push_back(s.drafts[static_cast<size_t>(j - 1)]);
+          if (j > 0 && processors) generated.push_back(s.drafts[static_cast<size_t>(j - 1)]);
           OutputRequest& out = batch.AddOutput(first + j);
           out.sampling = RowSamplingFor(p, s.key, static_cast<uint64_t>(s.generated + j),
                                         std::span<const int32_t>(s.req.prompt), generated);

@@ -257,7 +257,7 @@ void ExpectSameOutputs(const std::vector<Collected>& want, const std::vector<Col
 // Greedy, seeded sampling, sampling with penalties over the generated tokens (their per-row state
 // includes the earlier drafts), a stop token inside the run, and max_tokens of 1: all in one batch.
 std::vector<Req> MixedRequests(const std::vector<Collected>* plain_for_stop) {
-  std::vector<Req> reqs(6);
+  std::vector<Req> reqs(8);
   reqs[0].prompt = Prompt(21, 1);
   reqs[0].sampling.max_tokens = 20;
   reqs[0].sampling.ignore_eos = true;
@@ -285,6 +285,20 @@ std::vector<Req> MixedRequests(const std::vector<Collected>* plain_for_stop) {
   reqs[4].sampling.ignore_eos = true;
   reqs[5].prompt = Prompt(12, 6);
   reqs[5].sampling.max_tokens = 1;
+  // Penalties over the generated tokens strong enough to change greedy choices: a verify row that
+  // did not count the drafts before it as generated would choose differently.
+  reqs[6].prompt = Prompt(14, 7);
+  reqs[6].sampling.max_tokens = 30;
+  reqs[6].sampling.ignore_eos = true;
+  reqs[6].sampling.presence_penalty = 2.0f;
+  reqs[6].sampling.frequency_penalty = 1.0f;
+  reqs[7].prompt = RepetitivePrompt(24, 8);
+  reqs[7].sampling.max_tokens = 30;
+  reqs[7].sampling.ignore_eos = true;
+  reqs[7].sampling.temperature = 0.5f;
+  reqs[7].sampling.seed = 3;
+  reqs[7].sampling.presence_penalty = 2.0f;
+  reqs[7].sampling.repetition_penalty = 1.5f;
   if (plain_for_stop != nullptr) {
     // Request 4 again with a stop id: the token at index 6 of its plain output, cut at its first
     // occurrence (inside an oracle's accepted run).
