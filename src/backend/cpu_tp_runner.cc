@@ -174,6 +174,7 @@ nlohmann::json CpuTpRunner::Describe() const {
     ranks.push_back({{"rank", r},
                      {"collectives_last_forward", ranks_[r]->collectives_last_forward()},
                      {"kv_heads", plan_.ranks[r].layers.empty() ? 0 : plan_.ranks[r].layers[0].kv_heads.size},
+                     {"kv_scales", ranks_[r]->kv_scales().ToJson()},  // what the rank itself uses
                      {"lm_head_vocab", {plan_.ranks[r].lm_head_vocab.begin, plan_.ranks[r].lm_head_vocab.end()}}});
   }
   d["tensor_parallel"] = {{"size", plan_.tp_size},

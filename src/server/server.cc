@@ -652,6 +652,18 @@ void Server::Routes() {
     const auto stats = scheduler_.Stats();
     json scales = engine_.runner->kv_scales().ToJson();
     scales["rank"] = 0;
+    // Tensor parallelism: every rank's own scales (the lab's scale audit compares each).
+    json scales_by_rank = json::array({scales});
+    int world_size = 1;
+    if (d.contains("tensor_parallel")) {
+      world_size = d["tensor_parallel"].value("size", 1);
+      scales_by_rank = json::array();
+      for (const auto& r : d["tensor_parallel"]["ranks"]) {
+        json s = r["kv_scales"];
+        s["rank"] = r["rank"];
+        scales_by_rank.push_back(s);
+      }
+    }
     json topology = d.contains("topology") ? d["topology"] : json("not applicable");
     json state = {
         {"engine", "decodelab"},
@@ -667,10 +679,11 @@ void Server::Routes() {
         {"fallback_ops", d.value("fallback_ops", json::array())},
         {"kv_dtype", d.value("kv_dtype", json(nullptr))},
         {"page_size", engine_.kv->spec().page_size},
-        {"kv_scales", json::array({scales})},
+        {"kv_scales", scales_by_rank},
         {"topology", topology},
         {"topology_applicable", topology.is_array()},
-        {"world_size", 1},
+        {"world_size", world_size},
+        {"tensor_parallel", d.value("tensor_parallel", json(nullptr))},
         {"scheduler",
          {{"max_batch", scheduler_.options().max_batch},
           {"max_waiting", scheduler_.options().max_waiting},

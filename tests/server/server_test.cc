@@ -91,6 +91,32 @@ TEST_F(ServerTest, ModelsHealthMetricsAndState) {
       << metrics->body;
 }
 
+// A server over two in-process tensor-parallel ranks: the state lists both ranks (world size, each
+// rank's own KV scales, the per-rank collectives) and greedy completions equal the one-rank server's.
+TEST_F(ServerTest, TensorParallelServerReportsEveryRankAndMatchesOneRank) {
+  ASSERT_NE(server_, nullptr);
+  auto tp = TestServer::Start({.max_batch = 2, .tp = 2});
+  ASSERT_NE(tp, nullptr);
+  auto cli = tp->Client();
+  auto s = Get(cli, "/v1/decodelab/state");
+  ASSERT_EQ(s.status, 200);
+  EXPECT_EQ(s.json["world_size"], 2);
+  ASSERT_EQ(s.json["kv_scales"].size(), 2u);
+  EXPECT_EQ(s.json["kv_scales"][1]["rank"], 1);
+  EXPECT_EQ(s.json["kv_scales"][1]["layers"].size(), 5u);
+  EXPECT_EQ(s.json["tensor_parallel"]["size"], 2);
+  EXPECT_EQ(s.json["tensor_parallel"]["ranks"].size(), 2u);
+  const nlohmann::json body = {{"prompt", Prompt(9, 3)}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+  auto want = server_->Client();
+  auto a = PostJson(want, "/v1/completions", body);
+  auto b = PostJson(cli, "/v1/completions", body);
+  ASSERT_EQ(a.status, 200) << a.body;
+  ASSERT_EQ(b.status, 200) << b.body;
+  EXPECT_EQ(b.json["choices"][0]["text"], a.json["choices"][0]["text"]);
+  EXPECT_GT(s.json["tensor_parallel"]["all_reduces_per_forward"].get<int>(), 0);
+  tp->Stop();
+}
+
 TEST(ServerConfigTest, ASecondServerOnABusyPortFailsToStart) {
   auto first = TestServer::Start({.max_batch = 1});
   ASSERT_NE(first, nullptr);

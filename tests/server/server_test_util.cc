@@ -95,6 +95,7 @@ std::unique_ptr<TestServer> TestServer::Start(const ServerConfig& c) {
   o.max_sequences = c.max_batch * (c.prefix_caching ? 2 : 1);
   o.max_batch = c.max_batch;
   o.max_draft_tokens = c.spec_ngram ? c.spec_k : 0;
+  o.tp = c.tp;
   auto engine = LoadEngine(o);
   if (!engine.ok()) {
     ADD_FAILURE() << engine.status().message();

@@ -36,6 +36,7 @@ struct ServerConfig {
   std::string model_dir;  // empty: TinyModelDir()
   bool spec_ngram = false;   // speculative decoding with the n-gram drafter (--spec ngram)
   int spec_k = 4;
+  int tp = 1;             // tensor-parallel ranks (CPU reference, in-process)
 };
 
 class TestServer {
