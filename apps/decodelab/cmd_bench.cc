@@ -492,8 +492,9 @@ int RunBench(const BenchFlags& f) {
               bytes / 1e9, weight_bytes / 1e9, touched, kv_bytes / 1e9);
   std::printf("  weights/tok  %.3f GB at batch 1: BF16 %.3f, F32 %.4f, FP8 %.3f + scales %.4f (%s)\n", wb.total() / 1e9,
               wb.bf16 / 1e9, wb.f32 / 1e9, wb.fp8 / 1e9, wb.fp8_scales / 1e9,
-              cfg.weight_quant.fp8() ? fmt::format("FP8 weights, {} format", Fp8FormatName(cfg.weight_quant.format)).c_str()
-                                     : "no FP8 weights");
+              cfg.weight_quant.fp8()
+                  ? fmt::format("FP8 weights, {} format", Fp8FormatName(cfg.weight_quant.format)).c_str()
+                  : "no FP8 weights");
   if (copy_gbps > 0) {
     std::printf("  floor        %.4f ms per step at %.0f GB/s copy bandwidth -> %.1f%% of floor (TPOT)%s\n", floor_ms,
                 copy_gbps, 100.0 * floor_ms / tpot,

@@ -137,7 +137,10 @@ Result<EngineOptions> EngineFlags::ToOptions() const {
     o.num_layers = num_layers;
   }
   if (shape_dtype == "fp8") {
-    if (shape.empty()) return InvalidArgument("--shape-dtype fp8 applies only with --shape (a checkpoint's tensors say their own dtype)");
+    if (shape.empty()) {
+      return InvalidArgument(
+          "--shape-dtype fp8 applies only with --shape (a checkpoint's tensors say their own dtype)");
+    }
     Fp8Options f;
     if (!fp8_layout.empty()) {
       DL_ASSIGN_OR_RETURN(f.layout, ParseFp8Layout(fp8_layout));

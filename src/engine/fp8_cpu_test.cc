@@ -1,7 +1,8 @@
-// The CPU reference on FP8 weights is exact dequantisation (docs/fp8.md): an FP8 checkpoint's logits
-// equal, bit for bit, those of an F32 checkpoint holding code x scale (computed in FP32) for every
-// FP8 weight and the BF16 values widened for the rest -- both formats, block (with partial edge
-// blocks), per-channel and per-tensor scales. It is the oracle the CUDA FP8 kernels are tested against.
+// The CPU reference on FP8 weights is exact dequantisation (docs/fp8.md): an FP8 checkpoint's
+// logits equal, bit for bit, those of an F32 checkpoint holding code x scale (computed in FP32) for
+// every FP8 weight and the BF16 values widened for the rest -- both formats, block (with partial
+// edge blocks), per-channel and per-tensor scales. It is the oracle the CUDA FP8 kernels are tested
+// against.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -47,8 +48,8 @@ Status WriteDequantisedF32(const Checkpoint& ck, const std::string& dir) {
   // Scales by weight name, from the weight views (the scale tensors themselves are not written).
   std::map<std::string, const TensorView*> weights;
   for (const LayerWeights& L : ck.weights().layers) {
-    for (const TensorView* t : {&L.q, &L.k, &L.v, &L.o, &L.g, &L.mlp_gate, &L.mlp_up, &L.mlp_down, &L.shared.gate,
-                                &L.shared.up, &L.shared.down}) {
+    for (const TensorView* t : {&L.q, &L.k, &L.v, &L.o, &L.g, &L.mlp_gate, &L.mlp_up, &L.mlp_down,
+                                &L.shared.gate, &L.shared.up, &L.shared.down}) {
       weights[t->name] = t;
     }
     for (const ExpertWeights& e : L.experts) {
@@ -58,7 +59,8 @@ Status WriteDequantisedF32(const Checkpoint& ck, const std::string& dir) {
   std::vector<SafetensorsEntry> entries;
   std::vector<std::vector<float>> values;
   for (const TensorView& t : ck.tensors()) {
-    if (t.name.size() > 6 && (t.name.ends_with("_scale_inv") || t.name.ends_with("weight_scale"))) continue;
+    if (t.name.size() > 6 && (t.name.ends_with("_scale_inv") || t.name.ends_with("weight_scale")))
+      continue;
     std::vector<float> v(static_cast<size_t>(t.numel()));
     if (t.dtype == DType::kF8E4M3) {
       const TensorView& w = *weights.at(t.name);
@@ -66,7 +68,8 @@ Status WriteDequantisedF32(const Checkpoint& ck, const std::string& dir) {
       const auto* codes = static_cast<const uint8_t*>(w.data);
       for (int64_t i = 0; i < t.numel(); ++i) {
         const int64_t r = i / in, col = i % in;
-        v[i] = Fp8E4M3ToFloat(codes[i]) * w.scales[(r / w.block_rows) * col_blocks + col / w.block_cols];
+        v[i] = Fp8E4M3ToFloat(codes[i]) *
+               w.scales[(r / w.block_rows) * col_blocks + col / w.block_cols];
       }
     } else {
       for (int64_t i = 0; i < t.numel(); ++i) v[i] = t.at(i);
@@ -79,7 +82,8 @@ Status WriteDequantisedF32(const Checkpoint& ck, const std::string& dir) {
   return WriteSafetensorsFile(dir + "/model.safetensors", entries, data);
 }
 
-Result<GenerateResult> RunCpu(const std::string& model_dir, std::optional<Fp8Options> shape_fp8 = std::nullopt) {
+Result<GenerateResult> RunCpu(const std::string& model_dir,
+                              std::optional<Fp8Options> shape_fp8 = std::nullopt) {
   EngineOptions o;
   if (shape_fp8) {
     o.shape = "tiny";
@@ -104,11 +108,15 @@ Result<GenerateResult> RunCpu(const std::string& model_dir, std::optional<Fp8Opt
 void ExpectSameBits(const GenerateResult& a, const GenerateResult& b) {
   EXPECT_EQ(a.tokens, b.tokens);
   ASSERT_EQ(a.last_prompt_logits.size(), b.last_prompt_logits.size());
-  EXPECT_EQ(std::memcmp(a.last_prompt_logits.data(), b.last_prompt_logits.data(), a.last_prompt_logits.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(a.last_prompt_logits.data(), b.last_prompt_logits.data(),
+                        a.last_prompt_logits.size() * 4),
+            0);
   ASSERT_EQ(a.step_logits.size(), b.step_logits.size());
   for (size_t s = 0; s < a.step_logits.size(); ++s) {
     ASSERT_EQ(a.step_logits[s].size(), b.step_logits[s].size());
-    EXPECT_EQ(std::memcmp(a.step_logits[s].data(), b.step_logits[s].data(), a.step_logits[s].size() * 4), 0)
+    EXPECT_EQ(
+        std::memcmp(a.step_logits[s].data(), b.step_logits[s].data(), a.step_logits[s].size() * 4),
+        0)
         << "step " << s;
   }
 }

@@ -384,7 +384,9 @@ Result<Checkpoint> Checkpoint::Open(const std::string& dir) {
 
 Result<Checkpoint> MakeSyntheticCheckpoint(const ModelConfig& config, uint64_t seed, DType dtype,
                                            const Fp8Options* fp8) {
-  if (dtype == DType::kF8E4M3) return InvalidArgument("synthetic FP8 weights: pass Fp8Options, with a BF16/F16/F32 dtype for the rest");
+  if (dtype == DType::kF8E4M3) {
+    return InvalidArgument("synthetic FP8 weights: pass Fp8Options, with a BF16/F16/F32 dtype for the rest");
+  }
   Checkpoint ck;
   ck.config_ = config;
   if (fp8 != nullptr) DL_RETURN_IF_ERROR(ApplyFp8Options(&ck.config_, *fp8));
@@ -490,8 +492,8 @@ Result<Checkpoint> MakeShapeOnlyCheckpoint(const ModelConfig& config, const Fp8O
     raw.push_back(RawTensor{TensorView{spec.name, is_fp8 ? DType::kF8E4M3 : DType::kBF16, spec.shape, nullptr},
                             "<shape-only>"});
     if (is_fp8) {
-      raw.push_back(RawTensor{TensorView{spec.name + q.scale_suffix(), DType::kF32, q.ScaleShape(spec.shape[0], spec.shape[1]),
-                                         nullptr},
+      const std::vector<int64_t> scale_shape = q.ScaleShape(spec.shape[0], spec.shape[1]);
+      raw.push_back(RawTensor{TensorView{spec.name + q.scale_suffix(), DType::kF32, scale_shape, nullptr},
                               "<shape-only>"});
     }
   }

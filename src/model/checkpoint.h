@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/dtype.h"
@@ -34,6 +35,12 @@
 namespace dl {
 
 struct TensorView {
+  // (A constructor rather than an aggregate, so TensorView{name, dtype, shape, data} leaves the FP8
+  // fields at their defaults without missing-initializer warnings.)
+  TensorView() = default;
+  TensorView(std::string name_, DType dtype_, std::vector<int64_t> shape_, const void* data_ = nullptr)
+      : name(std::move(name_)), dtype(dtype_), shape(std::move(shape_)), data(data_) {}
+
   std::string name;  // checkpoint name; for fused slices "…gate_up_proj[e].gate" etc.
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;

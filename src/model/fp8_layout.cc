@@ -6,7 +6,9 @@ namespace dl {
 
 using nlohmann::json;
 
-std::string_view Fp8LayoutName(Fp8Layout l) { return l == Fp8Layout::kExport ? "export" : "all-linear"; }
+std::string_view Fp8LayoutName(Fp8Layout l) {
+  return l == Fp8Layout::kExport ? "export" : "all-linear";
+}
 
 Result<Fp8Layout> ParseFp8Layout(std::string_view name) {
   if (name == "export") return Fp8Layout::kExport;
@@ -16,9 +18,12 @@ Result<Fp8Layout> ParseFp8Layout(std::string_view name) {
 
 std::string_view Fp8FormatName(WeightQuantFormat f) {
   switch (f) {
-    case WeightQuantFormat::kNone: return "none";
-    case WeightQuantFormat::kFp8Native: return "native";
-    case WeightQuantFormat::kFp8CompressedTensors: return "compressed-tensors";
+    case WeightQuantFormat::kNone:
+      return "none";
+    case WeightQuantFormat::kFp8Native:
+      return "native";
+    case WeightQuantFormat::kFp8CompressedTensors:
+      return "compressed-tensors";
   }
   return "?";
 }
@@ -31,9 +36,12 @@ Result<WeightQuantFormat> ParseFp8Format(std::string_view name) {
 
 std::string_view Fp8GranularityName(Fp8Granularity g) {
   switch (g) {
-    case Fp8Granularity::kBlock: return "block";
-    case Fp8Granularity::kChannel: return "channel";
-    case Fp8Granularity::kTensor: return "tensor";
+    case Fp8Granularity::kBlock:
+      return "block";
+    case Fp8Granularity::kChannel:
+      return "channel";
+    case Fp8Granularity::kTensor:
+      return "tensor";
   }
   return "?";
 }
@@ -78,34 +86,51 @@ Result<json> BuildQuantizationConfig(const ModelConfig& c, const Fp8Options& o) 
   if (o.granularity == Fp8Granularity::kBlock && (o.block_rows <= 0 || o.block_cols <= 0)) {
     return InvalidArgument("FP8 block shape {}x{} must be positive", o.block_rows, o.block_cols);
   }
-  const json block = o.granularity == Fp8Granularity::kBlock ? json{o.block_rows, o.block_cols} : json(nullptr);
+  const json block =
+      o.granularity == Fp8Granularity::kBlock ? json{o.block_rows, o.block_cols} : json(nullptr);
   if (o.format == WeightQuantFormat::kFp8Native) {
     if (o.granularity == Fp8Granularity::kChannel) {
-      return InvalidArgument("the native fp8 format has block or per-tensor scales only; per-channel scales are "
-                             "a compressed-tensors strategy (--fp8-format compressed-tensors)");
+      return InvalidArgument(
+          "the native fp8 format has block or per-tensor scales only; per-channel scales are "
+          "a compressed-tensors strategy (--fp8-format compressed-tensors)");
     }
     return json{{"activation_scheme", "dynamic"},
                 {"ignored_layers", ignore},
                 {"quant_method", "fp8"},
                 {"weight_block_size", block}};
   }
-  if (o.format != WeightQuantFormat::kFp8CompressedTensors) return InvalidArgument("no FP8 format given");
+  if (o.format != WeightQuantFormat::kFp8CompressedTensors)
+    return InvalidArgument("no FP8 format given");
   const std::string strategy(Fp8GranularityName(o.granularity));
-  json weights = {{"actorder", nullptr},     {"block_structure", block}, {"dynamic", false},
-                  {"group_size", nullptr},   {"num_bits", 8},            {"observer", "minmax"},
-                  {"observer_kwargs", json::object()}, {"strategy", strategy}, {"symmetric", true},
+  json weights = {{"actorder", nullptr},
+                  {"block_structure", block},
+                  {"dynamic", false},
+                  {"group_size", nullptr},
+                  {"num_bits", 8},
+                  {"observer", "minmax"},
+                  {"observer_kwargs", json::object()},
+                  {"strategy", strategy},
+                  {"symmetric", true},
                   {"type", "float"}};
   // What LLM Compressor's FP8 presets declare for activations: per token-group of 128 with block
   // weights, per token otherwise, dynamic. Engines that quantise activations read this; decodelab
   // keeps activations unquantised (docs/fp8.md).
   const bool grouped = o.granularity == Fp8Granularity::kBlock;
-  json acts = {{"actorder", nullptr}, {"block_structure", nullptr}, {"dynamic", true},
+  json acts = {{"actorder", nullptr},
+               {"block_structure", nullptr},
+               {"dynamic", true},
                {"group_size", grouped ? json(o.block_cols) : json(nullptr)},
-               {"num_bits", 8},       {"observer", nullptr},        {"observer_kwargs", json::object()},
-               {"strategy", grouped ? "group" : "token"},           {"symmetric", true},
+               {"num_bits", 8},
+               {"observer", nullptr},
+               {"observer_kwargs", json::object()},
+               {"strategy", grouped ? "group" : "token"},
+               {"symmetric", true},
                {"type", "float"}};
-  json group = {{"format", "float-quantized"}, {"input_activations", acts}, {"output_activations", nullptr},
-                {"targets", {"Linear"}},       {"weights", weights}};
+  json group = {{"format", "float-quantized"},
+                {"input_activations", acts},
+                {"output_activations", nullptr},
+                {"targets", {"Linear"}},
+                {"weights", weights}};
   return json{{"config_groups", {{"group_0", group}}},
               {"format", "float-quantized"},
               {"global_compression_ratio", nullptr},

@@ -57,10 +57,12 @@ Result<WeightQuantization> Parse(const json& q) {
 
 void ExpectError(const Status& s, std::initializer_list<std::string> parts) {
   ASSERT_FALSE(s.ok()) << "expected an error mentioning " << *parts.begin();
-  for (const auto& p : parts) EXPECT_NE(s.message().find(p), std::string::npos) << "'" << p << "' not in: " << s.message();
+  for (const auto& p : parts)
+    EXPECT_NE(s.message().find(p), std::string::npos) << "'" << p << "' not in: " << s.message();
 }
 
-// The synthetic rule written out independently: per block amax, scale amax / 448, code of v / scale.
+// The synthetic rule written out independently: per block amax, scale amax / 448, code of v /
+// scale.
 void ReferenceQuantize(const TensorSpec& s, int64_t br, int64_t bc, std::vector<uint8_t>* codes,
                        std::vector<float>* scales) {
   const int64_t out = s.shape[0], in = s.shape[1];
@@ -73,11 +75,13 @@ void ReferenceQuantize(const TensorSpec& s, int64_t br, int64_t bc, std::vector<
     for (int64_t bj = 0; bj < nc; ++bj) {
       float amax = 0.0f;
       for (int64_t r = bi * br; r < std::min(out, (bi + 1) * br); ++r)
-        for (int64_t c = bj * bc; c < std::min(in, (bj + 1) * bc); ++c) amax = std::max(amax, std::fabs(v[r * in + c]));
+        for (int64_t c = bj * bc; c < std::min(in, (bj + 1) * bc); ++c)
+          amax = std::max(amax, std::fabs(v[r * in + c]));
       const float scale = amax == 0.0f ? 1.0f : amax / 448.0f;
       (*scales)[bi * nc + bj] = scale;
       for (int64_t r = bi * br; r < std::min(out, (bi + 1) * br); ++r)
-        for (int64_t c = bj * bc; c < std::min(in, (bj + 1) * bc); ++c) (*codes)[r * in + c] = FloatToFp8E4M3(v[r * in + c] / scale);
+        for (int64_t c = bj * bc; c < std::min(in, (bj + 1) * bc); ++c)
+          (*codes)[r * in + c] = FloatToFp8E4M3(v[r * in + c] / scale);
     }
   }
 }
@@ -98,7 +102,8 @@ TEST(Fp8ConfigTest, BothFormatsAndEveryGranularityParse) {
   ASSERT_TRUE(per_tensor.ok());
   EXPECT_EQ(per_tensor->granularity, Fp8Granularity::kTensor);
 
-  for (Fp8Granularity g : {Fp8Granularity::kBlock, Fp8Granularity::kChannel, Fp8Granularity::kTensor}) {
+  for (Fp8Granularity g :
+       {Fp8Granularity::kBlock, Fp8Granularity::kChannel, Fp8Granularity::kTensor}) {
     Fp8Options o;
     o.format = WeightQuantFormat::kFp8CompressedTensors;
     o.granularity = g;
@@ -113,15 +118,21 @@ TEST(Fp8ConfigTest, BothFormatsAndEveryGranularityParse) {
   // compressed-tensors "re:" patterns match like Python's re.match.
   EXPECT_TRUE(IgnoreMatcher({"re:.*mlp\\.gate$"}).Matches("model.layers.3.mlp.gate"));
   EXPECT_FALSE(IgnoreMatcher({"re:.*mlp\\.gate$"}).Matches("model.layers.3.mlp.gate_proj"));
-  EXPECT_TRUE(IgnoreMatcher({"lm_head", "model.layers.1"}).Matches("model.layers.1.mlp.experts.0.up_proj"));
+  EXPECT_TRUE(
+      IgnoreMatcher({"lm_head", "model.layers.1"}).Matches("model.layers.1.mlp.experts.0.up_proj"));
 }
 
 TEST(Fp8ConfigTest, UnknownOrUnsupportedValuesAreErrors) {
-  ExpectError(Parse({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"colour", "blue"}}).status(),
-              {"unknown key 'colour'"});
-  ExpectError(Parse({{"quant_method", "fp8"}, {"activation_scheme", "static"}}).status(), {"activation_scheme", "static"});
-  ExpectError(Parse({{"quant_method", "fp8"}, {"weight_block_size", {128}}}).status(), {"weight_block_size"});
-  ExpectError(Parse({{"quant_method", "fp8"}, {"scale_fmt", "ue8m0"}}).status(), {"scale_fmt", "ue8m0"});
+  ExpectError(
+      Parse({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}, {"colour", "blue"}})
+          .status(),
+      {"unknown key 'colour'"});
+  ExpectError(Parse({{"quant_method", "fp8"}, {"activation_scheme", "static"}}).status(),
+              {"activation_scheme", "static"});
+  ExpectError(Parse({{"quant_method", "fp8"}, {"weight_block_size", {128}}}).status(),
+              {"weight_block_size"});
+  ExpectError(Parse({{"quant_method", "fp8"}, {"scale_fmt", "ue8m0"}}).status(),
+              {"scale_fmt", "ue8m0"});
   ExpectError(Parse({{"quant_method", "awq"}}).status(), {"quant_method \"awq\""});
   Fp8Options o;
   o.format = WeightQuantFormat::kFp8CompressedTensors;
@@ -145,10 +156,12 @@ TEST(Fp8ConfigTest, UnknownOrUnsupportedValuesAreErrors) {
   WeightQuantization w;
   std::string method;
   bool weights = true;
-  ASSERT_TRUE(ParseQuantizationConfig({{"quant_method", "compressed-tensors"},
-                                       {"kv_cache_scheme", {{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}}}},
-                                      &w, &method, &weights)
-                  .ok());
+  ASSERT_TRUE(
+      ParseQuantizationConfig(
+          {{"quant_method", "compressed-tensors"},
+           {"kv_cache_scheme", {{"num_bits", 8}, {"type", "float"}, {"strategy", "tensor"}}}},
+          &w, &method, &weights)
+          .ok());
   EXPECT_FALSE(weights);
   EXPECT_FALSE(w.fp8());
 }
@@ -158,11 +171,16 @@ TEST(Fp8LayoutTest, ExportIsTheRoutedExpertsOfLayersBelow44AllLinearSkipsHeadRou
   ASSERT_TRUE(s21.ok());
   int64_t export_fp8 = 0, all_fp8 = 0;
   for (const TensorSpec& s : CheckpointTensorSpecs(*s21)) {
-    const bool e = Fp8LayoutQuantizes(Fp8Layout::kExport, s), a = Fp8LayoutQuantizes(Fp8Layout::kAllLinear, s);
+    const bool e = Fp8LayoutQuantizes(Fp8Layout::kExport, s),
+               a = Fp8LayoutQuantizes(Fp8Layout::kAllLinear, s);
     export_fp8 += e;
     all_fp8 += a;
-    if (e) EXPECT_NE(s.name.find(".mlp.experts."), std::string::npos) << s.name;
-    if (s.name.find("g_proj") != std::string::npos || s.kind != TensorKind::kLinear) EXPECT_FALSE(a) << s.name;
+    if (e) {
+      EXPECT_NE(s.name.find(".mlp.experts."), std::string::npos) << s.name;
+    }
+    if (s.name.find("g_proj") != std::string::npos || s.kind != TensorKind::kLinear) {
+      EXPECT_FALSE(a) << s.name;
+    }
   }
   // laguna-checkpoints.md §2.2: exactly 33,024 FP8 weight/scale pairs = 43 x 768.
   EXPECT_EQ(export_fp8, 33024);
@@ -180,12 +198,16 @@ TEST(Fp8CheckpointTest, MakeModelRoundTripsEveryFormatAndGranularity) {
     Fp8Granularity g;
     Fp8Layout layout;
   };
-  for (const Case& k : {Case{WeightQuantFormat::kFp8Native, Fp8Granularity::kBlock, Fp8Layout::kAllLinear},
-                        Case{WeightQuantFormat::kFp8Native, Fp8Granularity::kTensor, Fp8Layout::kExport},
-                        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kBlock, Fp8Layout::kExport},
-                        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kChannel, Fp8Layout::kAllLinear},
-                        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kTensor, Fp8Layout::kAllLinear}}) {
-    SCOPED_TRACE(fmt::format("{} {} {}", Fp8FormatName(k.format), Fp8GranularityName(k.g), Fp8LayoutName(k.layout)));
+  for (const Case& k :
+       {Case{WeightQuantFormat::kFp8Native, Fp8Granularity::kBlock, Fp8Layout::kAllLinear},
+        Case{WeightQuantFormat::kFp8Native, Fp8Granularity::kTensor, Fp8Layout::kExport},
+        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kBlock, Fp8Layout::kExport},
+        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kChannel,
+             Fp8Layout::kAllLinear},
+        Case{WeightQuantFormat::kFp8CompressedTensors, Fp8Granularity::kTensor,
+             Fp8Layout::kAllLinear}}) {
+    SCOPED_TRACE(fmt::format("{} {} {}", Fp8FormatName(k.format), Fp8GranularityName(k.g),
+                             Fp8LayoutName(k.layout)));
     TempDir tmp;
     Fp8Options f;
     f.format = k.format;
@@ -208,7 +230,8 @@ TEST(Fp8CheckpointTest, MakeModelRoundTripsEveryFormatAndGranularity) {
     auto mem = MakeSyntheticCheckpoint(c, 7, DType::kBF16, &f);
     ASSERT_TRUE(mem.ok()) << mem.status().message();
     EXPECT_EQ(ck->config().quantization_config, mem->config().quantization_config);
-    EXPECT_EQ(ck->config().quant_method, k.format == WeightQuantFormat::kFp8Native ? "fp8" : "compressed-tensors");
+    EXPECT_EQ(ck->config().quant_method,
+              k.format == WeightQuantFormat::kFp8Native ? "fp8" : "compressed-tensors");
     // Every tensor (codes, scales, BF16 values) byte-identical to the in-memory build.
     std::map<std::string, const TensorView*> file;
     for (const TensorView& t : ck->tensors()) file[t.name] = &t;
@@ -245,11 +268,13 @@ TEST(Fp8CheckpointTest, MakeModelRoundTripsEveryFormatAndGranularity) {
     EXPECT_EQ(L1.g.dtype, DType::kBF16);
     EXPECT_EQ(L1.router.dtype, DType::kBF16);
     EXPECT_EQ(ck->weights().lm_head.dtype, DType::kBF16);
-    EXPECT_EQ(L1.shared.up.dtype, k.layout == Fp8Layout::kAllLinear ? DType::kF8E4M3 : DType::kBF16);
+    EXPECT_EQ(L1.shared.up.dtype,
+              k.layout == Fp8Layout::kAllLinear ? DType::kF8E4M3 : DType::kBF16);
     // The BF16 tensors are those of a plain BF16 make-model.
     auto bf16 = MakeSyntheticCheckpoint(c, 7, DType::kBF16);
     ASSERT_TRUE(bf16.ok());
-    EXPECT_EQ(std::memcmp(L1.router.data, bf16->weights().layers[1].router.data, L1.router.nbytes()), 0);
+    EXPECT_EQ(
+        std::memcmp(L1.router.data, bf16->weights().layers[1].router.data, L1.router.nbytes()), 0);
   }
 }
 
@@ -334,7 +359,8 @@ TEST(Fp8CheckpointTest, BrokenScalesAndMisplacedFp8AreErrorsNamingTheTensor) {
     Find(t, s)->bytes.resize(8);
     ExpectError(WriteAndOpen(tmp / "shape", cfg, t), {s, "[2, 1]", "[1, 1]"});
   }
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     auto t = good;
     std::memcpy(Find(t, s)->bytes.data(), &bad, 4);
     ExpectError(WriteAndOpen(tmp / (std::isnan(bad) ? "nan" : "inf"), cfg, t), {s, "non-finite"});
@@ -351,12 +377,15 @@ TEST(Fp8CheckpointTest, BrokenScalesAndMisplacedFp8AreErrorsNamingTheTensor) {
     Owned* x = Find(t, "model.embed_tokens.weight");
     x->dtype = DType::kF8E4M3;
     x->bytes.resize(x->bytes.size() / 2);
-    ExpectError(WriteAndOpen(tmp / "embed", cfg, t), {"model.embed_tokens.weight", "only linear layers"});
+    ExpectError(WriteAndOpen(tmp / "embed", cfg, t),
+                {"model.embed_tokens.weight", "only linear layers"});
   }
   {
     auto t = good;  // a scale beside a BF16 weight
-    t.push_back(Owned{"model.layers.1.mlp.gate.weight_scale_inv", DType::kF32, {1, 1}, {0, 0, 128, 63}});
-    ExpectError(WriteAndOpen(tmp / "stray", cfg, t), {"model.layers.1.mlp.gate.weight_scale_inv", "not an FP8 weight"});
+    t.push_back(
+        Owned{"model.layers.1.mlp.gate.weight_scale_inv", DType::kF32, {1, 1}, {0, 0, 128, 63}});
+    ExpectError(WriteAndOpen(tmp / "stray", cfg, t),
+                {"model.layers.1.mlp.gate.weight_scale_inv", "not an FP8 weight"});
   }
   {
     auto t = good;  // compressed-tensors names in a native checkpoint
@@ -366,7 +395,8 @@ TEST(Fp8CheckpointTest, BrokenScalesAndMisplacedFp8AreErrorsNamingTheTensor) {
   {
     json c2 = cfg;  // the config says the module stays BF16, the header says FP8
     c2["quantization_config"]["ignored_layers"].push_back("model.layers.1.mlp.experts.2");
-    ExpectError(WriteAndOpen(tmp / "ignored", c2, good), {"model.layers.1.mlp.experts.2.", "not quantised"});
+    ExpectError(WriteAndOpen(tmp / "ignored", c2, good),
+                {"model.layers.1.mlp.experts.2.", "not quantised"});
   }
   {
     json c2 = cfg;  // FP8 tensors without any quantization_config

@@ -21,7 +21,8 @@ namespace dl {
 enum class WeightQuantFormat : uint8_t {
   kNone,                  // no weight quantisation (possibly a KV-only compressed-tensors config)
   kFp8Native,             // quant_method "fp8": F32 `<weight>_scale_inv`
-  kFp8CompressedTensors,  // quant_method "compressed-tensors", float-quantized: F32 `<weight>_scale`
+  kFp8CompressedTensors,  // quant_method "compressed-tensors", float-quantized: F32
+                          // `<weight>_scale`
 };
 
 // How one FP8 weight's scales are laid out over its [out, in] elements.
@@ -42,23 +43,35 @@ struct WeightQuantization {
 
   bool fp8() const { return format != WeightQuantFormat::kNone; }
   // "_scale_inv" (native) or "_scale" (compressed-tensors), appended to the weight's name.
-  const char* scale_suffix() const { return format == WeightQuantFormat::kFp8Native ? "_scale_inv" : "_scale"; }
-  // The block shape of an [out, in] weight, as WeightRef carries it (per-channel (1, in), per-tensor
-  // (out, in)).
+  const char* scale_suffix() const {
+    return format == WeightQuantFormat::kFp8Native ? "_scale_inv" : "_scale";
+  }
+  // The block shape of an [out, in] weight, as WeightRef carries it (per-channel (1, in),
+  // per-tensor (out, in)).
   void BlockShape(int64_t out, int64_t in, int64_t* rows, int64_t* cols) const {
     switch (granularity) {
-      case Fp8Granularity::kBlock: *rows = block_rows, *cols = block_cols; return;
-      case Fp8Granularity::kChannel: *rows = 1, *cols = in; return;
-      case Fp8Granularity::kTensor: *rows = out, *cols = in; return;
+      case Fp8Granularity::kBlock:
+        *rows = block_rows, *cols = block_cols;
+        return;
+      case Fp8Granularity::kChannel:
+        *rows = 1, *cols = in;
+        return;
+      case Fp8Granularity::kTensor:
+        *rows = out, *cols = in;
+        return;
     }
   }
   // The shape the scale tensor of an [out, in] weight is stored with: [ceil(out / block_rows),
-  // ceil(in / block_cols)], [out, 1] per channel, [1] per tensor (as compressed-tensors writes them).
+  // ceil(in / block_cols)], [out, 1] per channel, [1] per tensor (as compressed-tensors writes
+  // them).
   std::vector<int64_t> ScaleShape(int64_t out, int64_t in) const {
     switch (granularity) {
-      case Fp8Granularity::kBlock: return {(out + block_rows - 1) / block_rows, (in + block_cols - 1) / block_cols};
-      case Fp8Granularity::kChannel: return {out, 1};
-      case Fp8Granularity::kTensor: return {1};
+      case Fp8Granularity::kBlock:
+        return {(out + block_rows - 1) / block_rows, (in + block_cols - 1) / block_cols};
+      case Fp8Granularity::kChannel:
+        return {out, 1};
+      case Fp8Granularity::kTensor:
+        return {1};
     }
     return {};
   }
@@ -81,7 +94,7 @@ class IgnoreMatcher {
 // checked: an unknown key, or a value this engine cannot honour (static activation scales, another
 // bit width, a transform, scale_fmt ue8m0, ...) is an InvalidArgument/Unimplemented naming it.
 // `*quantizes_weights` is false for a compressed-tensors config that only describes the KV cache.
-Status ParseQuantizationConfig(const nlohmann::json& q, WeightQuantization* out, std::string* quant_method,
-                               bool* quantizes_weights);
+Status ParseQuantizationConfig(const nlohmann::json& q, WeightQuantization* out,
+                               std::string* quant_method, bool* quantizes_weights);
 
 }  // namespace dl
