@@ -262,14 +262,8 @@ int RunBench(const BenchFlags& f) {
   }
   std::vector<int32_t> file_prompt;
   if (!f.prompt_file.empty()) {
-    int64_t vocab_size = 0;
-    if (!opts->shape.empty()) {
-      auto c = ShapeConfig(opts->shape, opts->num_layers);
-      if (!c.ok()) return ReportError(c.status());
-      vocab_size = c->vocab_size;
-    }
     std::string no_tokenizer;
-    auto tokenizer = LoadModelTokenizer(*opts, vocab_size, &no_tokenizer);
+    auto tokenizer = LoadModelTokenizer(*opts, &no_tokenizer);
     if (!tokenizer.ok()) return ReportError(tokenizer.status());
     if (!*tokenizer) return ReportError(InvalidArgument("--prompt-file needs the model's tokenizer ({})", no_tokenizer));
     auto text = ReadRegularFile(f.prompt_file, 16 << 20);

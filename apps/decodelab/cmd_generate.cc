@@ -40,14 +40,8 @@ int RunGenerate(const GenerateFlags& f) {
     return ReportError(InvalidArgument("give exactly one of --prompt TEXT or --prompt-ids IDS"));
   }
   // The tokenizer, for a text prompt and to print the output as text.
-  int64_t vocab_size = 0;
-  if (!opts->shape.empty()) {
-    auto c = ShapeConfig(opts->shape, opts->num_layers);
-    if (!c.ok()) return ReportError(c.status());
-    vocab_size = c->vocab_size;
-  }
   std::string no_tokenizer;
-  auto tokenizer = LoadModelTokenizer(*opts, vocab_size, &no_tokenizer);
+  auto tokenizer = LoadModelTokenizer(*opts, &no_tokenizer);
   if (!tokenizer.ok()) return ReportError(tokenizer.status());
   if (!f.prompt.empty() && !*tokenizer) {
     return ReportError(

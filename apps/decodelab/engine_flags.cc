@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "model/hf_cache.h"
+#include "model/shapes.h"
 #include "tokenizer/tokenizer_writer.h"
 
 #include "kernels/tuning.h"
@@ -206,8 +207,7 @@ Result<std::vector<int32_t>> ParseIdList(const std::string& text) {
   return ids;
 }
 
-Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& o, int64_t vocab_size,
-                                                    std::string* why) {
+Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& o, std::string* why) {
   if (!o.model_dir.empty()) {
     if (!std::filesystem::exists(std::filesystem::path(o.model_dir) / "tokenizer.json")) {
       *why = o.model_dir + " has no tokenizer.json";
@@ -216,6 +216,8 @@ Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& o, int6
     DL_ASSIGN_OR_RETURN(Tokenizer t, Tokenizer::FromFile(o.model_dir));
     return std::optional<Tokenizer>(std::move(t));
   }
+  DL_ASSIGN_OR_RETURN(ModelConfig shape, ShapeConfig(o.shape, o.num_layers));
+  const int64_t vocab_size = shape.vocab_size;
   if (vocab_size < MinSmallTokenizerVocabSize()) {
     *why = fmt::format("--shape {} has a vocabulary of {}, too small for the generated tokenizer",
                        o.shape, vocab_size);

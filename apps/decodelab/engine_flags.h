@@ -65,7 +65,6 @@ Result<std::vector<int32_t>> ParseIdList(const std::string& text);
 
 // The model's tokenizer: <model_dir>/tokenizer.json, or for --shape the small tokenizer make-model
 // writes for that vocabulary. nullopt with `why` when the model has none.
-Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& options, int64_t vocab_size,
-                                                    std::string* why);
+Result<std::optional<Tokenizer>> LoadModelTokenizer(const EngineOptions& options, std::string* why);
 
 }  // namespace dl::app
