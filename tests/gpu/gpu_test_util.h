@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "kernels/common.h"
+#include "kernels/ops.h"
 
 #define SKIP_WITHOUT_GPU()                                                  \
   do {                                                                      \
@@ -79,6 +82,29 @@ inline void ExpectClose(const std::vector<bf16>& got, const std::vector<bf16>& w
                      << " elements outside tolerance; first at " << first << " got "
                      << Bf16ToFloat(got[first]) << " want " << Bf16ToFloat(want[first])
                      << "; max abs err " << worst;
+}
+
+// A shuffled subset (T / 2 + 1 of the T tokens, order from `seed`) of a MoE launch's tokens, run as a
+// batch of its own with the same parameters, gives each token the row it got among all T (y_all:
+// [T, d]): the grouping never changes a token's bits.
+inline void ExpectShuffledSubsetGivesTheSameRows(const MoeParams& p, const std::vector<bf16>& x,
+                                                 const std::vector<bf16>& y_all, uint32_t seed) {
+  const int T = p.num_tokens, d = p.d;
+  std::vector<int> pick(T);
+  std::iota(pick.begin(), pick.end(), 0);
+  std::shuffle(pick.begin(), pick.end(), std::mt19937(seed));
+  pick.resize(T / 2 + 1);
+  std::vector<bf16> xs;
+  for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * d, x.begin() + static_cast<size_t>(t + 1) * d);
+  auto d_xs = Upload(xs);
+  const int n = static_cast<int>(pick.size());
+  auto d_ys = Alloc(static_cast<size_t>(n) * d * 2), d_idss = Alloc(static_cast<size_t>(n) * p.top_k * 4);
+  MoeParams sub = p;
+  sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
+  ASSERT_OK(Moe(sub, nullptr));
+  Sync();
+  const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * d);
+  for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, d, i, 1), Rows(y_all, d, pick[i], 1)) << "token " << pick[i];
 }
 
 }  // namespace dl::kernels::gpu_test

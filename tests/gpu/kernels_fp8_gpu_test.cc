@@ -398,21 +398,8 @@ void ExpectGroupedMatchesAloneAndReference(const MoeShape& c, int T) {
         ExpectClose(Rows(y_all, c.d, t, 1), y_ref, MoeAtol(y_ref), 1.0f / 32, "grouped fp8 moe token " + std::to_string(t));
       }
     }
-    std::vector<int> pick(T);
-    std::iota(pick.begin(), pick.end(), 0);
-    std::shuffle(pick.begin(), pick.end(), std::mt19937(7));
-    pick.resize(T / 2 + 1);
-    std::vector<bf16> xs;
-    for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * c.d, x.begin() + static_cast<size_t>(t + 1) * c.d);
-    auto d_xs = Upload(xs);
-    const int n = static_cast<int>(pick.size());
-    auto d_ys = Alloc(static_cast<size_t>(n) * c.d * 2), d_idss = Alloc(static_cast<size_t>(n) * c.k * 4);
-    MoeParams sub = p;
-    sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
-    ASSERT_OK(Moe(sub, nullptr));
-    Sync();
-    const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * c.d);
-    for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, c.d, i, 1), Rows(y_all, c.d, pick[i], 1)) << "token " << pick[i];
+    // A shuffled subset of the tokens in another batch: the same rows.
+    ExpectShuffledSubsetGivesTheSameRows(p, x, y_all, 7);
   }
 }
 

@@ -936,21 +936,7 @@ TEST(MoeGpu, GroupedPathMatchesEveryTokenAlone) {
       ASSERT_EQ(Download<bf16>(d_y1, sh.d), Rows(y_all, sh.d, t, 1)) << "token " << t;
     }
     // A shuffled subset of the tokens in another batch: the same rows.
-    std::vector<int> pick(T);
-    std::iota(pick.begin(), pick.end(), 0);
-    std::shuffle(pick.begin(), pick.end(), std::mt19937(7));
-    pick.resize(T / 2 + 1);
-    std::vector<bf16> xs;
-    for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * sh.d, x.begin() + static_cast<size_t>(t + 1) * sh.d);
-    auto d_xs = Upload(xs);
-    const int n = static_cast<int>(pick.size());
-    auto d_ys = Alloc(static_cast<size_t>(n) * sh.d * 2), d_idss = Alloc(static_cast<size_t>(n) * sh.k * 4);
-    MoeParams sub = p;
-    sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
-    ASSERT_OK(Moe(sub, nullptr));
-    Sync();
-    const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * sh.d);
-    for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, sh.d, i, 1), Rows(y_all, sh.d, pick[i], 1)) << "token " << pick[i];
+    ExpectShuffledSubsetGivesTheSameRows(p, x, y_all, 7);
   }
   // The grouped path needs the selected ids.
   const RandomMoeLayer layer(16, 4, 512, 128, 64, 6000, 602, 603);
@@ -1039,21 +1025,7 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
       ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe mma y, token " + std::to_string(t));
     }
     // A shuffled subset of the tokens in another batch: the same rows.
-    std::vector<int> pick(T);
-    std::iota(pick.begin(), pick.end(), 0);
-    std::shuffle(pick.begin(), pick.end(), std::mt19937(9));
-    pick.resize(T / 2 + 1);
-    std::vector<bf16> xs;
-    for (int t : pick) xs.insert(xs.end(), x.begin() + static_cast<size_t>(t) * sh.d, x.begin() + static_cast<size_t>(t + 1) * sh.d);
-    auto d_xs = Upload(xs);
-    const int n = static_cast<int>(pick.size());
-    auto d_ys = Alloc(static_cast<size_t>(n) * sh.d * 2), d_idss = Alloc(static_cast<size_t>(n) * sh.k * 4);
-    MoeParams sub = p;
-    sub.num_tokens = n, sub.x = d_xs.as<bf16>(), sub.y = d_ys.as<bf16>(), sub.topk_ids = d_idss.as<int32_t>();
-    ASSERT_OK(Moe(sub, nullptr));
-    Sync();
-    const auto ys = Download<bf16>(d_ys, static_cast<size_t>(n) * sh.d);
-    for (int i = 0; i < n; ++i) EXPECT_EQ(Rows(ys, sh.d, i, 1), Rows(y_all, sh.d, pick[i], 1)) << "token " << pick[i];
+    ExpectShuffledSubsetGivesTheSameRows(p, x, y_all, 9);
   }
 }
 
