@@ -14,26 +14,16 @@
 #include "model/model_writer.h"
 #include "model/safetensors.h"
 #include "model/shapes.h"
+#include "tests/common/temp_dir.h"
 
 namespace dl {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "dl_fp8_cpu_test-XXXXXX").string();
-    path_ = ::mkdtemp(t.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& s) const { return (fs::path(path_) / s).string(); }
-
- private:
-  std::string path_;
+// Each test's own directory (dl_fp8_cpu_test-XXXXXX).
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("dl_fp8_cpu_test") {}
 };
 
 // Writes `ck` as an F32 checkpoint without quantization_config: FP8 weights dequantised as

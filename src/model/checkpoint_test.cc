@@ -13,6 +13,7 @@
 #include "model/model_writer.h"
 #include "model/safetensors.h"
 #include "model/shapes.h"
+#include "tests/common/temp_dir.h"
 
 namespace dl {
 namespace {
@@ -20,21 +21,9 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "dl_model_test-XXXXXX").string();
-    path_ = ::mkdtemp(t.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& s) const { return (fs::path(path_) / s).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+// Each test's own directory (dl_model_test-XXXXXX).
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("dl_model_test") {}
 };
 
 struct Owned {

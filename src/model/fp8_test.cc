@@ -17,6 +17,7 @@
 #include "model/safetensors.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
+#include "tests/common/temp_dir.h"
 
 namespace dl {
 namespace {
@@ -24,20 +25,9 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "dl_fp8_test-XXXXXX").string();
-    path_ = ::mkdtemp(t.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& s) const { return (fs::path(path_) / s).string(); }
-
- private:
-  std::string path_;
+// Each test's own directory (dl_fp8_test-XXXXXX).
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("dl_fp8_test") {}
 };
 
 ModelConfig Tiny(int layers = 3) {
