@@ -12,6 +12,7 @@ namespace {
 
 using testing_scheduler::Collected;
 using testing_scheduler::Drain;
+using testing_scheduler::SubmitAndDrain;
 using testing_scheduler::TinyCpuEngine;
 
 std::vector<int32_t> Prompt(int32_t n, int32_t salt) {
@@ -44,19 +45,14 @@ std::vector<std::vector<int32_t>> AloneOutputs(const std::vector<std::vector<int
 // Every prompt submitted at once (greedy, ignore_eos); each one's collected output.
 std::vector<Collected> RunTogether(Scheduler& sched, const std::vector<std::vector<int32_t>>& prompts,
                                    int32_t max_tokens) {
-  std::vector<std::shared_ptr<RequestState>> states;
+  std::vector<GenerationRequest> requests;
   for (const auto& p : prompts) {
-    GenerationRequest r;
+    GenerationRequest& r = requests.emplace_back();
     r.prompt = p;
     r.sampling.max_tokens = max_tokens;
     r.sampling.ignore_eos = true;
-    auto st = sched.Submit(r);
-    EXPECT_TRUE(st.ok()) << st.status().message();
-    if (st.ok()) states.push_back(*st);
   }
-  std::vector<Collected> out;
-  for (auto& st : states) out.push_back(Drain(*st));
-  return out;
+  return SubmitAndDrain(sched, std::move(requests));
 }
 
 TEST(SchedulerTest, GreedyOutputsEqualGenerateGreedyWhateverElseRuns) {

@@ -13,7 +13,7 @@ namespace dl {
 namespace {
 
 using testing_scheduler::Collected;
-using testing_scheduler::Drain;
+using testing_scheduler::SubmitAndDrain;
 
 constexpr int32_t kTinyVocab = 512;
 
@@ -219,14 +219,9 @@ std::vector<Collected> RunScheduler(Engine& engine, const std::vector<Req>& reqs
   so.num_draft_tokens = k;
   Scheduler sched(engine, so);
   sched.Start();
-  std::vector<std::shared_ptr<RequestState>> states;
-  for (const Req& r : reqs) {
-    auto st = sched.Submit({r.prompt, r.sampling});
-    EXPECT_TRUE(st.ok()) << st.status().message();
-    if (st.ok()) states.push_back(*st);
-  }
-  std::vector<Collected> out;
-  for (auto& st : states) out.push_back(Drain(*st));
+  std::vector<GenerationRequest> requests;
+  for (const Req& r : reqs) requests.push_back({r.prompt, r.sampling});
+  std::vector<Collected> out = SubmitAndDrain(sched, std::move(requests));
   sched.Stop();
   if (stats) *stats = sched.Stats();
   EXPECT_EQ(UsedPages(engine), 0);

@@ -51,4 +51,18 @@ inline Collected Drain(RequestState& st) {
   return c;
 }
 
+// Submits every request at once, then collects each one's output in submission order (a request the
+// scheduler refuses fails the test and is left out).
+inline std::vector<Collected> SubmitAndDrain(Scheduler& sched, std::vector<GenerationRequest> requests) {
+  std::vector<std::shared_ptr<RequestState>> states;
+  for (GenerationRequest& r : requests) {
+    auto st = sched.Submit(std::move(r));
+    EXPECT_TRUE(st.ok()) << st.status().message();
+    if (st.ok()) states.push_back(*st);
+  }
+  std::vector<Collected> out;
+  for (auto& st : states) out.push_back(Drain(*st));
+  return out;
+}
+
 }  // namespace dl::testing_scheduler
