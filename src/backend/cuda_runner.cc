@@ -129,7 +129,7 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
   const int64_t D = c.head_dim;
-  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s(), opt.synthetic_fp8));
+  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
   rope[0] = ComputeRopeTable(c.rope_full, D);
   rope[1] = ComputeRopeTable(c.rope_sliding, D);
   for (int i = 0; i < 2; ++i) {

@@ -6,7 +6,6 @@
 // the same at every batch size and in every bucket.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -28,10 +27,6 @@ struct CudaRunnerOptions {
   // For a shape-only checkpoint (null data): generate each tensor on the device with this seed,
   // by the formula of model/synthetic.h.
   uint64_t synthetic_seed = 0;
-  // For a shape-only checkpoint: the tensors generated as FP8 (codes + 128x128 block scales) instead of
-  // BF16 (backend/cuda_weights.h SyntheticFp8Choice: the hook of the shape-only FP8 layouts; e.g.
-  // SyntheticFp8AllLinear). Empty: only views whose dtype is F8_E4M3.
-  std::function<bool(const std::string& tensor_name)> synthetic_fp8;
   // Timing experiments only (bench --skip-ops): leave these op families out of every forward, to
   // measure what each costs inside the real step. Outputs are then wrong; Describe() lists them.
   // Names: kSkippableOps.

@@ -22,19 +22,15 @@ using kernels::bf16;
 // Uploads tensors into buffers it owns and describes them as WeightRefs.
 class CudaWeightsBuilder {
  public:
-  CudaWeightsBuilder(CudaWeights& w, const Checkpoint& ck, uint64_t seed, cudaStream_t s, const SyntheticFp8Choice& fp8)
-      : w_(w), s_(s), synthetic_fp8_(fp8) {
+  CudaWeightsBuilder(CudaWeights& w, const Checkpoint& ck, uint64_t seed, cudaStream_t s) : w_(w), s_(s) {
     synthetic_seed_ = seed;
     if (ck.files().empty()) {
       for (TensorSpec& spec : CheckpointTensorSpecs(ck.config())) specs_[spec.name] = spec;
     }
   }
 
-  // Whether a host tensor goes to the device as FP8: FP8 in the checkpoint, or a shape-only tensor
-  // the synthetic choice (or its view's dtype) makes FP8.
-  bool IsFp8(const WeightRef& t) const {
-    return t.dtype == DType::kF8E4M3 || (t.data == nullptr && synthetic_fp8_ && synthetic_fp8_(t.name));
-  }
+  // Whether a host tensor goes to the device as FP8 (in a file or as a shape-only view).
+  static bool IsFp8(const WeightRef& t) { return t.dtype == DType::kF8E4M3; }
   // The FP8 block shape the device copy of t will have: its own, or for a shape-only tensor that
   // names none, the synthetic 128 x 128.
   void Fp8Blocks(const WeightRef& t, int64_t* br, int64_t* bc) const {
@@ -258,15 +254,14 @@ class CudaWeightsBuilder {
 
   CudaWeights& w_;
   cudaStream_t s_;
-  SyntheticFp8Choice synthetic_fp8_;
   uint64_t synthetic_seed_ = 0;
   std::unordered_map<std::string, TensorSpec> specs_;
 };
 
 Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint& ck, uint64_t synthetic_seed,
-                                                         CUstream_st* stream, const SyntheticFp8Choice& synthetic_fp8) {
+                                                         CUstream_st* stream) {
   std::unique_ptr<CudaWeights> w(new CudaWeights());
-  CudaWeightsBuilder b(*w, ck, synthetic_seed, stream, synthetic_fp8);
+  CudaWeightsBuilder b(*w, ck, synthetic_seed, stream);
   // The host's description of every weight (dtype, data, FP8 scales and block shape).
   const LagunaWeights host = HostLagunaWeights(ck.weights());
   LagunaWeights& r = w->refs_;
@@ -314,18 +309,10 @@ Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint& ck, u
 
 #else
 
-Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint&, uint64_t, CUstream_st*,
-                                                         const SyntheticFp8Choice&) {
+Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint&, uint64_t, CUstream_st*) {
   return Unavailable("this build of decodelab has no CUDA backend");
 }
 
 #endif
-
-bool SyntheticFp8AllLinear(const std::string& name) {
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (name == "lm_head.weight" || has("g_proj") || has("embed_tokens")) return false;
-  // q/k/v/o, dense MLP and expert gate/up/down projections; the router is `mlp.gate.weight`.
-  return has("_proj.weight") && !has(".mlp.gate.weight");
-}
 
 }  // namespace dl

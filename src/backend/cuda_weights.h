@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,24 +19,17 @@
 
 namespace dl {
 
-// Shape-only checkpoints (no data): whether tensor `name` is generated as FP8 (E4M3 codes and FP32
-// block scales, the FP8 contract's rule on the synthetic formula's FP32 value) instead of BF16.
-// HOOK for the shape-only FP8 layouts (helper `fp8`'s `--fp8-layout export|all-linear` for --shape):
-// give the shape-only views dtype F8_E4M3 (their WeightRefs' block_rows / block_cols, when set, are the
-// block shape; else 128 x 128), or pass the layout's predicate as CudaRunnerOptions::synthetic_fp8.
-using SyntheticFp8Choice = std::function<bool(const std::string& tensor_name)>;
-// The FP8 contract's `all-linear` layout: every linear (attention q/k/v/o, dense MLP, routed and shared
-// experts) except the LM head, the routers and the attention head gate (g_proj).
-bool SyntheticFp8AllLinear(const std::string& tensor_name);
-// Block shape of synthetic FP8 weights.
+// Shape-only checkpoints (no data) say which tensors are FP8 through their views' dtype
+// (MakeShapeOnlyCheckpoint with Fp8Options: model/fp8_layout.h decides the layout); those are generated
+// on the device as E4M3 codes and FP32 block scales (the FP8 contract's rule on the synthetic formula's
+// FP32 value), in the view's block shape or, where it names none, this one.
 inline constexpr int kSyntheticFp8Block = 128;
 
 class CudaWeights {
  public:
-  // Uploads `checkpoint` to the current device (`synthetic_seed` generates a shape-only one, FP8 where
-  // `synthetic_fp8` says so).
+  // Uploads `checkpoint` to the current device (`synthetic_seed` generates a shape-only one).
   static Result<std::unique_ptr<CudaWeights>> Upload(const Checkpoint& checkpoint, uint64_t synthetic_seed,
-                                                     CUstream_st* stream, const SyntheticFp8Choice& synthetic_fp8 = {});
+                                                     CUstream_st* stream);
 
   const LagunaWeights& refs() const { return refs_; }
   // Device arrays of E pointers to each expert's gate, up and down matrices (sparse layers): BF16

@@ -21,6 +21,7 @@
 #include "model/synthetic.h"
 #include "tests/common/batch_schedule.h"
 #include "tests/common/golden_data.h"
+#include "tests/common/scheduler_util.h"
 
 namespace dl {
 namespace {
@@ -214,8 +215,7 @@ KvScales TestKvScales(int32_t layers) {
 }
 
 Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
-             const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {},
-             const SyntheticFp8Choice& synthetic_fp8 = {}) {
+             const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {}) {
   const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
   auto kvc = KvCache::Create(spec);
   EXPECT_TRUE(kvc.ok());
@@ -225,7 +225,6 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   co.max_rows = 512;
   co.max_outputs = 1;
   co.use_graph = graph;
-  co.synthetic_fp8 = synthetic_fp8;
   co.tuning = tuning;
   auto runner = CudaRunner::Create(ck, spec, scales, co);
   EXPECT_TRUE(runner.ok()) << runner.status().ToString();
@@ -486,9 +485,9 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
         so.num_draft_tokens = k;
         Scheduler sched(engine, so);
         sched.Start();
-        std::vector<std::shared_ptr<RequestState>> states;
+        std::vector<GenerationRequest> requests;
         for (size_t i = 0; i < prompts.size(); ++i) {
-          GenerationRequest r;
+          GenerationRequest& r = requests.emplace_back();
           r.prompt = prompts[i];
           r.sampling.max_tokens = 20;
           r.sampling.ignore_eos = true;
@@ -498,20 +497,12 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
             r.sampling.top_k = 50;
             r.sampling.seed = 100 + i;
           }
-          auto st = sched.Submit(std::move(r));
-          EXPECT_TRUE(st.ok()) << st.status().ToString();
-          if (st.ok()) states.push_back(*st);
         }
         std::vector<std::vector<std::pair<int32_t, float>>> out;
-        for (auto& st : states) {
+        for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
           std::vector<std::pair<int32_t, float>> events;
-          for (int it = 0; it < 20000; ++it) {
-            RequestState::Update u;
-            st->Poll(&u, std::chrono::milliseconds(50));
-            for (const auto& e : u.tokens) events.emplace_back(e.token, e.logprob);
-            if (u.finished) break;
-          }
-          out.push_back(events);
+          for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
+          out.push_back(std::move(events));
         }
         sched.Stop();
         return out;
@@ -596,14 +587,14 @@ TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
   const auto prompt = LongPrompt(600, ck->config().vocab_size);
   const Transcript bf16 = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16);
   ASSERT_FALSE(bf16.last_logits.empty());
-  // The routed experts' projections only (Laguna's correction bias also sits under mlp.experts.).
-  const SyntheticFp8Choice routed_only = [](const std::string& n) {
-    return n.find(".mlp.experts.") != std::string::npos && n.find("_proj.weight") != std::string::npos;
-  };
-  for (const auto& [layout, choice] : {std::pair{"all-linear", SyntheticFp8Choice(SyntheticFp8AllLinear)},
-                                       std::pair{"export", routed_only}}) {
-    SCOPED_TRACE(layout);
-    const Transcript reference = Generate(*ck, DType::kF8E4M3, 32, 512, true, prompt, 16, {}, choice);
+  // The layouts of model/fp8_layout.h, as `--shape-dtype fp8 --fp8-layout` builds them.
+  for (const Fp8Layout layout : {Fp8Layout::kAllLinear, Fp8Layout::kExport}) {
+    SCOPED_TRACE(Fp8LayoutName(layout));
+    Fp8Options fp8;
+    fp8.layout = layout;
+    auto fck = MakeShapeOnlyCheckpoint(SmallXs2Geometry(), &fp8);
+    ASSERT_TRUE(fck.ok()) << fck.status().ToString();
+    const Transcript reference = Generate(*fck, DType::kF8E4M3, 32, 512, true, prompt, 16);
     ASSERT_EQ(reference.last_logits.size(), bf16.last_logits.size());
     double dot = 0, a2 = 0, b2 = 0;
     for (size_t i = 0; i < bf16.last_logits.size(); ++i) {
@@ -616,7 +607,7 @@ TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
     EXPECT_LT(cosine, 1.0) << "FP8 weights should not be the BF16 weights";
     for (auto [page, chunk, graph] : {std::tuple{32, 512, true}, std::tuple{16, 37, true}, std::tuple{64, 100, false},
                                       std::tuple{32, 7, false}}) {
-      const Transcript r = Generate(*ck, DType::kF8E4M3, page, chunk, graph, prompt, 16, {}, choice);
+      const Transcript r = Generate(*fck, DType::kF8E4M3, page, chunk, graph, prompt, 16);
       EXPECT_EQ(r.tokens, reference.tokens) << "page " << page << " chunk " << chunk << " graph " << graph;
       EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
           << "page " << page << " chunk " << chunk << " graph " << graph;
