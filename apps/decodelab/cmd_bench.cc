@@ -22,6 +22,7 @@
 #include "base/sha256.h"
 #include "cuda/bandwidth.h"
 #include "cuda/device.h"
+#include "cuda/peak.h"
 #include "engine/scheduler.h"
 #include "kernels/timeline.h"
 #include "lab/lab_stats.h"
@@ -41,6 +42,7 @@ struct BenchFlags {
   std::vector<int> verify_k = {2, 4, 8, 15};
   std::vector<int> verify_batch = {1, 8};
   int verify_iters = 20;
+  std::vector<int> prefill_sweep;  // --prefill-sweep: prompt lengths, prefill only
   int prompt_len = 1024;
   int gen_len = 1024;
   int repeat = 3;
@@ -240,6 +242,81 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
   return 0;
 }
 
+// Achieved prefill arithmetic: `tokens` prompt tokens of `prompt_len` each (one sequence per
+// prompt), prefilled in `ms`, against CountPrefillFlops and the measured BF16 peak (0: not measured).
+struct PrefillRate {
+  double tok_s = 0, tflops = 0, pct_of_peak = 0;
+};
+PrefillRate PrefillRateOf(const ModelConfig& cfg, int prompt_len, int prompts, double ms, double peak_tflops) {
+  PrefillRate r;
+  if (ms <= 0) return r;
+  r.tok_s = static_cast<double>(prompt_len) * prompts / (ms * 1e-3);
+  r.tflops = CountPrefillFlops(cfg, prompt_len).total() * prompts / (ms * 1e-3) / 1e12;
+  r.pct_of_peak = peak_tflops > 0 ? 100.0 * r.tflops / peak_tflops : 0.0;
+  return r;
+}
+
+// --prefill-sweep: for each prompt length, --repeat requests alone (concurrency 1, two tokens each,
+// through the scheduler as serve runs them): TTFT (the prefill), prompt tokens/s and TFLOP/s.
+int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions& so, const nlohmann::json& gpu,
+                    double peak_tflops) {
+  const ModelConfig& cfg = engine.config();
+  nlohmann::json rows = nlohmann::json::array();
+  std::printf("decodelab bench --prefill-sweep  commit %s  %s\n", BuildCommit().c_str(),
+              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+  std::printf("  %lld layers, kv %s page %d, prefill chunk %d, %d runs per length, BF16 peak %.0f TFLOP/s%s\n",
+              static_cast<long long>(cfg.num_hidden_layers), std::string(DTypeName(engine.kv->spec().dtype)).c_str(),
+              engine.kv->spec().page_size, engine.options.prefill_chunk, f.repeat, peak_tflops,
+              peak_tflops > 0 ? " (cuBLASLt, measured)" : " (not measured)");
+  std::printf("  %8s %12s %12s %14s %12s %8s\n", "prompt", "TTFT ms", "min ms", "prefill tok/s", "TFLOP/s", "% peak");
+  for (int len : f.prefill_sweep) {
+    BenchFlags one = f;
+    one.prompt_len = len;
+    one.gen_len = 2;
+    one.concurrency = 1;
+    std::vector<double> ttft;
+    for (int rep = 0; rep < f.repeat; ++rep) {
+      auto run = RunOnce(engine, one, so, {});
+      if (!run.ok()) return ReportError(run.status().WithContext(fmt::format("--prefill-sweep {}", len)));
+      ttft.push_back(run->ttft_ms[0]);
+    }
+    const double ms = lab::Median(ttft);
+    const PrefillRate r = PrefillRateOf(cfg, len, 1, ms, peak_tflops);
+    const PrefillFlops flops = CountPrefillFlops(cfg, len);
+    std::printf("  %8d %12.2f %12.2f %14.0f %12.1f %7.1f%%\n", len, ms, *std::min_element(ttft.begin(), ttft.end()),
+                r.tok_s, r.tflops, r.pct_of_peak);
+    rows.push_back({{"prompt_len", len}, {"prefill_ms_median", ms}, {"ttft_ms", ttft}, {"prefill_tok_s", r.tok_s},
+                    {"prefill_tflops", r.tflops}, {"prefill_pct_of_bf16_peak", r.pct_of_peak},
+                    {"prefill_flops", flops.total()}, {"prefill_flops_attention", flops.attention}});
+  }
+  const nlohmann::json describe = engine.runner->Describe();
+  nlohmann::json j = {{"prefill_sweep", rows},
+                      {"bf16_peak_tflops", peak_tflops},
+                      {"tuning", describe.value("tuning", nlohmann::json::object())},
+                      {"fallback", describe.value("fallback", false)},
+                      {"backend", describe},
+                      {"commit", BuildCommit()},
+                      {"gpu", gpu},
+                      {"settings",
+                       {{"model", f.engine.model_dir},
+                        {"shape", f.engine.shape},
+                        {"num_layers", cfg.num_hidden_layers},
+                        {"kv_dtype", std::string(DTypeName(engine.kv->spec().dtype))},
+                        {"page_size", engine.kv->spec().page_size},
+                        {"prefill_chunk", engine.options.prefill_chunk},
+                        {"repeat", f.repeat},
+                        {"graph", !f.no_graph}}}};
+  if (describe.value("fallback", false)) std::printf("  ** FALLBACK: not a speed result **\n");
+  if (!gpu.is_null()) std::printf("  tuning       %s\n", kernels::TuningString(engine.options.tuning).c_str());
+  if (!f.json_out.empty()) {
+    std::ofstream out(f.json_out);
+    out << j.dump(2) << "\n";
+    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
+    std::printf("  wrote %s\n", f.json_out.c_str());
+  }
+  return 0;
+}
+
 int RunBench(const BenchFlags& f) {
   auto opts = f.engine.ToOptions();
   if (!opts.ok()) return ReportError(opts.status());
@@ -275,6 +352,13 @@ int RunBench(const BenchFlags& f) {
   }
   const int prompt_len = file_prompt.empty() ? f.prompt_len : static_cast<int>(file_prompt.size());
   opts->max_seq_len = prompt_len + f.gen_len + 1;
+  if (!f.prefill_sweep.empty()) {
+    if (f.verify_cost || spec->enabled() || !file_prompt.empty() || f.concurrency != 1) {
+      return ReportError(InvalidArgument("--prefill-sweep times prompts of its own lengths alone: it takes no "
+                                         "--verify-cost, --spec, --prompt-file or --concurrency"));
+    }
+    opts->max_seq_len = *std::max_element(f.prefill_sweep.begin(), f.prefill_sweep.end()) + 3;
+  }
   SpecFlags::Size(*spec, &*opts);
   if (f.verify_cost) {
     opts->max_draft_tokens = *std::max_element(f.verify_k.begin(), f.verify_k.end());
@@ -296,7 +380,7 @@ int RunBench(const BenchFlags& f) {
     opts->kv_dtype = DType::kF8E4M3;  // the bench default on a GPU is the FP8 cache
   }
   nlohmann::json gpu = nullptr;
-  double copy_gbps = 0.0;
+  double copy_gbps = 0.0, peak_tflops = 0.0;
   if (cuda::DeviceCount() > 0 && opts->backend != BackendKind::kCpu) {
     auto info = cuda::GetDeviceInfo(0);
     if (info.ok()) gpu = {{"name", info->name}, {"sms", info->sm_count}, {"pci", info->pci_bus_id}};
@@ -305,6 +389,14 @@ int RunBench(const BenchFlags& f) {
     if (!bw.ok()) return ReportError(bw.status());
     copy_gbps = *bw;
     std::fprintf(stderr, "copy bandwidth: %.0f GB/s (read + write)\n", copy_gbps);
+    auto peak = cuda::MeasureBf16PeakTflops(0);
+    if (peak.ok()) {
+      peak_tflops = *peak;
+      std::fprintf(stderr, "BF16 peak: %.0f TFLOP/s (cuBLASLt 8192^3)\n", peak_tflops);
+    } else {
+      std::fprintf(stderr, "BF16 peak not measured (prefill %% of peak omitted): %s\n",
+                   peak.status().message().c_str());
+    }
   }
   const auto t_load = std::chrono::steady_clock::now();
   auto engine = LoadEngine(*opts);
@@ -322,7 +414,8 @@ int RunBench(const BenchFlags& f) {
   so.prefill_chunk = opts->prefill_chunk;
   so.max_tokens_per_step = opts->max_rows_per_step;
   so.record_step_times = true;
-  std::vector<double> run_medians, all_steps, prefill_ms, ttft_ms, out_tok_s, device_ms, decode_tok_s;
+  if (!f.prefill_sweep.empty()) return RunPrefillSweep(**engine, f, so, gpu, peak_tflops);
+  std::vector<double> run_medians, all_steps, prefill_ms, prefill_all_ms, ttft_ms, out_tok_s, device_ms, decode_tok_s;
   SpecStats spec_total;
   for (int rep = 0; rep < f.repeat; ++rep) {
     auto run = RunOnce(**engine, f, so, file_prompt);
@@ -339,6 +432,7 @@ int RunBench(const BenchFlags& f) {
     all_steps.insert(all_steps.end(), run->itl_ms.begin(), run->itl_ms.end());
     ttft_ms.insert(ttft_ms.end(), run->ttft_ms.begin(), run->ttft_ms.end());
     prefill_ms.push_back(lab::Median(run->ttft_ms));
+    prefill_all_ms.push_back(*std::max_element(run->ttft_ms.begin(), run->ttft_ms.end()));
     device_ms.insert(device_ms.end(), run->device_ms.begin(), run->device_ms.end());
     out_tok_s.push_back(run->duration_s > 0 ? run->tokens / run->duration_s : 0.0);
     std::fprintf(stderr, "run %d/%d: TTFT median %.2f ms, median TPOT %.4f ms, %.1f output tok/s\n", rep + 1,
@@ -376,6 +470,8 @@ int RunBench(const BenchFlags& f) {
   }
   const double spread = (*std::max_element(run_medians.begin(), run_medians.end()) -
                          *std::min_element(run_medians.begin(), run_medians.end())) / tpot;
+  // Every prompt prefilled: until the last request's first token (at concurrency 1, the TTFT).
+  const PrefillRate prefill = PrefillRateOf(cfg, prompt_len, f.concurrency, lab::Median(prefill_all_ms), peak_tflops);
   auto self = Sha256OfSelf();
   nlohmann::json j = {
       {"tpot_ms_median", tpot},
@@ -403,6 +499,10 @@ int RunBench(const BenchFlags& f) {
       {"run_median_tpot_ms", run_medians},
       {"run_spread_rel", spread},
       {"prefill_ms_median", lab::Median(prefill_ms)},
+      {"prefill_tok_s", prefill.tok_s},
+      {"prefill_tflops", prefill.tflops},
+      {"prefill_pct_of_bf16_peak", prefill.pct_of_peak},
+      {"bf16_peak_tflops", peak_tflops},
       {"ttft_ms_median", lab::Median(ttft_ms)},
       {"ttft_ms_p99", lab::Percentile(ttft_ms, 99)},
       {"bytes_per_step", bytes},
@@ -481,6 +581,11 @@ int RunBench(const BenchFlags& f) {
   }
   std::printf("  TTFT         median %.2f ms  p99 %.2f ms (at concurrency 1: the prefill time)\n", lab::Median(ttft_ms),
               lab::Percentile(ttft_ms, 99));
+  std::printf("  prefill      %.0f prompt tok/s, %.1f TFLOP/s%s (every prompt to its first token; median of runs)\n",
+              prefill.tok_s, prefill.tflops,
+              peak_tflops > 0 ? fmt::format(", {:.1f}% of the measured BF16 peak {:.0f}", prefill.pct_of_peak,
+                                            peak_tflops).c_str()
+                              : "");
   std::printf("  bytes/step   %.3f GB (weights %.3f: routed experts %.2fx one token's, expected under uniform "
               "routing; KV %.4f)\n",
               bytes / 1e9, weight_bytes / 1e9, touched, kv_bytes / 1e9);
@@ -689,6 +794,11 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
       ->delimiter(',')
       ->default_str("1,8")
       ->check(CLI::Range(1, 256));
+  cmd->add_option("--prefill-sweep", flags->prefill_sweep,
+                  "Instead of the decode bench: prefill prompts of these lengths alone (e.g. 128,1024,8192,32768; "
+                  "--repeat runs each) and print TTFT, prompt tokens/s and TFLOP/s against the measured BF16 peak")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--verify-iters", flags->verify_iters, "--verify-cost: timed forwards per point (after 3 warm-up)")
       ->default_val(20)
       ->check(CLI::Range(1, 10000));

@@ -163,4 +163,22 @@ int64_t KvBytesReadPerToken(const ModelConfig& c, int64_t context, int64_t elem_
   return total;
 }
 
+PrefillFlops CountPrefillFlops(const ModelConfig& c, int64_t prompt_len, int64_t logit_rows) {
+  const ParamCounts p = CountParams(c);
+  PrefillFlops f;
+  f.linear = 2.0 * static_cast<double>(p.active - p.lm_head) * static_cast<double>(prompt_len) +
+             2.0 * static_cast<double>(p.lm_head) * static_cast<double>(std::min(logit_rows, prompt_len));
+  const double n = static_cast<double>(prompt_len);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    // Keys visible to positions 0 .. n-1: sum of (s + 1) over s, capped at W on sliding layers.
+    double keys = n * (n + 1) / 2;
+    if (c.is_sliding(l) && c.sliding_window < prompt_len) {
+      const double w = static_cast<double>(c.sliding_window);
+      keys = w * (w + 1) / 2 + (n - w) * w;
+    }
+    f.attention += 4.0 * static_cast<double>(c.heads(l)) * static_cast<double>(c.head_dim) * keys;
+  }
+  return f;
+}
+
 }  // namespace dl

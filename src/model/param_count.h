@@ -62,4 +62,16 @@ int64_t KvBytesPerToken(const ModelConfig& c, int64_t elem_bytes);
 // KV-cache bytes read by one decoded token at context length T (sliding layers read min(T, W)).
 int64_t KvBytesReadPerToken(const ModelConfig& c, int64_t context, int64_t elem_bytes);
 
+// Arithmetic of prefilling one prompt of `prompt_len` tokens (0 .. prompt_len-1), in FLOPs (a
+// multiply-add counts 2), the figure the prefill's achieved TFLOP/s divide:
+//   linear: 2 x (active parameters - LM head) per token (k routed experts per token, as decode),
+//           plus 2 x LM head for the `logit_rows` rows that need logits (the last row at greedy);
+//   attention: per layer and token, 4 x H_l x D x visible keys (scores and values; causal, sliding
+//           layers see min(position + 1, W) keys). Norms, RoPE, softmax and routing are not counted.
+struct PrefillFlops {
+  double linear = 0, attention = 0;
+  double total() const { return linear + attention; }
+};
+PrefillFlops CountPrefillFlops(const ModelConfig& c, int64_t prompt_len, int64_t logit_rows = 1);
+
 }  // namespace dl

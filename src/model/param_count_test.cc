@@ -81,5 +81,29 @@ TEST(ParamCountTest, KvBytes) {
   EXPECT_EQ(KvBytesReadPerToken(*c, 4096, 1), 110ll << 20);
 }
 
+// The closed form against a position-by-position count: XS.2 (W 512) below, at and past the window.
+TEST(ParamCountTest, PrefillFlopsCountEveryVisibleKey) {
+  auto c = ShapeConfig("xs2");
+  ASSERT_TRUE(c.ok());
+  const ParamCounts p = CountParams(*c);
+  for (int64_t n : {1, 100, 512, 513, 1024, 8192}) {
+    double attention = 0;
+    for (int64_t l = 0; l < c->num_hidden_layers; ++l) {
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t keys = c->is_sliding(l) ? std::min<int64_t>(s + 1, c->sliding_window) : s + 1;
+        attention += 4.0 * static_cast<double>(c->heads(l) * c->head_dim * keys);
+      }
+    }
+    const PrefillFlops f = CountPrefillFlops(*c, n);
+    EXPECT_DOUBLE_EQ(f.attention, attention) << n;
+    EXPECT_DOUBLE_EQ(f.linear, 2.0 * static_cast<double>(p.active - p.lm_head) * n + 2.0 * p.lm_head) << n;
+    EXPECT_DOUBLE_EQ(f.total(), f.linear + f.attention);
+  }
+  // Every row's logits (a scoring prefill): the LM head counts once per row.
+  EXPECT_DOUBLE_EQ(CountPrefillFlops(*c, 4, 4).linear, 2.0 * static_cast<double>(p.active) * 4);
+  // ~6 TFLOP for a 1,024-token prompt (issue 17's arithmetic).
+  EXPECT_NEAR(CountPrefillFlops(*c, 1024).total() / 1e12, 5.86, 0.01);
+}
+
 }  // namespace
 }  // namespace dl
