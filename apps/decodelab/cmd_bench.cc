@@ -283,7 +283,7 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
     const double ms = lab::Median(ttft);
     const PrefillRate r = PrefillRateOf(cfg, len, 1, ms, peak_tflops);
     const PrefillFlops flops = CountPrefillFlops(cfg, len);
-    std::printf("  %8d %12.2f %12.2f %14.0f %12.1f %7.1f%%\n", len, ms, *std::min_element(ttft.begin(), ttft.end()),
+    std::printf("  %8d %12.2f %12.2f %14.0f %12.4g %7.1f%%\n", len, ms, *std::min_element(ttft.begin(), ttft.end()),
                 r.tok_s, r.tflops, r.pct_of_peak);
     rows.push_back({{"prompt_len", len}, {"prefill_ms_median", ms}, {"ttft_ms", ttft}, {"prefill_tok_s", r.tok_s},
                     {"prefill_tflops", r.tflops}, {"prefill_pct_of_bf16_peak", r.pct_of_peak},

@@ -188,6 +188,51 @@ TEST(CliTest, SpecFlagsOnGenerateAndBench) {
   EXPECT_EQ(rows, 4) << cost.out;  // K 2 and 4 at batch 1 and 2
 }
 
+// bench --prefill-sweep: one row per length with the prefill's rate and its arithmetic; the plain
+// bench reports the prefill rate beside the TTFT; the sweep refuses what it does not combine with.
+TEST(CliTest, BenchPrefillSweep) {
+  const fs::path out = fs::temp_directory_path() / ("dl_cli_prefill_sweep_" + std::to_string(::getpid()) + ".json");
+  const CliRun sweep = Decodelab("bench --shape tiny --backend cpu --prefill-sweep 8,40 --prefill-chunk 16 --repeat 2 "
+                                 "--json-out " + out.string());
+  ASSERT_EQ(sweep.rc, 0) << sweep.err;
+  EXPECT_NE(sweep.out.find("prefill tok/s"), std::string::npos) << sweep.out;
+  const auto j = nlohmann::json::parse(Slurp(out), nullptr, false);
+  fs::remove(out);
+  ASSERT_TRUE(j.is_object());
+  ASSERT_EQ(j["prefill_sweep"].size(), 2u);
+  double last_flops = 0;
+  for (int i = 0; i < 2; ++i) {
+    const auto& row = j["prefill_sweep"][i];
+    EXPECT_EQ(row["prompt_len"], i == 0 ? 8 : 40);
+    EXPECT_EQ(row["ttft_ms"].size(), 2u);
+    const double ms = row["prefill_ms_median"].get<double>();
+    ASSERT_GT(ms, 0.0);
+    EXPECT_NEAR(row["prefill_tok_s"].get<double>(), row["prompt_len"].get<double>() / (ms * 1e-3), 1e-6 * row["prefill_tok_s"].get<double>());
+    EXPECT_NEAR(row["prefill_tflops"].get<double>(), row["prefill_flops"].get<double>() / (ms * 1e-3) / 1e12, 1e-9);
+    EXPECT_GT(row["prefill_flops"].get<double>(), last_flops);
+    last_flops = row["prefill_flops"].get<double>();
+  }
+  EXPECT_EQ(j["settings"]["prefill_chunk"], 16);
+  EXPECT_EQ(j["bf16_peak_tflops"], 0.0) << "no GPU: no peak, and no share of it";
+
+  const fs::path plain_out = fs::temp_directory_path() / ("dl_cli_prefill_plain_" + std::to_string(::getpid()) + ".json");
+  const CliRun plain = Decodelab("bench --shape tiny --backend cpu --prompt-len 12 --gen-len 3 --repeat 1 --json-out " +
+                                 plain_out.string());
+  ASSERT_EQ(plain.rc, 0) << plain.err;
+  const auto jp = nlohmann::json::parse(Slurp(plain_out), nullptr, false);
+  fs::remove(plain_out);
+  ASSERT_TRUE(jp.is_object());
+  EXPECT_NEAR(jp["prefill_tok_s"].get<double>(), 12.0 / (jp["prefill_ms_median"].get<double>() * 1e-3),
+              1e-6 * jp["prefill_tok_s"].get<double>());
+  EXPECT_GT(jp["prefill_tflops"].get<double>(), 0.0);
+
+  for (const char* bad : {"--concurrency 2", "--verify-cost", "--spec ngram"}) {
+    const CliRun r = Decodelab(std::string("bench --shape tiny --backend cpu --prefill-sweep 8 ") + bad);
+    EXPECT_NE(r.rc, 0) << bad;
+    EXPECT_NE(r.err.find("--prefill-sweep"), std::string::npos) << bad << ": " << r.err;
+  }
+}
+
 // --tp on the CPU reference: the same greedy tokens as one rank in both embedding modes (this
 // prompt's margins on the tiny shape are far above FP32 rounding); refusals name what is wrong.
 TEST(CliTest, TensorParallelGenerateAndInspect) {

@@ -4,15 +4,18 @@
 # 7 MoE), GPU time per kernel name summed over the prefill's launches, with the launch count and the
 # share of the total. Kernels run serialised under ncu, so the sum is an upper bound of the eager
 # prefill's device time; bench's own prefill_ms (without ncu) is printed beside it.
+# --detail REGEX adds Nsight Compute's speed-of-light, warp-state, occupancy and memory sections for
+# the first two launches of each kernel matching REGEX (e.g. "MoeMma|MmaTiled"): what limits them.
 #   usage (repo root, GPU machine, after a build of ./build/bin/decodelab; .deps carried):
-#     bash tools/device/prefill_profile.sh [--layers N] [--prompt-len N] [bench flags...]
+#     bash tools/device/prefill_profile.sh [--layers N] [--prompt-len N] [--detail REGEX] [bench flags...]
 set -uo pipefail
 source tools/device/env.sh
-LAYERS=8; PROMPT=1024
+LAYERS=8; PROMPT=1024; DETAIL=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --layers) LAYERS=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
+    --detail) DETAIL=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -48,3 +51,11 @@ for name, (t, n) in sorted(agg.items(), key=lambda kv: -kv[1][0]):
     print(f"{name:70s} {t/1e3:9.3f} {n:8d} {100*t/total:5.1f}%")
 print(f"{'total':70s} {total/1e3:9.3f}")
 PY
+if [ -n "$DETAIL" ]; then
+  # Skip the load's weight generation (FillAffineKernel is not matched) and take two launches per kernel.
+  timeout 300 ncu --clock-control none -k "regex:$DETAIL" --launch-count 6 --section SpeedOfLight \
+    --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
+    "${BENCH[@]}" > "$LOG.detail.txt" 2>&1
+  echo "ncu detail rc=$?"
+  grep -E "^  [a-zA-Z_:<>, 0-9]+\(|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size|Stall|Warp Cycles Per Issued|Issue Slot|Theoretical Occupancy|Dynamic Shared|Static Shared|Mem Busy|Max Bandwidth" "$LOG.detail.txt" | head -150
+fi
