@@ -61,6 +61,16 @@ std::vector<int32_t> BenchPrompt(int n, int64_t vocab, int salt) {
   return p;
 }
 
+// --json-out: the results as indented JSON (nothing without a path); the exit code.
+int WriteJsonOut(const std::string& path, const nlohmann::json& j) {
+  if (path.empty()) return 0;
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out) return ReportError(DataLoss("cannot write {}", path));
+  std::printf("  wrote %s\n", path.c_str());
+  return 0;
+}
+
 // One run: `concurrency` requests at once through a fresh scheduler.
 struct RunResult {
   std::vector<double> itl_ms;   // inter-token gaps of every request
@@ -233,13 +243,7 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
                         {"kv_dtype", std::string(DTypeName(kv.spec().dtype))},
                         {"page_size", kv.spec().page_size},
                         {"graph", !f.no_graph}}}};
-  if (!f.json_out.empty()) {
-    std::ofstream out(f.json_out);
-    out << j.dump(2) << "\n";
-    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
-    std::printf("  wrote %s\n", f.json_out.c_str());
-  }
-  return 0;
+  return WriteJsonOut(f.json_out, j);
 }
 
 // Achieved prefill arithmetic: `tokens` prompt tokens of `prompt_len` each (one sequence per
@@ -308,13 +312,7 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
                         {"graph", !f.no_graph}}}};
   if (describe.value("fallback", false)) std::printf("  ** FALLBACK: not a speed result **\n");
   if (!gpu.is_null()) std::printf("  tuning       %s\n", kernels::TuningString(engine.options.tuning).c_str());
-  if (!f.json_out.empty()) {
-    std::ofstream out(f.json_out);
-    out << j.dump(2) << "\n";
-    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
-    std::printf("  wrote %s\n", f.json_out.c_str());
-  }
-  return 0;
+  return WriteJsonOut(f.json_out, j);
 }
 
 int RunBench(const BenchFlags& f) {
@@ -632,13 +630,7 @@ int RunBench(const BenchFlags& f) {
     }
     j["timeline"] = {{"summary", jrows}, {"launches", jspans}};
   }
-  if (!f.json_out.empty()) {
-    std::ofstream out(f.json_out);
-    out << j.dump(2) << "\n";
-    if (!out) return ReportError(DataLoss("cannot write {}", f.json_out));
-    std::printf("  wrote %s\n", f.json_out.c_str());
-  }
-  return 0;
+  return WriteJsonOut(f.json_out, j);
 }
 
 struct BenchServeFlags {
