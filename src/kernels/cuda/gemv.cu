@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/bulk_copy.cuh"
+#include "kernels/cuda/gemv_epilogue.cuh"
 #include "kernels/cuda/mma_product.cuh"
 #include "kernels/cuda/norm_block.cuh"
 #include "kernels/ops.h"
@@ -84,29 +85,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvKernel(GemvParams a, int 
       }
     }
   }
-  if constexpr (KS == 1) {
-    if (!live) return;
-#pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      if (t >= nt) break;
-      const float s = WarpSum(acc[t]);
-      if (lane == 0) a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
-    }
-  } else {
-    __shared__ float s_part[kGemvWarps][TT];
-#pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      const float s = WarpSum(acc[t]);
-      if (lane == 0) s_part[warp][t] = s;
-    }
-    __syncthreads();
-    if (slice != 0 || !live || lane >= nt) return;
-    const int t = lane;  // lane t writes token t
-    float s = s_part[warp][t];
-#pragma unroll
-    for (int k = 1; k < KS; ++k) s += s_part[warp + k][t];
-    a.y[(t0 + t) * a.y_stride + row] = FloatToBf16Bits(s);
-  }
+  GemvStoreRow<KS, TT, kGemvWarps>(acc, live, nt, warp, slice, lane, a.y, a.y_stride, t0, row);
 }
 
 // ---- Batched GEMV (T > 1, no fused norm). Block = 8 warps; warp w takes slice w % KS of R
@@ -175,34 +154,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) GemvBatchKernel(GemvParams a)
       }
     }
   }
-  if constexpr (KS == 1) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        const float v = WarpSum(acc[r][t]);
-        if (lane == 0 && live[r] && t < nt) a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
-      }
-  } else {
-    __shared__ float s_part[kGemvWarps][R * TT];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        const float v = WarpSum(acc[r][t]);
-        if (lane == 0) s_part[warp][r * TT + t] = v;
-      }
-    __syncthreads();
-    if (slice != 0) return;
-    for (int i = lane; i < R * TT; i += 32) {
-      const int r = i / TT, t = i % TT;
-      if (!live[r] || t >= nt) continue;
-      float v = s_part[warp][i];
-#pragma unroll
-      for (int k = 1; k < KS; ++k) v += s_part[warp + k][i];
-      a.y[(t0 + t) * a.y_stride + row0 + r] = FloatToBf16Bits(v);
-    }
-  }
+  GemvStoreRows<KS, R, TT, kGemvWarps>(acc, live, nt, warp, slice, lane, a.y, a.y_stride, t0, row0);
 }
 
 template <int R, int TT>
@@ -349,11 +301,7 @@ __global__ void __launch_bounds__((kGemvWarps + 1) * 32, 1) GemvStreamKernel(Gem
     if (lane == 0) MbarArrive(empty + slot);
   }
   ConsumerSync<kGemvWarps>();
-  for (int i = threadIdx.x; i < rows; i += kGemvWarps * 32) {
-    float sum = s_part[i * ks];
-    for (int k = 1; k < ks; ++k) sum += s_part[i * ks + k];
-    a.y[r0 + i] = FloatToBf16Bits(sum);
-  }
+  GemvStoreStreamed<kGemvWarps * 32>(s_part, rows, ks, a.y, r0);
 }
 
 template <int TT>
