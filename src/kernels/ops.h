@@ -280,6 +280,9 @@ struct MoeParams {
   // (three launches); the same bits (mma_batch1_lists: through the lists anyway, for the tests).
   bool mma = false;
   bool mma_batch1_lists = false;
+  // The MMA experts' list kernels at T > 16 (32 token columns per pass): 1 or 2 resident blocks per
+  // SM (2: registers capped, fewer loads in flight per lane; the same bits).
+  int mma_blocks_per_sm = 1;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

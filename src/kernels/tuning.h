@@ -56,6 +56,8 @@ struct Tuning {
   bool mma_products = false;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
+  // The MMA experts' list kernels (T > 16) with 1 or 2 resident blocks per SM (same bits).
+  int moe_mma_blocks_per_sm = 1;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

@@ -980,6 +980,15 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "run to run";
+    {  // two resident blocks per SM (fewer loads in flight per lane): the same bits
+      MoeParams two = p;
+      two.mma_blocks_per_sm = 2;
+      ASSERT_OK(Moe(two, nullptr));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "mma_blocks_per_sm 2";
+      two.mma_blocks_per_sm = 3;
+      EXPECT_FALSE(Moe(two, nullptr).ok());
+    }
     // Host copies of the weights for the reference (small layers only).
     const bool with_reference = sh.E <= 64;
     std::vector<std::vector<bf16>> hw;

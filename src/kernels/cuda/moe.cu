@@ -1324,8 +1324,10 @@ __device__ __forceinline__ bool MoeMmaListOf(const MoeParams& a, const MoeGroupW
 // kDirect (T = 1, NT = 1): no lists; block row z is slot z - 1 of the router's selection (its expert
 // pointers from the router's workspace) or the shared expert (z = 0), whose weights are loaded before
 // the wait. The same product per (row, pair), so the same bits as through the lists.
-template <int NT, bool kDirect>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
+// kMinBlocks 2 (MoeParams::mma_blocks_per_sm, NT 4 only): two resident blocks per SM, registers capped
+// for it and two chunks in flight per lane instead of four (the chunks' order, and so the bits, unchanged).
+template <int NT, bool kDirect, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
   const MoeGroupWs g = MoeGroupWorkspace(a);
@@ -1357,7 +1359,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
       PairOf(a, g, gr, i, t, slot);
     }
   };
-  constexpr int U = NT == 1 ? 8 : 4;
+  constexpr int U = NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
@@ -1417,8 +1419,8 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaGateUpKernel(MoeParam
 // Grid (P, ceil(ceil(d / 16) / (8 / ks)), shared_segments + min(E, T k)), as the gate/up kernel, over
 // the down matrices [d, F] and the pairs' h vectors: bf16(bf16(o) * w(t, slot)) into routed, the
 // shared expert's bf16(o) into shared; MoeCombineKernel adds them.
-template <int NT>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
+template <int NT, int kMinBlocks = 1>
+__global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeDown);
   AllowDependents();
   WaitForPrerequisites();
@@ -1437,7 +1439,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownKernel(MoeParams 
       PairOf(a, g, gr, i, t, slot);
     }
   };
-  constexpr int U = NT == 1 ? 8 : 4;
+  constexpr int U = NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * (kMoeMmaWarps / ks) + warp / ks) * 16;
@@ -1565,8 +1567,14 @@ Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
   if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
   auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
   const dim3 block(kMoeMmaWarps * 32);
-  LaunchDependent(MoeMmaGateUpKernel<NT, false>, dim3(passes, blocks(fmax, gu_ks), rows_z), block, s, p, gu_ks, lists);
-  LaunchDependent(MoeMmaDownKernel<NT>, dim3(passes, blocks(p.d, dn_ks), rows_z), block, s, p, dn_ks, lists);
+  const dim3 gu_grid(passes, blocks(fmax, gu_ks), rows_z), dn_grid(passes, blocks(p.d, dn_ks), rows_z);
+  if (NT == 4 && p.mma_blocks_per_sm == 2) {
+    LaunchDependent(MoeMmaGateUpKernel<NT, false, 2>, gu_grid, block, s, p, gu_ks, lists);
+    LaunchDependent(MoeMmaDownKernel<NT, 2>, dn_grid, block, s, p, dn_ks, lists);
+  } else {
+    LaunchDependent(MoeMmaGateUpKernel<NT, false>, gu_grid, block, s, p, gu_ks, lists);
+    LaunchDependent(MoeMmaDownKernel<NT>, dn_grid, block, s, p, dn_ks, lists);
+  }
   return Status::Ok();
 }
 
@@ -1586,6 +1594,9 @@ Status Moe(const MoeParams& p, Stream stream) {
                    p.shared_up_fp8.on() || p.shared_down_fp8.on();
   dev::MoeFp8Maps fp8_maps;
   if (fp8) DL_RETURN_IF_ERROR(dev::MoeFp8Setup(p, &fp8_maps));
+  if (p.mma_blocks_per_sm < 1 || p.mma_blocks_per_sm > 2) {
+    return InvalidArgument("moe: mma_blocks_per_sm {} (1 or 2)", p.mma_blocks_per_sm);
+  }
   if (fp8 && p.mma) {
     return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
   }
