@@ -449,6 +449,7 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.workspace_bytes = ws.attn_ws_bytes;
   ap.counters = ws.attn_counters;
   ap.cluster_max_chunks = opt.tuning.attention_cluster_max_chunks;
+  ap.multi_row_min_tokens = opt.tuning.attention_multi_row_min_tokens;
   ap.release_after_wait = opt.tuning.late(LateRelease::kAttention);
   return kernels::RunAttention(L.attn, ap, s()).WithContext(fmt::format("layer {}", l));
 }

@@ -2,7 +2,10 @@
 // the GPU kernels are compared against the same references in tests/gpu/kernels_gpu_test.cc).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <set>
 
 #include "base/dtype.h"
@@ -103,6 +106,95 @@ TEST(Registry, ChunkCountFollowsAbsolutePositions) {
   EXPECT_EQ(Tuning{}.attention_cluster_max_chunks, AttentionParams{}.cluster_max_chunks);
 }
 
+// The multi-row kernel's grid: a block's 16 rows of consecutive positions span W + 15 keys on a
+// sliding layer (window 512: up to 6 chunks of 128), the whole context on a global one; one row always
+// fits, and the partial slots per row stay AttentionMaxChunks (the workspace is the one-row kernel's).
+TEST(Registry, MultiRowGridCoversARowGroupAndTheThresholdDecides) {
+  static_assert(kAttnMultiRows == 16, "the figures below assume 16 rows per block");
+  AttentionParams p;
+  p.num_tokens = 8192;
+  p.num_q_heads = 64;
+  p.num_kv_heads = 8;
+  p.head_dim = 128;
+  p.max_position = 8191;
+  p.window_kind = WindowKind::kSliding;
+  p.window = 512;
+  EXPECT_EQ(AttentionMaxChunks(p), 5);
+  EXPECT_EQ(AttentionMultiRowChunks(p), 6);  // rows 639..654 see keys 128..654: chunks 1..5, or 6 at worst
+  for (int q0 : {0, 100, 511, 639, 767, 5000, 8176}) {  // every group's span fits the grid
+    const int lo = std::max(0, q0 - 511) / kAttnChunk, hi = (q0 + 15) / kAttnChunk;
+    EXPECT_LE(hi - lo + 1, AttentionMultiRowChunks(p)) << q0;
+  }
+  p.window = 40;  // the tiny presets' small window: 16 rows of a window of 40 straddle at most 2 chunks
+  EXPECT_EQ(AttentionMultiRowChunks(p), 2);
+  EXPECT_EQ(AttentionMultiRowChunks(p), AttentionMaxChunks(p));
+  p.max_position = 20;  // a short context caps the grid like the one-row kernel's
+  EXPECT_EQ(AttentionMultiRowChunks(p), 1);
+  p.window_kind = WindowKind::kGlobal;
+  p.max_position = 8191;
+  EXPECT_EQ(AttentionMultiRowChunks(p), 64);
+  EXPECT_EQ(AttentionMultiRowChunks(p), AttentionMaxChunks(p));
+  const size_t ws = AttentionWorkspaceBytes(p);
+  p.multi_row_min_tokens = 1;
+  EXPECT_EQ(AttentionWorkspaceBytes(p), ws) << "the multi-row kernel writes the same partial slots";
+  // The threshold: from multi_row_min_tokens rows on; 0 = never. The engine's switch agrees.
+  EXPECT_TRUE(AttentionUsesMultiRow(p));
+  p.multi_row_min_tokens = 8193;
+  EXPECT_FALSE(AttentionUsesMultiRow(p));
+  p.multi_row_min_tokens = 8192;
+  EXPECT_TRUE(AttentionUsesMultiRow(p));
+  p.multi_row_min_tokens = 0;
+  EXPECT_FALSE(AttentionUsesMultiRow(p));
+  EXPECT_EQ(Tuning{}.attention_multi_row_min_tokens, AttentionParams{}.multi_row_min_tokens);
+  p.num_tokens = 1;
+  p.multi_row_min_tokens = AttentionParams{}.multi_row_min_tokens;
+  EXPECT_FALSE(AttentionUsesMultiRow(p)) << "decode stays on the one-row kernel";
+}
+
+// RunAttention's launch checks, through a stand-in launcher (no GPU needed): a negative threshold, more
+// rows than the one-row kernel's grid takes, more row groups than the multi-row kernel's; what passes
+// reaches the launcher.
+int g_launches = 0;
+Status CountingLaunch(const AttentionParams&, Stream) {
+  ++g_launches;
+  return Status::Ok();
+}
+TEST(Registry, RunAttentionRejectsRowCountsItsKernelsCannotLaunch) {
+  const AttnPresetKey key{32, 2, 16, KvDtype::kBf16, WindowKind::kGlobal};
+  const AttentionKernel kernel{CanonicalName(key), false, &CountingLaunch};
+  AttentionParams p;
+  static const char dummy[16] = {};  // never dereferenced: the launcher is a stand-in
+  p.q = reinterpret_cast<const bf16*>(dummy), p.k_pool = p.v_pool = dummy;
+  p.block_table = reinterpret_cast<const int32_t*>(dummy), p.out = reinterpret_cast<bf16*>(const_cast<char*>(dummy));
+  p.num_q_heads = 4, p.num_kv_heads = 2, p.head_dim = 32, p.page_size = 16;
+  p.positions = reinterpret_cast<const int32_t*>(dummy), p.max_position = 4095;
+  p.workspace = const_cast<char*>(dummy), p.workspace_bytes = SIZE_MAX;
+  p.counters = reinterpret_cast<uint32_t*>(const_cast<char*>(dummy));
+  g_launches = 0;
+  p.num_tokens = 70000;
+  p.multi_row_min_tokens = 0;  // the one-row kernel: one grid row per query row
+  const Status one_row = RunAttention(kernel, p, nullptr);
+  EXPECT_EQ(one_row.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(one_row.message().find("70000 rows"), std::string::npos) << one_row.message();
+  p.multi_row_min_tokens = 128;  // the multi-row kernel takes them
+  EXPECT_TRUE(RunAttention(kernel, p, nullptr).ok());
+  EXPECT_EQ(g_launches, 1);
+  p.num_tokens = kAttnMaxGridRows * kAttnMultiRows + 1;  // one row group too many
+  const Status multi = RunAttention(kernel, p, nullptr);
+  EXPECT_EQ(multi.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(multi.message().find("row groups"), std::string::npos) << multi.message();
+  p.num_tokens = 100;
+  p.multi_row_min_tokens = -1;
+  const Status negative = RunAttention(kernel, p, nullptr);
+  EXPECT_EQ(negative.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(negative.message().find("multi_row_min_tokens"), std::string::npos) << negative.message();
+  // A workspace smaller than the row count needs is refused on the multi-row path too.
+  p.multi_row_min_tokens = 1;
+  p.workspace_bytes = AttentionWorkspaceBytes(p) - 1;
+  EXPECT_EQ(RunAttention(kernel, p, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(g_launches, 1);
+}
+
 TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   Tuning t;
   // The measured default: attention, o_proj and down release after their wait, the others at their start.
@@ -127,6 +219,9 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   EXPECT_EQ(SetTuning(&t, "late_release=rope,bogus").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(SetTuning(&t, "no_such_thing=1").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(SetTuning(&t, "attention_cluster_max_chunks=9").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetTuning(&t, "attention_multi_row_min_tokens=-1").code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(SetTuning(&t, "attention_multi_row_min_tokens=0").ok());
+  EXPECT_EQ(t.attention_multi_row_min_tokens, 0);
   EXPECT_EQ(SetTuning(&t, "batch_gemv_tokens=5").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(SetTuning(&t, "stream_gemv").code(), StatusCode::kInvalidArgument);
   EXPECT_NE(SetTuning(&t, "stream_ring_kb=abc").message().find("stream_ring_kb"), std::string::npos);

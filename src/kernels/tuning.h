@@ -38,6 +38,9 @@ struct Tuning {
   // Attention merges a query's key chunks through a thread-block cluster up to this many chunks
   // (0 = never; at most 8).
   int attention_cluster_max_chunks = 5;
+  // Attention runs the multi-row kernel (a key chunk loaded once for 16 rows) from this many rows of
+  // a launch on (0 = never): prefill. Same bits either way; 128 is not measured yet (issue 17).
+  int attention_multi_row_min_tokens = 128;
   // Batch-1 dense GEMVs stream their weights through shared memory with TMA bulk copies.
   bool stream_gemv = true;
   int stream_ring_kb = 128;

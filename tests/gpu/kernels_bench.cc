@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <numeric>
@@ -106,8 +107,8 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, moe, moe_fp8, argmax); the copy
-  // row always runs.
+  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, moe_fp8,
+  // argmax); the copy row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
@@ -358,6 +359,72 @@ int main(int argc, char** argv) {
     rows.push_back({c.label, kernel->name, ms * 1e3, 2.0 * keys * K * D * esz});
   }
 
+  // Prefill attention at XS.2 shapes (full layer G 6, sliding layer G 8 W 512; 8 KV heads, D 128, FP8
+  // KV, page 32): a prompt of T tokens at positions 0..T-1 over a cache of T tokens, the one-row kernel
+  // (multi_row_min_tokens = 0) against the multi-row kernel (1); the same bits (kernels_gpu_test). K/V
+  // bytes: what the blocks load from L2/HBM (each block its keys: one row's visible keys for the
+  // one-row kernel, the union of its rows' for the multi-row one). Printed as its own table.
+  struct PrefillRow {
+    std::string layer;
+    int T;
+    double us_one, us_multi, bytes_one, bytes_multi;
+  };
+  std::vector<PrefillRow> prefill;
+  if (want("attn_prefill")) {
+    for (int T : {128, 1024, 8192}) {
+      for (bool sliding : {false, true}) {
+        const int K = 8, D = 128, P = 32, G = sliding ? 8 : 6, H = K * G, W = 512;
+        const AttnPresetKey key{D, G, P, KvDtype::kFp8, sliding ? WindowKind::kSliding : WindowKind::kGlobal};
+        auto kernel = ResolveAttention(key);
+        if (!kernel.ok()) {
+          std::printf("skip attn_prefill: %s\n", kernel.status().message().c_str());
+          continue;
+        }
+        const int pages = (T + P - 1) / P;
+        std::vector<int32_t> table(pages);
+        std::iota(table.begin(), table.end(), 0);
+        std::shuffle(table.begin(), table.end(), std::mt19937(3));
+        auto d_t = Upload(table);
+        const size_t pool = size_t(pages) * P * K * D;
+        auto kp = Alloc(pool), vp = Alloc(pool);
+        CHECK_OK(kp.Fill(0x3a));  // FP8 codes 1.25 / 0.8125: finite, non-zero
+        CHECK_OK(vp.Fill(0x35));
+        auto q = Random(size_t(T) * H * D, 8, 1.0f), g = Random(size_t(T) * H, 9, 1.0f), o = Alloc(size_t(T) * H * D * 2);
+        AttentionParams p;
+        p.q = q.as<bf16>(), p.k_pool = kp.data(), p.v_pool = vp.data(), p.block_table = d_t.as<int32_t>();
+        p.first_position = 0, p.max_position = T - 1, p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = K;
+        p.head_dim = D, p.page_size = P, p.kv_dtype = KvDtype::kFp8, p.window_kind = key.window, p.window = W;
+        p.k_scale = p.v_scale = 0.1f, p.gate = g.as<bf16>(), p.gate_stride = H, p.out = o.as<bf16>();
+        auto ws = Alloc(AttentionWorkspaceBytes(p)), counters = Alloc(size_t(T) * K * 4);
+        CHECK_OK(counters.Fill(0));
+        p.workspace = ws.data(), p.workspace_bytes = ws.size(), p.counters = counters.as<uint32_t>();
+        const int iters = T >= 8192 ? 3 : 20;
+        double us[2];
+        for (int multi : {0, 1}) {
+          p.multi_row_min_tokens = multi;
+          us[multi] = 1e3 * TimeMs([&](int) { CHECK_OK(RunAttention(*kernel, p, g_stream)); }, iters);
+        }
+        // Keys each kernel's blocks load (K and V rows of D bytes, per KV head).
+        auto start_of = [&](int pos) { return sliding ? std::max(0, pos - W + 1) : 0; };
+        double keys_one = 0, keys_multi = 0;
+        for (int t = 0; t < T; ++t) keys_one += t - start_of(t) + 1;
+        for (int t0 = 0; t0 < T; t0 += kAttnMultiRows) {
+          const int t1 = std::min(T, t0 + kAttnMultiRows) - 1;
+          for (int c = start_of(t0) / kAttnChunk; c <= t1 / kAttnChunk; ++c) {  // the union per chunk
+            int lo = INT32_MAX, hi = -1;
+            for (int t = t0; t <= t1; ++t) {
+              if (start_of(t) / kAttnChunk > c || t / kAttnChunk < c) continue;
+              lo = std::min(lo, start_of(t)), hi = std::max(hi, t);
+            }
+            if (hi >= 0) keys_multi += std::min(hi, c * kAttnChunk + kAttnChunk - 1) - std::max(lo, c * kAttnChunk) + 1;
+          }
+        }
+        const double per_key = 2.0 * K * D;  // K and V, FP8
+        prefill.push_back({sliding ? "sliding G8 W512" : "full G6", T, us[0], us[1], keys_one * per_key, keys_multi * per_key});
+      }
+    }
+  }
+
   // MoE, XS.2 layer: E 256, top-8, F 512, shared 512, d 2048; 2 layers' experts, 16 inputs.
   if (want("moe")) {
     const int E = 256, k = 8, d = 2048, F = 512;
@@ -514,6 +581,15 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (!prefill.empty()) {
+    std::printf("\nattn_prefill (FP8 KV, page 32, 8 KV heads, D 128; multi-row: %d rows per block)\n", kAttnMultiRows);
+    std::printf("%-16s %5s %12s %12s %8s %14s %14s\n", "layer", "T", "one-row us", "multi-row us", "speedup",
+                "one-row KV MB", "multi-row KV MB");
+    for (const PrefillRow& r : prefill) {
+      std::printf("%-16s %5d %12.1f %12.1f %7.2fx %14.1f %14.1f\n", r.layer.c_str(), r.T, r.us_one, r.us_multi,
+                  r.us_one / r.us_multi, r.bytes_one / 1e6, r.bytes_multi / 1e6);
+    }
+  }
   if (!products.empty()) {
     constexpr double kPeakTflops = 790.0;
     std::printf("\n%-10s %-12s %-13s %5s %10s %9s %8s %10s %8s\n", "product", "layer", "shape", "T", "us/call", "GB/s",

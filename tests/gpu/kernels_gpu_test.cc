@@ -365,6 +365,205 @@ TEST(AttentionGpu, MissingPresetErrorsAndFallbackMatchesReference) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The multi-row (prefill) kernel against the one-row kernel: the same launch (same q, gate, cache,
+// positions) once with multi_row_min_tokens = 0 (never) and once with 1 (always), compared bit for bit
+// (every output element; the BF16 vectors compare as bits). Rows may come from several sequences
+// (token_seq) at any positions.
+struct MultiRowCase {
+  std::vector<int32_t> positions;   // per row
+  std::vector<int32_t> seq;         // per row; empty: one sequence (block_table itself)
+  int max_position = 0;
+};
+struct MultiRowResult {
+  std::vector<bf16> one_row, multi_row, ref;
+};
+// `tables`: [num_seqs, stride] block tables over the pool of `c` (c.table when there is one sequence).
+MultiRowResult RunOneRowAndMultiRow(const AttentionKernel& kernel, const Cache& c, const std::vector<int32_t>& tables,
+                                    int stride, int H, WindowKind win, int window, const MultiRowCase& mc,
+                                    bool per_element_gate, uint64_t key, bool want_ref) {
+  const int D = c.D, T = static_cast<int>(mc.positions.size());
+  const int gate_w = per_element_gate ? H * D : H;
+  const size_t q_n = static_cast<size_t>(T) * H * D, g_n = static_cast<size_t>(T) * gate_w;
+  auto d_q = Alloc(q_n * 2), d_g = Alloc(g_n * 2);
+  EXPECT_TRUE(FillRandomBf16(d_q.as<bf16>(), q_n, key, 1.5f, nullptr).ok());
+  EXPECT_TRUE(FillRandomBf16(d_g.as<bf16>(), g_n, key + 1, 1.0f, nullptr).ok());
+  auto d_k = Upload(c.k), d_v = Upload(c.v), d_t = Upload(tables), d_pos = Upload(mc.positions);
+  auto d_seq = Upload(mc.seq.empty() ? std::vector<int32_t>{0} : mc.seq);
+  AttentionParams p;
+  p.q = d_q.as<bf16>(), p.k_pool = d_k.data(), p.v_pool = d_v.data(), p.block_table = d_t.as<int32_t>();
+  p.token_seq = mc.seq.empty() ? nullptr : d_seq.as<int32_t>(), p.block_table_stride = mc.seq.empty() ? 0 : stride;
+  p.positions = d_pos.as<int32_t>(), p.max_position = mc.max_position;
+  p.history_stable = true;  // the whole cache is written before the launch (the one-row kernel's early loads)
+  p.history = d_pos.as<int32_t>();
+  p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = c.K, p.head_dim = D, p.page_size = c.P;
+  p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
+  p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
+  auto d_ws = Alloc(AttentionWorkspaceBytes(p));
+  auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
+  auto d_o = Alloc(q_n * 2);
+  p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size(), p.counters = d_counters.as<uint32_t>();
+  p.out = d_o.as<bf16>();
+  MultiRowResult r;
+  for (int min_tokens : {0, 1}) {
+    EXPECT_TRUE(d_o.Fill(0xff).ok());     // poison: an output left unwritten is NaN and differs
+    EXPECT_TRUE(d_ws.Fill(0xff).ok());
+    p.multi_row_min_tokens = min_tokens;
+    const Status st = RunAttention(kernel, p, nullptr);
+    EXPECT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    (min_tokens ? r.multi_row : r.one_row) = Download<bf16>(d_o, q_n);
+    const auto left = Download<uint32_t>(d_counters, static_cast<size_t>(T) * c.K);
+    EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()))
+        << "tickets handed back (multi_row_min_tokens " << min_tokens << ")";
+  }
+  if (want_ref) {
+    const auto q = Download<bf16>(d_q, q_n), g = Download<bf16>(d_g, g_n);
+    r.ref.resize(q_n);
+    AttentionParams h = p;
+    h.q = q.data(), h.k_pool = c.k.data(), h.v_pool = c.v.data(), h.block_table = tables.data();
+    h.token_seq = mc.seq.empty() ? nullptr : mc.seq.data(), h.positions = mc.positions.data();
+    h.history = nullptr, h.gate = g.data(), h.out = r.ref.data();
+    ref::Attention(h);
+  }
+  return r;
+}
+
+MultiRowCase Prompt(int first, int T, int extra_bound = 0) {
+  MultiRowCase mc;
+  for (int i = 0; i < T; ++i) mc.positions.push_back(first + i);
+  mc.max_position = first + T - 1 + extra_bound;
+  return mc;
+}
+
+// Every built preset (D 128 G 6/8, D 32 G 2/4, D 16; FP8 and BF16; pages 16/32/64 as built): prompts of
+// 1, 37, 100, 512 and 700 rows at positions 0.. and 1000.. (history in the cache), sliding windows of
+// 512 and 40 (shorter than most prompts), one grid sized for a larger bound; and against the CPU
+// reference on the cheaper shapes.
+TEST(AttentionGpu, MultiRowKernelMatchesOneRowKernelBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    SCOPED_TRACE(info.name);
+    const AttnPresetKey& k = info.key;
+    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group;
+    const Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, 1700, 91, 0.5f, 0.25f);
+    auto kernel = ResolveAttention(k);
+    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
+    const std::vector<int> windows = k.window == WindowKind::kSliding ? std::vector<int>{512, 40} : std::vector<int>{0};
+    for (int window : windows) {
+      for (int first : {0, 1000}) {
+        for (int T : {1, 37, 100, 512, 700}) {
+          SCOPED_TRACE(testing::Message() << "window " << window << " first " << first << " T " << T);
+          const MultiRowResult r = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window, Prompt(first, T),
+                                                        k.group == 4, 300 + T + first, false);
+          EXPECT_EQ(r.multi_row, r.one_row);
+        }
+      }
+      // A grid sized for a larger bound (a captured graph's max_position): still the same bits.
+      const MultiRowResult big = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window,
+                                                      Prompt(1000, 100, 600), k.group == 4, 77, false);
+      EXPECT_EQ(big.multi_row, big.one_row) << "max_position bound 1699";
+      // Against the CPU reference (the tolerance of EveryBuiltPresetMatchesReference).
+      const bool cheap = k.head_dim < 128;
+      const MultiRowResult r = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window,
+                                                    cheap ? Prompt(990, 37) : Prompt(0, 37), k.group == 4, 78, true);
+      EXPECT_EQ(r.multi_row, r.one_row);
+      ExpectClose(r.multi_row, r.ref, 2e-3f, 1.0f / 64, info.name + " multi-row vs reference");
+    }
+  }
+}
+
+// One launch mixing several sequences (token_seq): two prefill chunks, decode rows between them, and
+// rows of one sequence at positions that are neither consecutive nor ascending. The multi-row kernel
+// splits a block's rows into sets by block table and span; every row gets the one-row kernel's bits.
+TEST(AttentionGpu, MultiRowKernelTakesRowsOfSeveralSequences) {
+  SKIP_WITHOUT_GPU();
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    SCOPED_TRACE(info.name);
+    const AttnPresetKey& k = info.key;
+    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group, D = k.head_dim, P = k.page_size;
+    // Four sequences of 1400, 300, 900 and 1600 tokens, each with its own pages of one pool.
+    const int lens[4] = {1400, 300, 900, 1600};
+    std::vector<Cache> caches;
+    for (int s = 0; s < 4; ++s) caches.push_back(MakeCache(K, D, P, k.kv_dtype, lens[s], 200 + s, 0.5f, 0.25f));
+    Cache pool = caches[0];
+    pool.k.clear(), pool.v.clear(), pool.num_pages = 0;
+    int stride = 0;
+    for (const Cache& c : caches) stride = std::max(stride, c.num_pages);
+    std::vector<int32_t> tables(4 * static_cast<size_t>(stride), 0);
+    for (int s = 0; s < 4; ++s) {
+      for (int i = 0; i < caches[s].num_pages; ++i) tables[s * stride + i] = pool.num_pages + caches[s].table[i];
+      pool.k.insert(pool.k.end(), caches[s].k.begin(), caches[s].k.end());
+      pool.v.insert(pool.v.end(), caches[s].v.begin(), caches[s].v.end());
+      pool.num_pages += caches[s].num_pages;
+    }
+    MultiRowCase mc;
+    auto add = [&](int seq, int first, int n) {
+      for (int i = 0; i < n; ++i) mc.seq.push_back(seq), mc.positions.push_back(first + i);
+    };
+    add(0, 1200, 100);  // a prefill chunk with history
+    add(2, 899, 1);     // a decode row
+    add(1, 0, 37);      // a prompt from the start
+    add(3, 1599, 1);    // another decode row
+    add(0, 1300, 3);    // the first sequence again
+    for (int p : {1000, 40, 1399, 41, 700, 5}) mc.seq.push_back(0), mc.positions.push_back(p);  // anywhere
+    add(1, 37, 40);     // the second sequence's next chunk
+    mc.max_position = 1599;
+    auto kernel = ResolveAttention(k);
+    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
+    const std::vector<int> windows = k.window == WindowKind::kSliding ? std::vector<int>{512, 40} : std::vector<int>{0};
+    for (int window : windows) {
+      SCOPED_TRACE(testing::Message() << "window " << window);
+      const MultiRowResult r = RunOneRowAndMultiRow(*kernel, pool, tables, stride, H, k.window, window, mc,
+                                                    k.group == 4, 500 + window, D < 128);
+      EXPECT_EQ(r.multi_row, r.one_row);
+      if (D < 128) ExpectClose(r.multi_row, r.ref, 2e-3f, 1.0f / 64, info.name + " mixed batch vs reference");
+    }
+  }
+}
+
+// RunAttention's checks on the multi-row path: a workspace too small, no counters, a negative
+// threshold; each refused before any launch (the output stays poisoned).
+TEST(AttentionGpu, MultiRowPathRejectsBadParameters) {
+  SKIP_WITHOUT_GPU();
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    const AttnPresetKey& k = info.key;
+    const int K = k.head_dim == 128 ? 8 : 2, H = K * k.group, T = 64;
+    const Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, 200, 11, 0.5f, 0.25f);
+    auto kernel = ResolveAttention(k);
+    ASSERT_TRUE(kernel.ok());
+    auto d_q = Alloc(static_cast<size_t>(T) * H * k.head_dim * 2, 0), d_o = Alloc(static_cast<size_t>(T) * H * k.head_dim * 2);
+    auto d_k = Upload(c.k), d_v = Upload(c.v), d_t = Upload(c.table);
+    AttentionParams p;
+    p.q = d_q.as<bf16>(), p.k_pool = d_k.data(), p.v_pool = d_v.data(), p.block_table = d_t.as<int32_t>();
+    p.first_position = 100, p.max_position = 199, p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = K;
+    p.head_dim = k.head_dim, p.page_size = k.page_size, p.kv_dtype = k.kv_dtype, p.window_kind = k.window;
+    p.window = 40, p.out = d_o.as<bf16>(), p.multi_row_min_tokens = 1;
+    auto d_ws = Alloc(AttentionWorkspaceBytes(p)), d_counters = Alloc(static_cast<size_t>(T) * K * 4, 0);
+    p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size() - 4, p.counters = d_counters.as<uint32_t>();
+    const Status small = RunAttention(*kernel, p, nullptr);
+    EXPECT_EQ(small.code(), StatusCode::kInvalidArgument) << info.name;
+    EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
+    p.workspace_bytes = d_ws.size();
+    p.counters = nullptr;
+    EXPECT_EQ(RunAttention(*kernel, p, nullptr).code(), StatusCode::kInvalidArgument) << info.name;
+    p.counters = d_counters.as<uint32_t>();
+    p.multi_row_min_tokens = -5;
+    EXPECT_EQ(RunAttention(*kernel, p, nullptr).code(), StatusCode::kInvalidArgument) << info.name;
+    Sync();
+    const auto out = Download<bf16>(d_o, static_cast<size_t>(T) * H * k.head_dim);
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](bf16 v) { return v == 0xffff; })) << "nothing launched";
+    p.multi_row_min_tokens = 1;  // and the good parameters run
+    ASSERT_OK(RunAttention(*kernel, p, nullptr));
+    Sync();
+    const auto ran = Download<bf16>(d_o, static_cast<size_t>(T) * H * k.head_dim);
+    EXPECT_EQ(std::count(ran.begin(), ran.end(), bf16{0xffff}), 0) << info.name;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 TEST(GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   SKIP_WITHOUT_GPU();
   // k_split 0 = the shape's default (4 for 2,048 x 8,192); every split must match and be invariant.

@@ -1,8 +1,10 @@
 // Paged attention over the KV cache for one sequence: decode (T = 1) and prefill (a chunk of T query
-// tokens) use the SAME kernel: every query token is processed on its own, over fixed chunks of
-// kAttnChunk absolute key positions, and the chunks are combined in ascending order. So a token's
+// tokens) run the SAME per-row arithmetic: every query token is processed on its own, over fixed chunks
+// of kAttnChunk absolute key positions, and the chunks are combined in ascending order. So a token's
 // output does not depend on the page size, on how the prompt was chunked, or on whether it was
-// prefilled or decoded (bit-identical). Kernels are instantiated per preset (presets.def); the
+// prefilled or decoded (bit-identical). From multi_row_min_tokens rows on, a launch runs the
+// multi-row kernel, whose blocks load a key chunk once for kAttnMultiRows rows and then do each row's
+// arithmetic exactly as the one-row kernel does: the same bits, fewer K/V bytes. Kernels are instantiated per preset (presets.def); the
 // registry maps a preset key to its launcher and never falls back silently.
 #pragma once
 
@@ -68,11 +70,28 @@ struct AttentionParams {
   // slower (13.1 -> 15.2 us, global ctx 1k); 2-4 and 6-7 are not measured.
   int cluster_max_chunks = 5;
   bool release_after_wait = false;  // PDL release point (Tuning::late_release)
+  // From this many rows (num_tokens) on, the launch runs the multi-row kernel (blocks of
+  // kAttnMultiRows rows; attention_kernel.cuh); below it, and always when 0, the one-row split kernel.
+  // The same bits either way: a speed knob only (Tuning::attention_multi_row_min_tokens).
+  int multi_row_min_tokens = 128;
 };
 inline constexpr int kAttnMaxClusterChunks = 8;  // the portable cluster size
+// Query rows per block of the multi-row kernel: a block loads one key chunk once for this many
+// consecutive rows (attention_kernel.cuh explains the choice).
+inline constexpr int kAttnMultiRows = 16;
+// Blocks a grid dimension y or z can hold: the split kernel's rows, the multi-row kernel's row groups.
+inline constexpr int kAttnMaxGridRows = 65535;
 
-// Chunks a query's keys can span: grid width of the split-KV kernel.
+// Chunks a query's keys can span: grid width of the split-KV kernel, and the partial slots per
+// (row, query head) in the workspace (both kernels use the same layout).
 int AttentionMaxChunks(const AttentionParams& p);
+// Whether RunAttention runs the multi-row kernel for p (multi_row_min_tokens).
+bool AttentionUsesMultiRow(const AttentionParams& p);
+// Grid width of the multi-row kernel: the absolute chunks kAttnMultiRows rows of consecutive positions
+// can span together (global: AttentionMaxChunks; sliding: up to (W + R - 2) / C + 2, never fewer than
+// AttentionMaxChunks).
+int AttentionMultiRowChunks(const AttentionParams& p);
+// Covers either kernel: the multi-row kernel writes each row's partials into the row's own slots.
 size_t AttentionWorkspaceBytes(const AttentionParams& p);
 
 // ---- Presets ---------------------------------------------------------------------------------------

@@ -16,11 +16,23 @@
 //      block merges a share of the outputs from the partials in the cluster's shared memory (same
 //      formula and order: the same bits).
 // The page size only changes address arithmetic: results are bit-identical across page sizes.
+//
+// From AttentionParams::multi_row_min_tokens rows on (prefill), the launch runs MultiRowAttentionKernel
+// instead: grid (chunk relative to a row group's first chunk, kv_head, group of kAttnMultiRows = 16
+// rows). The one-row kernel loads every key chunk once per query row (a prompt of T rows reads it T
+// times from L2, and each block does little arithmetic); the multi-row block loads the chunk's K and V
+// into shared memory once and runs stages 1-3 for each of its rows with the arithmetic above (the same
+// chains in the same order, 4 rows per pass), writes each row's partial into the row's own slot and
+// merges a row with MergeChunks when it is the row's last arrival: the same bits for every row. 16 rows
+// per block: the K/V bytes per row drop 16-fold (T = 8192, full layer: 68 GB of chunk loads to about
+// 4 GB), leaving the kernel bound by its FP32 FMAs, while a 1k prompt still fills the H200 (64 groups
+// x 8 KV heads x up to 8 chunks); 2 blocks of <= 128 registers per SM, 48-96 KB of shared memory each.
 #pragma once
 
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "kernels/attention/attention.h"
@@ -471,12 +483,348 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   DL_ATTN_REPORT();
 }
 
+// ---- The multi-row kernel (prefill) -------------------------------------------------------------------
+// Rows per stage-1..3 pass: the scores (s_p [kTileRows][G][C]) and queries (s_q [kTileRows][G][D]) of
+// this many rows are in shared memory at once, so that stage 1 converts each K element once for
+// kTileRows * G dot products and stage 3 loads each V element once for several (row, head) sums.
+// 4 gives every preset whole passes in stage 3 (4 * G (row, head) pairs over 256 / 32 = 8 warps of
+// lanes; G 2..8) and keeps stage 1's scores at 4 * G <= 32 registers.
+inline constexpr int kAttnTileRows = 4;
+
+template <int D, int G, KvDtype KV>
+constexpr size_t MultiRowSmemBytes() {
+  return 2 * static_cast<size_t>(kAttnChunk) * D * (KV == KvDtype::kFp8 ? 1 : 2) +  // s_k, s_v: the chunk's rows
+         static_cast<size_t>(kAttnTileRows) * G * D * 4 +                         // s_q
+         static_cast<size_t>(kAttnTileRows) * G * kAttnChunk * 4;                 // s_p (then the merge's s_w, s_l)
+}
+
+// Grid (group chunk, kv_head, row group), 256 threads, MultiRowSmemBytes of dynamic shared memory.
+// A block owns kAttnMultiRows consecutive rows (t0 = blockIdx.z * R), one KV head and, per set of
+// rows, the absolute chunk lo_set + blockIdx.x, where lo_set is the set's smallest start chunk. A set is
+// a run of the block's rows that share one block table and whose chunks [start/C, pos/C] fit the grid
+// width together (row_sets: a prefill chunk of one sequence is one set; rows of other sequences or
+// far-apart positions start new sets, each loading its own K/V). Per set the block loads the chunk's
+// K and V (shared memory) once, over the union of the rows' visible ranges (V zeros outside),
+// and then, kAttnTileRows rows at a time, runs SplitAttentionKernel's stages 1-3 for every row whose
+// range meets the chunk, with that kernel's arithmetic: the same dot-product order per (key, head),
+// the same max / exp / sum over the same lanes, the same P.V chain over all C keys in ascending order
+// (a key outside a row's range has p = 0; its V is a finite value another row sees instead of zero,
+// and adding the exact zero 0 * v to a sum that starts at +0 changes no bit), written to the row's own
+// partial slot (chunk - start/C: the slot MergeChunks reads). A row counts one arrival per chunk of
+// its range (used = pos/C - start/C + 1 blocks), the last one merges it with MergeChunks: the bits of
+// the one-row kernel's ticket (and cluster) merge. Rows that do not see a chunk neither write nor
+// arrive. The kernel waits on its predecessor before loading anything (no early history loads: a
+// prefill launch is long, the overlap would be small).
+template <int D, int G, int P, KvDtype KV, bool SLIDING>
+__global__ void __launch_bounds__(256, 2)
+    MultiRowAttentionKernel(const AttentionParams a, int row_chunks, int group_chunks) {
+  DL_TIMELINE_SCOPE(kAttention);
+  AllowDependentsAtStart(a.release_after_wait);
+  constexpr int C = kAttnChunk;
+  constexpr int R = kAttnMultiRows;
+  constexpr int RB = kAttnTileRows;
+  constexpr int kThreads = 256;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(C * 2 == kThreads, "stage 1 maps one key to each pair of threads");
+  static_assert(R <= kThreads && R % RB == 0, "rows per block");
+  static_assert(RB >= 2, "the merge's s_w and s_l live in s_p");
+  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+  constexpr int kRowBytes = D * kElemBytes;
+  static_assert(kRowBytes % 16 == 0, "head dim: a key row must be whole 16-byte chunks");
+  constexpr bool kSplitRow = kRowBytes % 32 == 0;  // as SplitAttentionKernel
+  constexpr int kPartBytes = kSplitRow ? kRowBytes / 2 : kRowBytes;
+  constexpr int kPartDims = kPartBytes / kElemBytes;
+  constexpr int kVec = 16 / kElemBytes;
+  constexpr int kDimsPerLane = D >= 32 ? D / 32 : 1;  // stage 3, as SplitAttentionKernel
+  constexpr int kLanes = D / kDimsPerLane;            // threads per (row, head) in stage 3
+  constexpr int kPairsPerPass = kThreads / kLanes;    // (row, head) pairs the block sums at once
+  constexpr int kPairs = (RB * G + kPairsPerPass - 1) / kPairsPerPass;  // per thread
+  static_assert(D < 32 || D % 32 == 0, "head dim");
+  static_assert(kThreads % kLanes == 0, "stage 3 lanes");
+  constexpr int kVBytes = C * kRowBytes;
+
+  extern __shared__ __align__(16) unsigned char dl_attn_multirow_smem[];
+  // K in shared memory too (not in registers as in SplitAttentionKernel): it lives across the passes,
+  // and 16-32 registers held that long made the block spill.
+  unsigned char* s_k = dl_attn_multirow_smem;                                                // [C][kRowBytes]
+  unsigned char* s_v = s_k + kVBytes;                                                        // [C][kRowBytes]
+  auto* s_q = reinterpret_cast<float(*)[G][D]>(s_v + kVBytes);                               // [RB][G][D]
+  auto* s_p = reinterpret_cast<float(*)[G][C]>(s_v + kVBytes + RB * G * D * 4);              // [RB][G][C]
+  __shared__ int s_pos[R], s_start[R];
+  __shared__ const int32_t* s_table[R];
+  __shared__ int s_rows[R];  // the current set's rows that see the chunk (block-relative), in order
+  __shared__ int s_nrows, s_key_lo, s_key_hi;
+  __shared__ bool s_last[R];
+
+  const int kvh = blockIdx.y;
+  const int t0 = blockIdx.z * R;
+  const int nr = min(R, a.num_tokens - t0);
+  const int H = a.num_q_heads;
+  const int K = a.num_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* ws_o = static_cast<float*>(a.workspace);
+  const size_t n_part = static_cast<size_t>(a.num_tokens) * H * row_chunks;
+  float* ws_m = ws_o + n_part * D;
+  float* ws_l = ws_m + n_part;
+  auto part = [&](int t, int g, int ci) { return (static_cast<size_t>(t) * H + kvh * G + g) * row_chunks + ci; };
+  const float score_scale = a.softmax_scale * (KV == KvDtype::kFp8 ? a.k_scale : 1.0f);
+  const float v_scale = KV == KvDtype::kFp8 ? a.v_scale : 1.0f;
+  const char* k_base = static_cast<const char*>(a.k_pool);
+  const char* v_base = static_cast<const char*>(a.v_pool);
+
+  WaitReleasing(a.release_after_wait);
+  if (threadIdx.x < nr) {
+    const int t = t0 + threadIdx.x;
+    const int pos = a.positions ? a.positions[t] : a.first_position + t;
+    s_pos[threadIdx.x] = pos;
+    s_start[threadIdx.x] = SLIDING ? max(0, pos - a.window + 1) : 0;
+    s_table[threadIdx.x] = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
+  }
+  __syncthreads();
+
+  // Row sets, in row order (every thread walks them alike from shared memory).
+  for (int r0 = 0; r0 < nr;) {
+    int set_lo = s_start[r0] / C, set_hi = s_pos[r0] / C, r1 = r0 + 1;
+    while (r1 < nr && s_table[r1] == s_table[r0]) {
+      const int lo = min(set_lo, s_start[r1] / C), hi = max(set_hi, s_pos[r1] / C);
+      if (hi - lo + 1 > group_chunks) break;
+      set_lo = lo, set_hi = hi, ++r1;
+    }
+    const int chunk = set_lo + static_cast<int>(blockIdx.x);
+    const int chunk_lo = chunk * C;
+    const int32_t* table = s_table[r0];
+    const int set_first = r0;
+    r0 = r1;
+    if (chunk > set_hi) continue;  // past every row of the set (uniform: no barrier skipped unevenly)
+    if (threadIdx.x == 0) {
+      int n = 0, key_lo = INT_MAX, key_hi = -1;
+      for (int r = set_first; r < r1; ++r) {
+        if (s_start[r] / C > chunk || s_pos[r] / C < chunk) continue;
+        s_rows[n++] = r;
+        key_lo = min(key_lo, s_start[r]), key_hi = max(key_hi, s_pos[r]);
+      }
+      s_nrows = n, s_key_lo = max(key_lo, chunk_lo), s_key_hi = min(key_hi, chunk_lo + C - 1);
+    }
+    __syncthreads();
+    const int nact = s_nrows;
+    if (nact == 0) {  // no row's range meets this chunk (uniform)
+      __syncthreads();  // s_nrows read by all before the next set rewrites it
+      continue;
+    }
+
+    // K and V half-rows into shared memory (V zero-filled outside the union of ranges; K there is
+    // never used), SplitAttentionKernel's stage-1 split of a key between threads 2k and 2k+1.
+    const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int s = chunk_lo + k;
+    const bool loaded = s >= s_key_lo && s <= s_key_hi;
+    const bool active = kSplitRow || half == 0;
+    const int row_part = k * kRowBytes + (kSplitRow ? half * kPartBytes : 0);  // this thread's half-row
+    unsigned char* v_dst = s_v + row_part;
+    constexpr int kLoads = kPartBytes / 16;
+    if (loaded && active) {
+      const size_t off = ((static_cast<size_t>(table[s / P]) * P + s % P) * K + kvh) * kRowBytes +
+                         (kSplitRow ? half * kPartBytes : 0);
+      const uint32_t k_sh = static_cast<uint32_t>(__cvta_generic_to_shared(s_k + row_part));
+      const uint32_t v_sh = static_cast<uint32_t>(__cvta_generic_to_shared(v_dst));
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(k_sh + 16 * c), "l"(k_base + off + 16 * c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(v_sh + 16 * c), "l"(v_base + off + 16 * c));
+      }
+    } else if (active) {
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) reinterpret_cast<uint4*>(v_dst)[c] = make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+
+    for (int i0 = 0; i0 < nact; i0 += RB) {
+      const int nt = min(RB, nact - i0);  // rows in this pass
+      for (int i = threadIdx.x; i < nt * G * D; i += kThreads) {
+        const int rb = i / (G * D), e = i % (G * D);
+        const int t = t0 + s_rows[i0 + rb];
+        s_q[rb][e / D][e % D] = Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + kvh * G) * D + e]);
+      }
+      asm volatile("cp.async.wait_group 0;" ::: "memory");  // (first pass) this thread's K and V copies
+      __syncthreads();  // s_q; every thread's K and V rows
+
+      // ---- Stage 1 for the pass's rows: per (row, head) the lower-half and upper-half FMA chains in
+      // dimension order, lower + upper, times the scale; -inf outside the row's range.
+      {
+        float sc[RB][G];
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+          for (int g = 0; g < G; ++g) sc[rb][g] = 0.0f;
+        if (loaded && active) {
+          const int dim0 = kSplitRow ? half * kPartDims : 0;
+          const uint4* krow = reinterpret_cast<const uint4*>(s_k + row_part);
+#pragma unroll 1
+          for (int c = 0; c < kLoads; ++c) {
+            const uint4 kc = krow[c];
+            float kf[kVec];
+            if constexpr (KV == KvDtype::kFp8) {
+              Fp8x8ToFloat(make_uint2(kc.x, kc.y), kf);
+              Fp8x8ToFloat(make_uint2(kc.z, kc.w), kf + 8);
+            } else {
+              Bf16x8ToFloat(kc, kf);
+            }
+            const int d0 = dim0 + c * kVec;
+#pragma unroll
+            for (int rb = 0; rb < RB; ++rb) {
+              if (rb >= nt) break;
+#pragma unroll
+              for (int g = 0; g < G; ++g) {
+#pragma unroll
+                for (int e = 0; e < kVec; e += 4) {
+                  const float4 qv = *reinterpret_cast<const float4*>(&s_q[rb][g][d0 + e]);
+                  sc[rb][g] = fmaf(qv.x, kf[e], sc[rb][g]);
+                  sc[rb][g] = fmaf(qv.y, kf[e + 1], sc[rb][g]);
+                  sc[rb][g] = fmaf(qv.z, kf[e + 2], sc[rb][g]);
+                  sc[rb][g] = fmaf(qv.w, kf[e + 3], sc[rb][g]);
+                }
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb) {
+          const int row = s_rows[i0 + min(rb, nt - 1)];
+          const bool valid = s >= s_start[row] && s <= s_pos[row];
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float other = __shfl_xor_sync(0xffffffffu, sc[rb][g], 1);
+            const float dot = half == 0 ? sc[rb][g] + other : other + sc[rb][g];  // lower half + upper half
+            if (half == 0 && rb < nt) s_p[rb][g][k] = valid ? dot * score_scale : -INFINITY;
+          }
+        }
+      }
+      __syncthreads();  // s_p scores
+
+      // ---- Stage 2: per (row, head), one warp: chunk max and sum of exp, as SplitAttentionKernel.
+      for (int task = warp; task < nt * G; task += kWarps) {
+        const int rb = task / G, g = task % G;
+        float v[C / 32];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < C / 32; ++j) {
+          v[j] = s_p[rb][g][lane + 32 * j];
+          mx = fmaxf(mx, v[j]);
+        }
+        mx = WarpMax(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < C / 32; ++j) {
+          const float e = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
+          s_p[rb][g][lane + 32 * j] = e;
+          sum += e;
+        }
+        sum = WarpSum(sum);
+        if (lane == 0) {
+          const int row = s_rows[i0 + rb];
+          const size_t pi = part(t0 + row, g, chunk - s_start[row] / C);
+          ws_m[pi] = mx;
+          ws_l[pi] = sum;
+        }
+      }
+      __syncthreads();  // probabilities
+
+      // ---- Stage 3: a thread sums kDimsPerLane dims of kPairs (row, head) pairs, each V element
+      // loaded once for all of them; per (row, head, dim) o += p_k * v_k over the C keys in ascending
+      // order, as SplitAttentionKernel's lane of warp g.
+      {
+        const int d0 = (threadIdx.x % kLanes) * kDimsPerLane;
+        int prb[kPairs], pg[kPairs];
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int pair = threadIdx.x / kLanes + j * kPairsPerPass;
+          const int clamped = pair < nt * G ? pair : 0;  // pairs past the pass compute, never store
+          prb[j] = clamped / G, pg[j] = clamped % G;
+        }
+        float acc[kPairs][kDimsPerLane];
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j)
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) acc[j][e] = 0.0f;
+        const unsigned char* vcol = s_v + d0 * kElemBytes;
+#pragma unroll 2
+        for (int k0 = 0; k0 < C; k0 += 4) {
+          float4 pj[kPairs];
+#pragma unroll
+          for (int j = 0; j < kPairs; ++j) pj[j] = *reinterpret_cast<const float4*>(&s_p[prb[j]][pg[j]][k0]);
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            float vf[kDimsPerLane];
+            LoadKvDims<kDimsPerLane, KV>(vcol + (k0 + u) * kRowBytes, vf);
+#pragma unroll
+            for (int j = 0; j < kPairs; ++j) {
+              const float pk = u == 0 ? pj[j].x : u == 1 ? pj[j].y : u == 2 ? pj[j].z : pj[j].w;
+#pragma unroll
+              for (int e = 0; e < kDimsPerLane; ++e) acc[j][e] = fmaf(pk, vf[e], acc[j][e]);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kPairs; ++j) {
+          const int pair = threadIdx.x / kLanes + j * kPairsPerPass;
+          if (pair >= nt * G) continue;
+          const int row = s_rows[i0 + prb[j]];
+          const size_t pi = part(t0 + row, pg[j], chunk - s_start[row] / C);
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) ws_o[pi * D + d0 + e] = acc[j][e] * v_scale;
+        }
+      }
+      __syncthreads();  // s_q and s_p free for the next pass; this pass's partials written
+    }
+
+    // ---- Stage 4: one arrival per row of the set that saw the chunk; the last of a row's `used`
+    // blocks merges it (MergeChunks, the one-row kernel's merge), rows one after another.
+    if (threadIdx.x == 0) {
+      __threadfence();
+      for (int i = 0; i < nact; ++i) {
+        const int row = s_rows[i];
+        const unsigned used = static_cast<unsigned>(s_pos[row] / C - s_start[row] / C + 1);
+        s_last[i] = atomicAdd(&a.counters[(t0 + row) * K + kvh], 1u) == used - 1;
+      }
+    }
+    __syncthreads();
+    for (int i = 0; i < nact; ++i) {
+      if (!s_last[i]) continue;  // uniform
+      const int row = s_rows[i], t = t0 + row;
+      __threadfence();
+      MergeChunks<D, G, C, kThreads>(a, t, kvh, row_chunks, s_pos[row] / C - s_start[row] / C + 1, ws_o, ws_m, ws_l,
+                                     *reinterpret_cast<float(*)[G][C]>(&s_p[0][0][0]),
+                                     *reinterpret_cast<float(*)[G][C]>(&s_p[0][0][0] + G * C));
+      if (threadIdx.x == 0) a.counters[t * K + kvh] = 0u;
+      __syncthreads();  // MergeChunks' shared memory is reused by the next merge
+    }
+    __syncthreads();  // s_rows, s_last, s_v reused by the next set
+  }
+}
+
 }  // namespace dev
+
+// The multi-row kernel for p (softmax_scale resolved): grid (AttentionMultiRowChunks, K,
+// ceil(T / kAttnMultiRows)), partial slots per row as the one-row kernel (AttentionMaxChunks).
+template <int D, int G, int P, KvDtype KV, bool SLIDING>
+Status LaunchMultiRowAttention(const AttentionParams& p, Stream stream) {
+  const int row_chunks = AttentionMaxChunks(p), group_chunks = AttentionMultiRowChunks(p);
+  const dim3 grid(group_chunks, p.num_kv_heads, (p.num_tokens + kAttnMultiRows - 1) / kAttnMultiRows);
+  const cudaError_t e = dev::LaunchDependentSmem(dev::MultiRowAttentionKernel<D, G, P, KV, SLIDING>, grid, dim3(256),
+                                                 dev::MultiRowSmemBytes<D, G, KV>(),
+                                                 reinterpret_cast<cudaStream_t>(stream), p, row_chunks, group_chunks);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Internal("launching {} (multi-row) failed: {}", CanonicalName(PresetKeyOf(p)), cudaGetErrorString(e));
+  }
+  DL_KERNEL_LAUNCH_CHECK(CanonicalName(PresetKeyOf(p)) + " (multi-row)");
+  return Status::Ok();
+}
 
 template <int D, int G, int P, KvDtype KV, bool SLIDING>
 Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   AttentionParams p = params;
   if (p.softmax_scale <= 0.0f) p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  if (AttentionUsesMultiRow(p)) return LaunchMultiRowAttention<D, G, P, KV, SLIDING>(p, stream);
   const int num_chunks = AttentionMaxChunks(p);
   dim3 grid(num_chunks, p.num_kv_heads, p.num_tokens);
   // The SMs attention runs on keep the largest shared-memory carveout, so the next kernel's blocks

@@ -111,6 +111,22 @@ int AttentionMaxChunks(const AttentionParams& p) {
   return global_chunks;
 }
 
+bool AttentionUsesMultiRow(const AttentionParams& p) {
+  return p.multi_row_min_tokens > 0 && p.num_tokens >= p.multi_row_min_tokens;
+}
+
+int AttentionMultiRowChunks(const AttentionParams& p) {
+  const int global_chunks = std::max(p.max_position, 0) / kAttnChunk + 1;
+  if (p.window_kind == WindowKind::kSliding && p.window > 0) {
+    // R rows at positions q..q+R-1 see keys from q-W+1 to q+R-1: W+R-1 positions, which can straddle
+    // (W+R-2)/C + 2 chunks. A block whose rows do not fit (several sequences, positions not
+    // consecutive) splits them into sets that do; one row always fits (AttentionMaxChunks).
+    const int span = (p.window + kAttnMultiRows - 2) / kAttnChunk + 2;
+    return std::max(std::min(global_chunks, span), AttentionMaxChunks(p));
+  }
+  return global_chunks;
+}
+
 size_t AttentionWorkspaceBytes(const AttentionParams& p) {
   return static_cast<size_t>(p.num_tokens) * p.num_q_heads * AttentionMaxChunks(p) *
          (static_cast<size_t>(p.head_dim) + 2) * sizeof(float);
@@ -163,6 +179,22 @@ Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Str
     }
     if (!p.counters) {
       return InvalidArgument("attention ({}): counters ([T x K] words, zeroed) must be set", kernel.name);
+    }
+    if (p.multi_row_min_tokens < 0) {
+      return InvalidArgument("attention ({}): multi_row_min_tokens {} must be >= 0 (0 = never)", kernel.name,
+                             p.multi_row_min_tokens);
+    }
+    if (AttentionUsesMultiRow(p)) {
+      const int groups = (p.num_tokens + kAttnMultiRows - 1) / kAttnMultiRows;
+      if (groups > kAttnMaxGridRows) {
+        return InvalidArgument("attention ({}): {} rows need {} row groups of {}; a launch takes at most {}",
+                               kernel.name, p.num_tokens, groups, kAttnMultiRows, kAttnMaxGridRows);
+      }
+    } else if (p.num_tokens > kAttnMaxGridRows) {
+      return InvalidArgument(
+          "attention ({}): {} rows exceed the one-row kernel's {} per launch; the multi-row kernel takes "
+          "them (multi_row_min_tokens {}, 0 = never)",
+          kernel.name, p.num_tokens, kAttnMaxGridRows, p.multi_row_min_tokens);
     }
   }
   return kernel.launch(p, stream);
