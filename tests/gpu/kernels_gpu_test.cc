@@ -959,7 +959,7 @@ TEST(MoeGpu, MultiRowRouterMatchesOneRowRouter) {
     float softcap;
     bool zero_bias;
   };
-  for (const Shape sh : {Shape{256, 8, 2048, 512, 512, 0.0f, false}, Shape{60, 6, 264, 64, 32, 5.0f, true}}) {
+  for (const Shape sh : {Shape{256, 8, 2048, 512, 512, 0.0f, false}, Shape{60, 6, 264, 96, 40, 5.0f, true}}) {
     RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 9000, 902, 903);
     if (sh.zero_bias) ASSERT_TRUE(layer.bias.Fill(0).ok());
     for (int T : {1, 7, 16, 17, 100, 512, 513}) {
