@@ -510,6 +510,7 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.workspace = ws.moe_ws;
   mp.counter = ws.moe_counter;
   mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
+  mp.router_rows_min_tokens = opt.tuning.moe_router_rows_min_tokens;
   // The experts on the tensor-core product at every row count; the product is BF16-only, so FP8
   // experts keep the FP8 kernels.
   mp.mma = opt.tuning.mma_products && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();

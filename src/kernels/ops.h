@@ -257,6 +257,10 @@ struct MoeParams {
   // matrices (the shared expert's first, before the PDL wait); 0 or an unfit shape: the register
   // kernel. Same bits either way.
   int gate_up_stream_ring_kb = 128;
+  // The router from this many tokens on (0 = never) takes 8 token rows per block: each router row is
+  // loaded once per block for its 8 rows and the block normalises its rows together (prefill); below
+  // it, one token per block (decode). Same bits either way (Tuning::moe_router_rows_min_tokens).
+  int router_rows_min_tokens = 16;
   // PDL release points (Tuning::late_release) of the router and the down kernel.
   bool router_release_after_wait = false, down_release_after_wait = false;
   // FP8 experts (the FP8 rule above), per group: routed (gate/up/down of every expert) and shared
@@ -288,6 +292,10 @@ struct MoeParams {
 // lists and per-slot outputs).
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens = 1);
 Status Moe(const MoeParams& p, Stream stream);
+// The router stage of Moe alone (its checks, its launch), for tests and benchmarks: per token the
+// router logits, selection, weights and expert pointers in the workspace, topk_ids / topk_weights
+// where set, and with a fused input norm u2 in x and the updated residual; y is not written.
+Status MoeRouter(const MoeParams& p, Stream stream);
 
 // ---- 7. Argmax -------------------------------------------------------------------------------------
 // out[0] = argmax_i logits[i] (ties -> lowest index, NaN counts as the maximum, like torch.argmax).

@@ -27,6 +27,7 @@ constexpr Setting kSettings[] = {
     {"stream_prefetch_kb", "streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::stream_prefetch_kb, nullptr},
     {"oproj_prefetch_kb", "o_proj's streaming GEMV: bytes copied before the PDL wait", 0, 200, false, &Tuning::oproj_prefetch_kb, nullptr},
     {"moe_gate_up_stream_kb", "batch-1 MoE gate/up ring size (0 = register kernel)", 0, 200, false, &Tuning::moe_gate_up_stream_kb, nullptr},
+    {"moe_router_rows_min_tokens", "MoE router: 8 token rows per block from this many tokens (0 = never; same bits)", 0, 65535, false, &Tuning::moe_router_rows_min_tokens, nullptr},
     {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4; 0 = by token count)", 0, 4, false, &Tuning::batch_gemv_rows, nullptr},
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
     {"mma_products", "linear layers on the tensor-core product at every row count (other bits than 0, the same for every batch)", 0, 1, true, nullptr, &Tuning::mma_products},

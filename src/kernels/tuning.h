@@ -49,6 +49,9 @@ struct Tuning {
   int oproj_prefetch_kb = 128;  // o_proj's own (it streams beside attention)
   // Batch-1 MoE gate/up streams its weights through a ring of this many KB (0 = register kernel).
   int moe_gate_up_stream_kb = 128;
+  // The MoE router takes 8 token rows per block from this many tokens on (0 = never): prefill chunks
+  // read the router matrix once per 8 rows instead of once per row (same bits; MoeParams).
+  int moe_router_rows_min_tokens = 16;
   // Batched (T > 1) GEMV: output rows per warp (1, 2 or 4; 0 = by T: 2 up to 8 tokens, else 4) and
   // tokens per pass over a row (4, 8 or 16). Any choice gives the batch-1 kernel's bits.
   int batch_gemv_rows = 0;

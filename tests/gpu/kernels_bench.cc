@@ -107,8 +107,8 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, moe_fp8,
-  // argmax); the copy row always runs.
+  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, router,
+  // moe_fp8, argmax); the copy row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
@@ -490,6 +490,37 @@ int main(int argc, char** argv) {
       }, T > 64 ? 10 : 50);
       rows.push_back({fmt::format("moe mma T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
+    }
+  }
+
+  // The MoE router alone (MoeRouter: the fused input norm, as the engine runs it, the router GEMV and
+  // the top-k) at XS.2's E 256, k 8, d 2048: the one-row kernel (a token per block) against the
+  // multi-row kernel (8 token rows per block, MoeParams::router_rows_min_tokens) at the same T. Bytes:
+  // the router matrix once and per token the residual, delta, updated residual and u2 rows.
+  if (want("router")) {
+    const int E = 256, k = 8, d = 2048, F = 512, kMaxT = 2048;
+    auto router = Random(size_t(E) * d, 50, 0.05f), bias = Random(E, 60, 0.05f);
+    auto table = Alloc(size_t(E) * sizeof(void*));  // expert pointer tables: copied, never dereferenced
+    CHECK_OK(table.Fill(0));
+    auto h = Random(size_t(kMaxT) * d, 81, 4.0f), delta = Random(size_t(kMaxT) * d, 82, 1.0f), nw = Random(d, 83, 1.0f);
+    auto x = Alloc(size_t(kMaxT) * d * 2), h_out = Alloc(size_t(kMaxT) * d * 2), y = Alloc(16);
+    auto ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT)), counter = Alloc(kMaxT * 4), ids = Alloc(size_t(kMaxT) * k * 4);
+    CHECK_OK(counter.Fill(0));
+    for (int T : {1, 16, 64, 512, 2048}) {
+      for (int rows_min : {0, 1}) {
+        MoeParams p;
+        p.x = x.as<bf16>(), p.router_w = router.as<bf16>(), p.router_bias = bias.as<bf16>();
+        p.gate_w = p.up_w = p.down_w = table.as<const bf16*>();
+        p.shared_gate_w = p.shared_up_w = p.shared_down_w = router.as<bf16>();  // never read by the router
+        p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.num_tokens = T;
+        p.y = y.as<bf16>(), p.topk_ids = ids.as<int32_t>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+        p.norm.residual = h.as<bf16>(), p.norm.delta = delta.as<bf16>(), p.norm.weight = nw.as<bf16>();
+        p.norm.residual_out = h_out.as<bf16>(), p.norm.u_out = x.as<bf16>();
+        p.router_rows_min_tokens = rows_min;
+        const double ms = TimeMs([&](int) { CHECK_OK(MoeRouter(p, g_stream)); }, T >= 512 ? 20 : 200);
+        rows.push_back({fmt::format("router {} T{}", rows_min ? "8 rows" : "1 row", T), "E256 k8 d2048 fused norm", ms * 1e3,
+                        2.0 * (size_t(E) * d + size_t(4) * T * d)});
+      }
     }
   }
 

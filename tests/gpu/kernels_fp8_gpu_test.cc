@@ -418,6 +418,23 @@ TEST(Fp8MoeGpu, GroupedPathAtXs2Widths) {
   ExpectGroupedMatchesAloneAndReference({256, 8, 2048, 512, 512, true, 128, 128}, 64);
 }
 
+// The multi-row router with FP8 expert tables (the code pointers it writes for the expert kernels) gives
+// the one-row router's bits (ExpectMultiRowRouterMatchesOneRow), with and without the fused norm: XS.2's
+// layer with an FP8 shared expert, a small one with a BF16 shared expert.
+TEST(Fp8MoeGpu, MultiRowRouterMatchesOneRowRouter) {
+  SKIP_WITHOUT_GPU();
+  for (const MoeShape c : {MoeShape{256, 8, 2048, 512, 512, true, 128, 128}, MoeShape{64, 8, 512, 128, 64, false, 128, 128}}) {
+    const Fp8MoeLayer layer(c.E, c.k, c.d, c.F, c.Fs, c.shared_fp8, 9500, c.br, c.bc);
+    for (int T : {1, 7, 16, 17, 100, 512, 513}) {
+      for (bool fused : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "E " << c.E << " d " << c.d << " T " << T << (fused ? " fused norm" : ""));
+        const MoeParams p = layer.Params(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, T);
+        ASSERT_NO_FATAL_FAILURE(ExpectMultiRowRouterMatchesOneRow(p, fused ? 960 : 0));
+      }
+    }
+  }
+}
+
 TEST(Fp8MoeGpu, RefusesMixedGroupsAndBadScales) {
   SKIP_WITHOUT_GPU();
   const Fp8MoeLayer layer(16, 4, 256, 64, 64, true, 9000);

@@ -1145,6 +1145,37 @@ TEST(MoeGpu, GroupedPathMatchesEveryTokenAlone) {
                    nullptr).ok());
 }
 
+// The multi-row router (8 token rows per block, MoeParams::router_rows_min_tokens) gives the one-row
+// router's bits for every row (ExpectMultiRowRouterMatchesOneRow: router state, ids, weights, u2, the
+// residual, y), with and without the fused norm, on the CUDA-core and the MMA experts, at T = 1, a
+// partial last block of rows (7, 17, 100, 513) and whole ones (16, 512): XS.2's layer (E 256, d 2,048)
+// with random biases and no soft-cap, and an odd one (E 60: the last block's warps past E; d 264;
+// k 6) with a soft-cap and zero biases.
+TEST(MoeGpu, MultiRowRouterMatchesOneRowRouter) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int E, k, d, F, Fs;
+    float softcap;
+    bool zero_bias;
+  };
+  for (const Shape sh : {Shape{256, 8, 2048, 512, 512, 0.0f, false}, Shape{60, 6, 264, 96, 40, 5.0f, true}}) {
+    RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 9000, 902, 903);
+    if (sh.zero_bias) ASSERT_TRUE(layer.bias.Fill(0).ok());
+    for (int T : {1, 7, 16, 17, 100, 512, 513}) {
+      for (bool fused : {false, true}) {
+        for (bool mma : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "E " << sh.E << " d " << sh.d << " T " << T << (fused ? " fused norm" : "")
+                                          << (mma ? " mma" : ""));
+          MoeParams p = layer.Params(nullptr, nullptr, nullptr, nullptr, nullptr, T);
+          p.softcap = sh.softcap;
+          p.mma = mma;
+          ASSERT_NO_FATAL_FAILURE(ExpectMultiRowRouterMatchesOneRow(p, fused ? 910 : 0));
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // The MMA experts (MoeParams::mma): close to the reference per token (its router logits as the
 // override, so the selection is the kernel's own), run to run, and every token's row of a T-token

@@ -123,141 +123,317 @@ struct WaitForEarlierKernels {
   __device__ void operator()() const { WaitForPrerequisites(); }
 };
 
-// Grid (ceil(E / 8), T). With a fused input norm, dynamic shared memory holds token t's u2 ([d] BF16),
-// computed by every block of the token after its router-row loads are issued; block (0, t) writes it
-// to x for the expert kernels, and the updated residual. It then holds the [3][E] expert pointer
-// tables (gate, up, down) and the [E] correction biases as FP32, copied before the wait (they never
-// change), so the block that selects the experts writes their pointers and reads the biases without
-// one more dependent memory round trip each.
-__host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a) {
-  return a.norm.residual ? AlignUp(static_cast<size_t>(a.d) * sizeof(uint16_t), 16) : 0;
-}
-__host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a) {
-  return RouterPointerTableOffset(a) + 3 * sizeof(void*) * a.num_experts;
-}
-__host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a) {
-  return RouterBiasOffset(a) + sizeof(float) * a.num_experts;
-}
-__global__ void __launch_bounds__(kMoeWarps * 32) MoeRouterKernel(MoeParams a) {
-  DL_TIMELINE_SCOPE(kMoeRouter);
-  AllowDependentsAtStart(a.router_release_after_wait);
-  const int t = blockIdx.y;
-  const MoeWs ws = MoeWorkspace(a, t);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int e = blockIdx.x * kMoeWarps + warp;
-  extern __shared__ uint4 s_u[];
-  const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a));
-  float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a));
-  // FP8 routed experts: their code pointers take the BF16 pointers' place (the expert kernels know which).
-  const bf16* const* gate_table = a.gate_fp8.on() ? reinterpret_cast<const bf16* const*>(a.gate_fp8.codes) : a.gate_w;
-  const bf16* const* up_table = a.up_fp8.on() ? reinterpret_cast<const bf16* const*>(a.up_fp8.codes) : a.up_w;
-  const bf16* const* down_table = a.down_fp8.on() ? reinterpret_cast<const bf16* const*>(a.down_fp8.codes) : a.down_w;
-  for (int i = threadIdx.x; i < a.num_experts; i += kMoeWarps * 32) {
-    s_ptr[i] = gate_table[i], s_ptr[a.num_experts + i] = up_table[i], s_ptr[2 * a.num_experts + i] = down_table[i];
-    s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
-  }
-  const FusedInputNorm& nm = a.norm;
-  const bool fused = nm.residual != nullptr;
-  const size_t row = static_cast<size_t>(t) * a.d;
-  auto wait_then_norm = [&] {
-    NormWeights weight;
-    if (fused) {
-      weight = LoadNormWeights(nm.weight, a.d);
-      PrefetchNormResidual(nm, row, a.d, 1, kMoeWarps * 32);
+// NR rows of n8 chunks each (a null row is skipped: its sums are garbage-free zeros) dotted with nt <= TT
+// vectors staged in shared memory (xs: [nt][n8] 16-byte chunks): acc[r][tt] with LaneDots' per-lane
+// order (chunks lane, lane + 32, ... ascending, the 8 elements of a chunk in order), so acc[r][tt] is
+// LaneDots' sum of row r with vector tt whatever NR, TT and U are. U chunks of each row are loaded at
+// once; the vectors come from shared memory, so no token's load waits behind another's. before_use()
+// runs as in LaneDots: once in every warp, after the first batch of row loads is issued and before any
+// xs is read (the trip count depends on n8 only).
+template <int NR, int TT, int U, typename BeforeUse>
+__device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], const uint4* xs, int nt, int n8, int lane,
+                                             float (&acc)[NR][TT], BeforeUse&& before_use) {
+#pragma unroll
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) acc[r][tt] = 0.0f;
+  bool used = false;
+  for (int base = 0; base < n8; base += 32 * U) {
+    const int c0 = base + lane;
+    uint4 rv[NR][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (rows[r] && c0 + 32 * u < n8) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
+    if (!used) {
+      before_use();
+      used = true;
     }
-    WaitReleasing(a.router_release_after_wait);
-    if (fused) FusedNormRow(nm, row, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
-  };
-  {  // every warp runs this (a warp past E with a null row) so the block-wide norm is reached by all
-    const bf16* rows[1] = {e < a.num_experts ? a.router_w + static_cast<size_t>(e) * a.d : nullptr};
-    const bf16* xs[1] = {fused ? reinterpret_cast<const bf16*>(s_u) : a.x + row};
-    const int n8[1] = {a.d / 8};
-    float acc[1];
-    LaneDots<1, 8>(rows, xs, n8, lane, acc, wait_then_norm);
-    const float z = WarpSum(acc[0]);
-    if (e < a.num_experts && lane == 0) ws.logits[e] = RoundBf16(z);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= n8) break;
+      float rf[NR][8];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rows[r] ? rv[r][u] : make_uint4(0, 0, 0, 0), rf[r]);
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        if (tt >= nt) break;
+        float xf[8];
+        Bf16x8ToFloat(xs[tt * n8 + c], xf);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][tt] = fmaf(rf[r][e], xf[e], acc[r][tt]);
+      }
+    }
   }
-  __shared__ bool s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(&a.counter[t], 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!used) before_use();
+}
+template <int NR, int TT, int U>
+__device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], const uint4* xs, int nt, int n8, int lane,
+                                             float (&acc)[NR][TT]) {
+  SmemLaneDots<NR, TT, U>(rows, xs, nt, n8, lane, acc, NothingToWaitFor{});
+}
 
-  // Top-k in two rounds instead of an O(E^2) rank pass: each warp ranks a 32-expert chunk with
-  // shuffles and keeps its first k as candidates; a candidate's rank among all candidates is then its
-  // true rank when that is below k (every expert ahead of a true top-k member is itself in its
-  // chunk's first k) and at least k otherwise. The order is total (higher biased score first, ties
-  // to the lower id; NaN never wins), so this is exactly the iterative top-k.
-  __shared__ float s_score[kMoeMaxExperts];
-  __shared__ float s_cand_b[kMoeMaxExperts];  // slot c*k + r: the r-th of chunk c
-  __shared__ int s_cand_id[kMoeMaxExperts];   // -1: a lane past E
-  __shared__ int s_sel[kMoeMaxTopK];
+// ---- The router. MoeRouterKernel<kRows>: grid (ceil(E / 8), ceil(T / kRows)); block (x, y) takes
+// experts e = 8x .. 8x + 7 (warp w: e = 8x + w) and token rows t0 = kRows y .. t0 + rows - 1 (rows =
+// min(kRows, T - t0)). A warp's logit for (t, e) is bf16 of the warp sum of LaneDots' per-lane FMA
+// sequence of router row e with token t's vector, whatever kRows is; then each of the block's rows
+// takes an arrival ticket (MoeParams::counter[t] counts the blocks along x), and the last arrival of a
+// token selects its experts (RouterTopK) from the logits every block of the token wrote.
+//   kRows 1 (decode): one token per block, router row e dotted by LaneDots.
+//   kRows > 1 (prefill, T >= MoeParams::router_rows_min_tokens): a warp loads router row e once per
+//   block and dots it with the block's rows staged in shared memory (SmemLaneDots with one row), so
+//   the [E, d] router matrix is read ceil(T / kRows) times instead of T times, and the block's fused
+//   norm runs once for its rows together (FusedNormRows, each row FusedNormRow's bits).
+// Logits, selection, weights, expert pointers, u2 and the updated residual are the same bits either way.
+//
+// Dynamic shared memory: first the block's vectors ([rows][d] BF16): with a fused input norm, the rows'
+// u2, computed by every block of the rows after its router-row loads are issued (block x = 0 writes
+// it to x for the expert kernels, and the updated residual); kRows > 1 without the norm, the rows of
+// x copied there; kRows 1 without the norm, nothing (LaneDots reads x). kRows > 1: after the dots the
+// same bytes hold the selection's scratch (RouterTopKScratch, [kRows] tokens). Then the [3][E] expert
+// pointer tables (gate, up, down) and the [E] correction biases as FP32, copied before the wait (they
+// never change), so the block that selects the experts writes their pointers and reads the biases
+// without one more dependent memory round trip each.
+constexpr int kRouterRows = 8;  // token rows per block of the multi-row router
+// The multi-row router's register cap: 2 blocks per SM (128 registers, no spills with 8 rows; 3 blocks
+// per SM spill).
+constexpr int kRouterRowsMinBlocks = 2;
+
+// The selection's shared-memory arrays, per token v of a block's batch: score[v * score_stride + e]
+// the sigmoid score of expert e; cand_b / cand_id[v * cand_stride + c * k + r] the r-th candidate of
+// 32-expert chunk c (biased score, id; -1: a lane past E); sel[v * sel_stride + j] the j-th selected id.
+struct RouterTopKScratch {
+  float* score;
+  float* cand_b;
+  int* cand_id;
+  int* sel;
+  int score_stride, cand_stride, sel_stride;
+};
+__host__ __device__ inline int RouterCandidates(int E, int k) { return (E + 31) / 32 * k; }
+__host__ __device__ inline size_t RouterTopKScratchBytes(int E, int k, int tokens) {
+  return static_cast<size_t>(tokens) * (E + 2 * RouterCandidates(E, k) + k) * sizeof(float);
+}
+__device__ __forceinline__ RouterTopKScratch RouterTopKScratchAt(void* base, int E, int k, int tokens) {
+  const int cands = RouterCandidates(E, k);
+  float* score = static_cast<float*>(base);
+  float* cand_b = score + static_cast<size_t>(tokens) * E;
+  int* cand_id = reinterpret_cast<int*>(cand_b + static_cast<size_t>(tokens) * cands);
+  int* sel = cand_id + static_cast<size_t>(tokens) * cands;
+  return {score, cand_b, cand_id, sel, E, cands, k};
+}
+__host__ __device__ inline size_t RouterVectorBytes(const MoeParams& a, int rows) {
+  const size_t vectors = static_cast<size_t>(rows) * a.d * sizeof(uint16_t);
+  if (rows == 1) return a.norm.residual ? AlignUp(vectors, 16) : 0;
+  const size_t scratch = RouterTopKScratchBytes(a.num_experts, a.top_k, rows);
+  return AlignUp(vectors > scratch ? vectors : scratch, 16);
+}
+__host__ __device__ inline size_t RouterPointerTableOffset(const MoeParams& a, int rows) { return RouterVectorBytes(a, rows); }
+__host__ __device__ inline size_t RouterBiasOffset(const MoeParams& a, int rows) {
+  return RouterPointerTableOffset(a, rows) + 3 * sizeof(void*) * a.num_experts;
+}
+__host__ __device__ inline size_t RouterSharedBytes(const MoeParams& a, int rows) {
+  return RouterBiasOffset(a, rows) + sizeof(float) * a.num_experts;
+}
+
+// Selects the experts of the m <= kTokens tokens tok[0 .. m) (tok: the same in every thread), whose
+// logits every block of the token has written and whose ticket elected this block; every thread of
+// the block calls it, after a barrier that follows the ticket. kTokens > 1 first stages the m tokens'
+// logits in `score` (all their loads in flight at once) and then runs each round over the m tokens
+// together; kTokens 1 reads the logits in the first round.
+//
+// Top-k in two rounds instead of an O(E^2) rank pass: each warp ranks a 32-expert chunk with
+// shuffles and keeps its first k as candidates; a candidate's rank among all candidates is then its
+// true rank when that is below k (every expert ahead of a true top-k member is itself in its
+// chunk's first k) and at least k otherwise. The order is total (higher biased score first, ties
+// to the lower id; NaN never wins), so this is exactly the iterative top-k, and a token's selection
+// and weights do not depend on which other tokens share the call.
+template <int kTokens>
+__device__ __forceinline__ void RouterTopK(const MoeParams& a, const int* tok, int m, const RouterTopKScratch& s,
+                                           const bf16* const* s_ptr, const float* s_bias) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int E = a.num_experts, k = a.top_k;
   auto ahead = [](float b_other, int id_other, float b, int id) {
     return b_other > b || (b_other == b && id_other < id);
   };
+  if constexpr (kTokens > 1) {
+    for (int idx = threadIdx.x; idx < m * E; idx += kMoeWarps * 32) {
+      const int v = idx / E, i = idx - v * E;
+      s.score[v * s.score_stride + i] = __ldcg(&MoeWorkspace(a, tok[v]).logits[i]);
+    }
+    __syncthreads();
+  }
   const int chunks = (E + 31) / 32;
-  for (int c = warp; c < chunks; c += kMoeWarps) {
+  for (int q = warp; q < m * chunks; q += kMoeWarps) {
+    const int v = kTokens == 1 ? 0 : q / chunks, c = q - v * chunks;
+    float* score = s.score + v * s.score_stride;
     const int i = c * 32 + lane;
     float b = -INFINITY;
     if (i < E) {
-      float z = __ldcg(&ws.logits[i]);
+      float z = kTokens == 1 ? __ldcg(&MoeWorkspace(a, tok[0]).logits[i]) : score[i];
       if (a.softcap > 0.0f) z = a.softcap * tanhf(z / a.softcap);
       const float sc = 1.0f / (1.0f + expf(-z));
       // s_bias was filled before the wait; the ticket's barriers order it before this read.
       b = sc + s_bias[i];
       if (isnan(b)) b = -INFINITY;
-      s_score[i] = sc;
+      score[i] = sc;
     }
     int rank = 0;
 #pragma unroll
     for (int l = 0; l < 32; ++l) rank += ahead(__shfl_sync(0xffffffffu, b, l), c * 32 + l, b, i);
     if (rank < k) {  // lanes past E rank after every real expert of the chunk
-      s_cand_b[c * k + rank] = b;
-      s_cand_id[c * k + rank] = i < E ? i : -1;
+      s.cand_b[v * s.cand_stride + c * k + rank] = b;
+      s.cand_id[v * s.cand_stride + c * k + rank] = i < E ? i : -1;
     }
   }
   __syncthreads();
   // Second round: four consecutive threads share a candidate, each counting the candidates ahead of
-  // it in one quarter of the list; two shuffles add the quarters (a count: the order is irrelevant).
+  // it (of the same token) in one quarter of the list; two shuffles add the quarters (a count: the
+  // order is irrelevant).
   const int cands = chunks * k;  // <= 32 * 32
   const int quarter = (cands + 3) / 4;
-  for (int q0 = 0; q0 < cands; q0 += kMoeWarps * 32 / 4) {  // same trip count in every lane
-    const int q = q0 + static_cast<int>(threadIdx.x >> 2), part = threadIdx.x & 3;
-    const int id = q < cands ? s_cand_id[q] : -1;
-    const float b = q < cands ? s_cand_b[q] : 0.0f;
+  for (int q0 = 0; q0 < m * cands; q0 += kMoeWarps * 32 / 4) {  // same trip count in every lane
+    const int qq = q0 + static_cast<int>(threadIdx.x >> 2), part = threadIdx.x & 3;
+    const int v = kTokens == 1 ? 0 : qq / cands, q = qq - v * cands;
+    const float* cand_b = s.cand_b + v * s.cand_stride;
+    const int* cand_id = s.cand_id + v * s.cand_stride;
+    const int id = qq < m * cands ? cand_id[q] : -1;
+    const float b = qq < m * cands ? cand_b[q] : 0.0f;
     int rank = 0;
     if (id >= 0) {
       const int o_end = min(cands, (part + 1) * quarter);
-      for (int o = part * quarter; o < o_end; ++o) rank += s_cand_id[o] >= 0 && ahead(s_cand_b[o], s_cand_id[o], b, id);
+      for (int o = part * quarter; o < o_end; ++o) rank += cand_id[o] >= 0 && ahead(cand_b[o], cand_id[o], b, id);
     }
     rank += __shfl_xor_sync(0xffffffffu, rank, 1);
     rank += __shfl_xor_sync(0xffffffffu, rank, 2);
-    if (id >= 0 && part == 0 && rank < k) s_sel[rank] = id;
+    if (id >= 0 && part == 0 && rank < k) s.sel[v * s.sel_stride + rank] = id;
   }
   __syncthreads();
-  // Thread j < k writes slot j: the expert's base pointers (resolved here once, so the expert kernels
-  // start with one dependent load, the pointer, instead of two) and its weight, after adding the k
-  // scores in slot order (the reference's sum, the same in every thread).
-  if (threadIdx.x < a.top_k) {
-    const int j = threadIdx.x, e = s_sel[j];
+  // Thread (v, j) writes token v's slot j: the expert's base pointers (resolved here once, so the
+  // expert kernels start with one dependent load, the pointer, instead of two) and its weight, after
+  // adding the k scores in slot order (the reference's sum, the same in every thread).
+  for (int idx = threadIdx.x; idx < m * k; idx += kMoeWarps * 32) {
+    const int v = kTokens == 1 ? 0 : idx / k, j = idx - v * k;
+    const int t = tok[v];
+    const MoeWs ws = MoeWorkspace(a, t);
+    const int* sel = s.sel + v * s.sel_stride;
+    const float* score = s.score + v * s.score_stride;
+    const int e = sel[j];
     // s_ptr is complete: __syncthreads since the copy.
     ws.rows[j] = s_ptr[e];
-    ws.rows[a.top_k + j] = s_ptr[E + e];
-    ws.rows[2 * a.top_k + j] = s_ptr[2 * E + e];
+    ws.rows[k + j] = s_ptr[E + e];
+    ws.rows[2 * k + j] = s_ptr[2 * E + e];
     float sum = 0.0f;
-    for (int i = 0; i < a.top_k; ++i) sum += s_score[s_sel[i]];
-    const float w = RoundBf16(s_score[e] / sum);
+    for (int i = 0; i < k; ++i) sum += score[sel[i]];
+    const float w = RoundBf16(score[e] / sum);
     ws.weights[j] = w;
     ws.ids[j] = e;
-    if (a.topk_ids) a.topk_ids[t * a.top_k + j] = e;
-    if (a.topk_weights) a.topk_weights[t * a.top_k + j] = w;
+    if (a.topk_ids) a.topk_ids[t * k + j] = e;
+    if (a.topk_weights) a.topk_weights[t * k + j] = w;
   }
-  if (threadIdx.x == 0) a.counter[t] = 0u;
+  if (threadIdx.x < m) a.counter[tok[threadIdx.x]] = 0u;
+}
+
+template <int kRows>
+__global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMinBlocks) MoeRouterKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeRouter);
+  AllowDependentsAtStart(a.router_release_after_wait);
+  const int t0 = static_cast<int>(blockIdx.y) * kRows;
+  const int rows = min(kRows, a.num_tokens - t0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int E = a.num_experts;
+  const int e = blockIdx.x * kMoeWarps + warp;
+  extern __shared__ uint4 s_u[];
+  const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a, kRows));
+  float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a, kRows));
+  // FP8 routed experts: their code pointers take the BF16 pointers' place (the expert kernels know which).
+  const bf16* const* gate_table = a.gate_fp8.on() ? reinterpret_cast<const bf16* const*>(a.gate_fp8.codes) : a.gate_w;
+  const bf16* const* up_table = a.up_fp8.on() ? reinterpret_cast<const bf16* const*>(a.up_fp8.codes) : a.up_w;
+  const bf16* const* down_table = a.down_fp8.on() ? reinterpret_cast<const bf16* const*>(a.down_fp8.codes) : a.down_w;
+  for (int i = threadIdx.x; i < E; i += kMoeWarps * 32) {
+    s_ptr[i] = gate_table[i], s_ptr[E + i] = up_table[i], s_ptr[2 * E + i] = down_table[i];
+    s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
+  }
+  const FusedInputNorm& nm = a.norm;
+  const bool fused = nm.residual != nullptr;
+  const size_t row = static_cast<size_t>(t0) * a.d;
+  // Every warp runs the dots (a warp past E with a null row) so the block-wide norm is reached by all.
+  const bf16* router_row = e < E ? a.router_w + static_cast<size_t>(e) * a.d : nullptr;
+  if constexpr (kRows == 1) {
+    auto wait_then_norm = [&] {
+      NormWeights weight;
+      if (fused) {
+        weight = LoadNormWeights(nm.weight, a.d);
+        PrefetchNormResidual(nm, row, a.d, 1, kMoeWarps * 32);
+      }
+      WaitReleasing(a.router_release_after_wait);
+      if (fused) FusedNormRow(nm, row, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
+    };
+    const bf16* rw[1] = {router_row};
+    const bf16* xs[1] = {fused ? reinterpret_cast<const bf16*>(s_u) : a.x + row};
+    const int n8[1] = {a.d / 8};
+    float acc[1];
+    LaneDots<1, 8>(rw, xs, n8, lane, acc, wait_then_norm);
+    const float z = WarpSum(acc[0]);
+    if (e < E && lane == 0) MoeWorkspace(a, t0).logits[e] = RoundBf16(z);
+  } else {
+    auto wait_then_stage = [&] {
+      NormWeights weight;
+      if (fused) {
+        weight = LoadNormWeights(nm.weight, a.d);
+        PrefetchNormResidual(nm, row, a.d, rows, kMoeWarps * 32);
+      }
+      WaitReleasing(a.router_release_after_wait);
+      if (fused) {
+        FusedNormRows<kRows>(nm, row, rows, weight, a.d, blockIdx.x == 0, reinterpret_cast<uint16_t*>(s_u));
+      } else {
+        const uint4* x = reinterpret_cast<const uint4*>(a.x + row);
+        for (int c = threadIdx.x; c < rows * (a.d / 8); c += kMoeWarps * 32) s_u[c] = x[c];
+        __syncthreads();
+      }
+    };
+    const bf16* rw[1] = {router_row};
+    float acc[1][kRows];
+    SmemLaneDots<1, kRows, 8>(rw, s_u, rows, a.d / 8, lane, acc, wait_then_stage);
+#pragma unroll
+    for (int v = 0; v < kRows; ++v) {
+      if (v >= rows) break;
+      const float z = WarpSum(acc[0][v]);
+      if (e < E && lane == 0) MoeWorkspace(a, t0 + v).logits[e] = RoundBf16(z);
+    }
+  }
+  // The tickets: lane v < rows of warp 0 arrives for token t0 + v; the tokens this block arrived last
+  // for are listed in s_tok (ascending).
+  __shared__ int s_tok[kRows];
+  __shared__ int s_selecting;
+  __syncthreads();
+  if (warp == 0) {
+    bool last = false;
+    if (lane < rows) {
+      __threadfence();
+      last = atomicAdd(&a.counter[t0 + lane], 1u) == gridDim.x - 1;
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, last);
+    if (last) s_tok[__popc(mask & ((1u << lane) - 1u))] = t0 + lane;
+    if (lane == 0) s_selecting = __popc(mask);
+  }
+  __syncthreads();
+  const int m = s_selecting;
+  if (m == 0) return;
+  __threadfence();
+  if constexpr (kRows == 1) {
+    __shared__ float s_score[kMoeMaxExperts];
+    __shared__ float s_cand_b[kMoeMaxExperts];
+    __shared__ int s_cand_id[kMoeMaxExperts];
+    __shared__ int s_sel[kMoeMaxTopK];
+    RouterTopK<1>(a, s_tok, 1, RouterTopKScratch{s_score, s_cand_b, s_cand_id, s_sel, 0, 0, 0}, s_ptr, s_bias);
+  } else {
+    // The vectors are dead: every warp's dots ended before the ticket's barrier.
+    RouterTopK<kRows>(a, s_tok, m, RouterTopKScratchAt(s_u, E, a.top_k, kRows), s_ptr, s_bias);
+  }
 }
 
 // The expert kernels' shape: at least kMinBlocks blocks per SM (the register cap) and kU chunks per row
@@ -618,46 +794,6 @@ __device__ __forceinline__ void PairOf(const MoeParams& a, const MoeGroupWs& g, 
   } else {
     const int p = __ldcg(&g.pairs[r.begin + i]);
     *t = p / a.top_k, *j = p % a.top_k;
-  }
-}
-
-// NR rows of n8 chunks each (a null row is skipped: its sums are garbage-free zeros) dotted with nt <= TT
-// vectors staged in shared memory (xs: [nt][n8] 16-byte chunks): acc[r][tt] with LaneDots' per-lane order (chunks lane, lane + 32, ... ascending, the 8
-// elements of a chunk in order). U chunks of each row are loaded at once; the vectors come from shared
-// memory, so no token's load waits behind another's.
-template <int NR, int TT, int U>
-__device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], const uint4* xs, int nt, int n8, int lane,
-                                             float (&acc)[NR][TT]) {
-#pragma unroll
-  for (int r = 0; r < NR; ++r)
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) acc[r][tt] = 0.0f;
-  for (int base = 0; base < n8; base += 32 * U) {
-    const int c0 = base + lane;
-    uint4 rv[NR][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < NR; ++r)
-        if (rows[r] && c0 + 32 * u < n8) rv[r][u] = LoadStreaming(reinterpret_cast<const uint4*>(rows[r]) + c0 + 32 * u);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= n8) break;
-      float rf[NR][8];
-#pragma unroll
-      for (int r = 0; r < NR; ++r) Bf16x8ToFloat(rows[r] ? rv[r][u] : make_uint4(0, 0, 0, 0), rf[r]);
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        if (tt >= nt) break;
-        float xf[8];
-        Bf16x8ToFloat(xs[tt * n8 + c], xf);
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r][tt] = fmaf(rf[r][e], xf[e], acc[r][tt]);
-      }
-    }
   }
 }
 
@@ -1578,6 +1714,69 @@ Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
   return Status::Ok();
 }
 
+// The checks every Moe and MoeRouter call makes; *fp8: whether any expert group is FP8 (its maps in
+// *fp8_maps).
+inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
+  // Any FP8 expert group: the FP8-capable expert kernels (MoeFp8Setup checks both groups' weights).
+  *fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() || p.shared_up_fp8.on() ||
+         p.shared_down_fp8.on();
+  if (*fp8) DL_RETURN_IF_ERROR(MoeFp8Setup(p, fp8_maps));
+  if (p.mma_blocks_per_sm < 1 || p.mma_blocks_per_sm > 2) {
+    return InvalidArgument("moe: mma_blocks_per_sm {} (1 or 2)", p.mma_blocks_per_sm);
+  }
+  if (*fp8 && p.mma) {
+    return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
+  }
+  if (!p.x || !p.router_w || !p.router_bias ||
+      (!*fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
+      !p.y || !p.workspace || !p.counter) {
+    return InvalidArgument("moe: every weight, x, y, workspace and counter must be set");
+  }
+  if (p.d < 8 || p.d % 8 || p.ffn < 8 || p.ffn % 8 || p.shared_ffn < 8 || p.shared_ffn % 8) {
+    return InvalidArgument("moe: d {}, ffn {}, shared_ffn {} must be positive multiples of 8", p.d,
+                           p.ffn, p.shared_ffn);
+  }
+  if (p.num_experts < 1 || p.num_experts > kMoeMaxExperts || p.top_k < 1 ||
+      p.top_k > std::min(p.num_experts, kMoeMaxTopK)) {
+    return InvalidArgument("moe: {} experts / top-{} unsupported (E <= {}, k <= min(E, {}))",
+                           p.num_experts, p.top_k, kMoeMaxExperts, kMoeMaxTopK);
+  }
+  if (p.norm.residual) {
+    DL_RETURN_IF_ERROR(CheckFusedInputNorm(p.norm, p.d, "moe"));
+    if (p.norm.u_out == nullptr || p.norm.u_out != p.x) {
+      return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
+    }
+  }
+  if (p.num_tokens < 1 || p.num_tokens > 65535) {
+    return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
+  }
+  if (p.router_rows_min_tokens < 0) {
+    return InvalidArgument("moe: router_rows_min_tokens {} (0 = never, else the token count from which the router "
+                           "takes {} rows per block)", p.router_rows_min_tokens, kRouterRows);
+  }
+  return Status::Ok();
+}
+
+// The router for p.num_tokens tokens: the multi-row kernel (kRouterRows token rows per block) from
+// router_rows_min_tokens tokens on (0: never), the one-row kernel below; the same bits either way. A
+// shape whose multi-row shared memory exceeds a block's (x rows wider than ~14,000 without a fused
+// norm) keeps the one-row kernel.
+inline Status LaunchMoeRouter(const MoeParams& p, cudaStream_t s) {
+  const int T = p.num_tokens;
+  const int x_blocks = (p.num_experts + kMoeWarps - 1) / kMoeWarps;
+  const bool multi = p.router_rows_min_tokens > 0 && T >= p.router_rows_min_tokens &&
+                     RouterSharedBytes(p, kRouterRows) <= kMaxBlockSmem - 1024;  // room for its static arrays
+  if (multi) {
+    LaunchDependentSmem(MoeRouterKernel<kRouterRows>, dim3(x_blocks, (T + kRouterRows - 1) / kRouterRows),
+                        dim3(kMoeWarps * 32), RouterSharedBytes(p, kRouterRows), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_router_topk_rows");
+  } else {
+    LaunchDependentSmem(MoeRouterKernel<1>, dim3(x_blocks, T), dim3(kMoeWarps * 32), RouterSharedBytes(p, 1), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
+  }
+  return Status::Ok();
+}
+
 }  // namespace dev
 
 size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_ffn, int num_tokens) {
@@ -1588,48 +1787,21 @@ size_t MoeWorkspaceBytes(int d, int num_experts, int top_k, int ffn, int shared_
   return per_token + dev::MoeGroupLayout(num_experts, top_k, d, T).bytes;
 }
 
-Status Moe(const MoeParams& p, Stream stream) {
-  // Any FP8 expert group: the FP8-capable expert kernels (MoeFp8Setup checks both groups' weights).
-  const bool fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() ||
-                   p.shared_up_fp8.on() || p.shared_down_fp8.on();
+Status MoeRouter(const MoeParams& p, Stream stream) {
+  bool fp8 = false;
   dev::MoeFp8Maps fp8_maps;
-  if (fp8) DL_RETURN_IF_ERROR(dev::MoeFp8Setup(p, &fp8_maps));
-  if (p.mma_blocks_per_sm < 1 || p.mma_blocks_per_sm > 2) {
-    return InvalidArgument("moe: mma_blocks_per_sm {} (1 or 2)", p.mma_blocks_per_sm);
-  }
-  if (fp8 && p.mma) {
-    return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
-  }
-  if (!p.x || !p.router_w || !p.router_bias ||
-      (!fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
-      !p.y || !p.workspace || !p.counter) {
-    return InvalidArgument("moe: every weight, x, y, workspace and counter must be set");
-  }
-  if (p.d < 8 || p.d % 8 || p.ffn < 8 || p.ffn % 8 || p.shared_ffn < 8 || p.shared_ffn % 8) {
-    return InvalidArgument("moe: d {}, ffn {}, shared_ffn {} must be positive multiples of 8", p.d,
-                           p.ffn, p.shared_ffn);
-  }
-  if (p.num_experts < 1 || p.num_experts > dev::kMoeMaxExperts || p.top_k < 1 ||
-      p.top_k > std::min(p.num_experts, dev::kMoeMaxTopK)) {
-    return InvalidArgument("moe: {} experts / top-{} unsupported (E <= {}, k <= min(E, {}))",
-                           p.num_experts, p.top_k, dev::kMoeMaxExperts, dev::kMoeMaxTopK);
-  }
-  if (p.norm.residual) {
-    DL_RETURN_IF_ERROR(dev::CheckFusedInputNorm(p.norm, p.d, "moe"));
-    if (p.norm.u_out == nullptr || p.norm.u_out != p.x) {
-      return InvalidArgument("moe: with a fused input norm the router writes u2 for the expert kernels: norm.u_out must be x");
-    }
-  }
-  if (p.num_tokens < 1 || p.num_tokens > 65535) {
-    return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
-  }
+  DL_RETURN_IF_ERROR(dev::CheckMoe(p, &fp8, &fp8_maps));
+  return dev::LaunchMoeRouter(p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+Status Moe(const MoeParams& p, Stream stream) {
+  bool fp8 = false;
+  dev::MoeFp8Maps fp8_maps;
+  DL_RETURN_IF_ERROR(dev::CheckMoe(p, &fp8, &fp8_maps));
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int threads = dev::kMoeWarps * 32;
   const int T = p.num_tokens;
-  const size_t router_smem = dev::RouterSharedBytes(p);
-  dev::LaunchDependentSmem(dev::MoeRouterKernel, dim3((p.num_experts + dev::kMoeWarps - 1) / dev::kMoeWarps, T),
-                           dim3(threads), router_smem, s, p);
-  DL_KERNEL_LAUNCH_CHECK("moe_router_topk");
+  DL_RETURN_IF_ERROR(dev::LaunchMoeRouter(p, s));
   const int fmax = std::max(p.ffn, p.shared_ffn);
   if (p.mma && T == 1 && !p.mma_batch1_lists) {  // the experts on the tensor-core product, no lists
     dev::LaunchMoeMmaDirect(p, s);

@@ -22,6 +22,7 @@ size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
 void SetDependentLaunch(bool) {}
 bool DependentLaunchEnabled() { return false; }
 Status Moe(const MoeParams&, Stream) { return NoCuda("moe"); }
+Status MoeRouter(const MoeParams&, Stream) { return NoCuda("moe_router"); }
 size_t ArgmaxWorkspaceBytes(int) { return 0; }
 Status Argmax(const ArgmaxParams&, Stream) { return NoCuda("argmax"); }
 Status SampleRows(const SampleRowsParams&, Stream) { return NoCuda("sample_rows"); }

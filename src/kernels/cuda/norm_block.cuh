@@ -120,6 +120,107 @@ __device__ __forceinline__ void FusedNormRow(const FusedInputNorm& nm, size_t ro
                         writer && nm.u_out ? nm.u_out + row : nullptr, u_smem);
 }
 
+// BlockAddRmsNorm<true> (h staged in u_smem) of `rows` <= kRows consecutive rows at once, for a consumer
+// that needs several normalised rows (the multi-row MoE router): row v's chunks, sum of squares, warp
+// butterfly, 8-warp sum in order and roundings are exactly BlockAddRmsNorm's, so each row gets the bits
+// of a call of its own; only the rows' loads are in flight together and the block synchronises three
+// times instead of three times per row. Row v: element offset v * n of h_in, delta, h_out and u_out,
+// and u_smem + v * n. Every thread of the block must call it (rows the same in every thread).
+template <int kRows>
+__device__ __forceinline__ void BlockAddRmsNormRows(const bf16* h_in, const bf16* delta, const NormWeights& weight,
+                                                    int n, int rows, float eps, bf16* h_out, bf16* u_out,
+                                                    uint16_t* u_smem) {
+  const int n8 = n / 8;
+  const uint4* h_rows = reinterpret_cast<const uint4*>(h_in);
+  const uint4* d_rows = reinterpret_cast<const uint4*>(delta);
+  uint4* stage = reinterpret_cast<uint4*>(u_smem);
+  float ss[kRows];
+#pragma unroll
+  for (int v = 0; v < kRows; ++v) {
+    ss[v] = 0.0f;
+    if (v >= rows) continue;
+#pragma unroll
+    for (int c = 0; c < kNormMaxChunks; ++c) {
+      const int i = threadIdx.x + c * kNormThreads;
+      if (i >= n8) break;
+      const size_t at = static_cast<size_t>(v) * n8 + i;
+      float xc[8];
+      Bf16x8ToFloat(h_rows[at], xc);
+      if (d_rows) {
+        float dl[8];
+        Bf16x8ToFloat(d_rows[at], dl);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xc[e] = RoundBf16(xc[e] + dl[e]);
+      }
+      uint32_t packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        packed[e] = static_cast<uint32_t>(FloatToBf16Bits(xc[2 * e])) |
+                    (static_cast<uint32_t>(FloatToBf16Bits(xc[2 * e + 1])) << 16);
+      }
+      const uint4 hb = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (h_out) reinterpret_cast<uint4*>(h_out)[at] = hb;
+      stage[at] = hb;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss[v] = fmaf(xc[e], xc[e], ss[v]);
+    }
+  }
+  __shared__ float s_warp[kRows][kNormThreads / 32];
+#pragma unroll
+  for (int v = 0; v < kRows; ++v) ss[v] = WarpSum(ss[v]);
+  __syncthreads();  // s_warp may still be read by a previous call
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int v = 0; v < kRows; ++v) s_warp[v][threadIdx.x >> 5] = ss[v];
+  }
+  __syncthreads();
+  float inv[kRows];
+#pragma unroll
+  for (int v = 0; v < kRows; ++v) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kNormThreads / 32; ++w) total += s_warp[v][w];
+    inv[v] = 1.0f / sqrtf(total / static_cast<float>(n) + eps);
+  }
+#pragma unroll
+  for (int c = 0; c < kNormMaxChunks; ++c) {
+    const int i = threadIdx.x + c * kNormThreads;
+    if (i >= n8) break;
+    float w[8];
+    Bf16x8ToFloat(weight.w[c], w);
+#pragma unroll
+    for (int v = 0; v < kRows; ++v) {
+      if (v >= rows) break;
+      const size_t at = static_cast<size_t>(v) * n8 + i;
+      float xc[8];
+      Bf16x8ToFloat(stage[at], xc);  // this thread's own chunk: no barrier needed
+      uint32_t packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float y0 = RoundBf16(xc[2 * e] * inv[v]) * w[2 * e];
+        const float y1 = RoundBf16(xc[2 * e + 1] * inv[v]) * w[2 * e + 1];
+        packed[e] = static_cast<uint32_t>(FloatToBf16Bits(y0)) |
+                    (static_cast<uint32_t>(FloatToBf16Bits(y1)) << 16);
+      }
+      const uint4 u = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (u_out) reinterpret_cast<uint4*>(u_out)[at] = u;
+      stage[at] = u;
+    }
+  }
+  __syncthreads();  // u_smem complete for every thread
+}
+
+// FusedNormRow for `rows` <= kRows consecutive rows from element offset `row` (BlockAddRmsNormRows):
+// u into u_smem ([rows][n]), from the writer block the updated residual and u where the norm names
+// them; each row's bits are FusedNormRow's.
+template <int kRows>
+__device__ __forceinline__ void FusedNormRows(const FusedInputNorm& nm, size_t row, int rows, const NormWeights& weight,
+                                              int n, bool writer, uint16_t* u_smem) {
+  BlockAddRmsNormRows<kRows>(nm.residual + row, nm.delta ? nm.delta + row : nullptr, weight, n, rows, nm.eps,
+                             writer && nm.residual_out ? nm.residual_out + row : nullptr,
+                             writer && nm.u_out ? nm.u_out + row : nullptr, u_smem);
+}
+
 // Before the PDL wait, in a consumer of a FusedInputNorm: warm L2 with the rows [row, row + n * rows)
 // of the residual (FusedInputNorm::prefetch_residual), this block's threads in turn.
 __device__ __forceinline__ void PrefetchNormResidual(const FusedInputNorm& nm, size_t row, int n, int rows,
