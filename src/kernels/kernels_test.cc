@@ -236,7 +236,7 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   EXPECT_EQ(SetTuning(&t, "mma_tiled_min_tokens=0").code(), StatusCode::kInvalidArgument);
   EXPECT_NE(TuningString(t).find("mma_products=1 mma_tiled_min_tokens=16"), std::string::npos);
   // The multi-row router's threshold: 16 by default, 0 (never) up to the token limit of a launch.
-  EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 16);
+  EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 128);
   ASSERT_TRUE(SetTuning(&t, "moe_router_rows_min_tokens=0").ok());
   EXPECT_EQ(t.moe_router_rows_min_tokens, 0);
   EXPECT_EQ(SetTuning(&t, "moe_router_rows_min_tokens=-1").code(), StatusCode::kInvalidArgument);

@@ -260,7 +260,7 @@ struct MoeParams {
   // The router from this many tokens on (0 = never) takes 8 token rows per block: each router row is
   // loaded once per block for its 8 rows and the block normalises its rows together (prefill); below
   // it, one token per block (decode). Same bits either way (Tuning::moe_router_rows_min_tokens).
-  int router_rows_min_tokens = 16;
+  int router_rows_min_tokens = 128;
   // PDL release points (Tuning::late_release) of the router and the down kernel.
   bool router_release_after_wait = false, down_release_after_wait = false;
   // FP8 experts (the FP8 rule above), per group: routed (gate/up/down of every expert) and shared
@@ -286,7 +286,7 @@ struct MoeParams {
   bool mma_batch1_lists = false;
   // The MMA experts' list kernels at T > 16 (32 token columns per pass): 1 or 2 resident blocks per
   // SM (2: registers capped, fewer loads in flight per lane; the same bits).
-  int mma_blocks_per_sm = 1;
+  int mma_blocks_per_sm = 2;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

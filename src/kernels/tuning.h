@@ -39,8 +39,9 @@ struct Tuning {
   // (0 = never; at most 8).
   int attention_cluster_max_chunks = 5;
   // Attention runs the multi-row kernel (a key chunk loaded once for 16 rows) from this many rows of
-  // a launch on (0 = never): prefill. Same bits either way; 128 is not measured yet (issue 17).
-  int attention_multi_row_min_tokens = 128;
+  // a launch on (0 = never): prefill. Same bits either way. Kernel bench (docs/performance.md,
+  // session 11): 0.27x the one-row kernel at 128 rows (too few blocks), 1.1-1.5x from 1,024.
+  int attention_multi_row_min_tokens = 512;
   // Batch-1 dense GEMVs stream their weights through shared memory with TMA bulk copies.
   bool stream_gemv = true;
   int stream_ring_kb = 128;
@@ -50,8 +51,9 @@ struct Tuning {
   // Batch-1 MoE gate/up streams its weights through a ring of this many KB (0 = register kernel).
   int moe_gate_up_stream_kb = 128;
   // The MoE router takes 8 token rows per block from this many tokens on (0 = never): prefill chunks
-  // read the router matrix once per 8 rows instead of once per row (same bits; MoeParams).
-  int moe_router_rows_min_tokens = 16;
+  // read the router matrix once per 8 rows instead of once per row (same bits; MoeParams). Kernel
+  // bench: slower at 16 rows (28 vs 10 us), even at 64, 1.8x faster at 512 and 2,048.
+  int moe_router_rows_min_tokens = 128;
   // Batched (T > 1) GEMV: output rows per warp (1, 2 or 4; 0 = by T: 2 up to 8 tokens, else 4) and
   // tokens per pass over a row (4, 8 or 16). Any choice gives the batch-1 kernel's bits.
   int batch_gemv_rows = 0;
@@ -62,8 +64,9 @@ struct Tuning {
   bool mma_products = false;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
-  // The MMA experts' list kernels (T > 16) with 1 or 2 resident blocks per SM (same bits).
-  int moe_mma_blocks_per_sm = 1;
+  // The MMA experts' list kernels (T > 16) with 1 or 2 resident blocks per SM (same bits); 2 took
+  // 1,024- and 8,192-token prefills from 166 to 136 ms and 1,729 to 1,501 ms (session 11).
+  int moe_mma_blocks_per_sm = 2;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

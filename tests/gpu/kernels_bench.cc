@@ -371,7 +371,7 @@ int main(int argc, char** argv) {
   };
   std::vector<PrefillRow> prefill;
   if (want("attn_prefill")) {
-    for (int T : {128, 1024, 8192}) {
+    for (int T : {128, 256, 512, 1024, 8192}) {
       for (bool sliding : {false, true}) {
         const int K = 8, D = 128, P = 32, G = sliding ? 8 : 6, H = K * G, W = 512;
         const AttnPresetKey key{D, G, P, KvDtype::kFp8, sliding ? WindowKind::kSliding : WindowKind::kGlobal};

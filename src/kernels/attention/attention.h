@@ -73,7 +73,7 @@ struct AttentionParams {
   // From this many rows (num_tokens) on, the launch runs the multi-row kernel (blocks of
   // kAttnMultiRows rows; attention_kernel.cuh); below it, and always when 0, the one-row split kernel.
   // The same bits either way: a speed knob only (Tuning::attention_multi_row_min_tokens).
-  int multi_row_min_tokens = 128;
+  int multi_row_min_tokens = 512;
 };
 inline constexpr int kAttnMaxClusterChunks = 8;  // the portable cluster size
 // Query rows per block of the multi-row kernel: a block loads one key chunk once for this many
