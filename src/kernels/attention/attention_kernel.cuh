@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   constexpr int kThreads = 256;
   constexpr int kWarps = kThreads / 32;
   static_assert(C * 2 == kThreads, "stage 1 maps one key to each pair of threads");
-  static_assert(G >= 1 && G <= kWarps, "stage 3 gives each query head one warp");
+  static_assert(G >= 1, "query heads per KV head");
   static_assert(P >= 2, "page size");
   constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
   constexpr int kRowBytes = D * kElemBytes;  // one head of one key
@@ -413,9 +413,9 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   DL_ATTN_MARK(2);
   __syncthreads();
 
-  // ---- Stage 2: chunk softmax statistics, warp g for query head g.
-  if (warp < G) {
-    const int g = warp;
+  // ---- Stage 2: chunk softmax statistics, warp w for query heads w, w + 8, ... (G > 8: S 2.1's
+  // sliding layers, G 9, give warp 0 a second head).
+  for (int g = warp; g < G; g += kWarps) {
     float v[C / 32];
     float mx = -INFINITY;
 #pragma unroll
@@ -445,12 +445,11 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   __syncthreads();  // s_p probabilities and every V row in shared memory
   DL_ATTN_MARK(3);
 
-  // ---- Stage 3: warp g owns query head g, each lane kDimsPerLane dims; o += p_k * v_k over all C
-  // keys in ascending order (keys outside the visible range have p = 0 and v = 0).
+  // ---- Stage 3: warp w owns query heads w, w + 8, ..., each lane kDimsPerLane dims; o += p_k * v_k
+  // over all C keys in ascending order (keys outside the visible range have p = 0 and v = 0).
   const float v_scale = KV == KvDtype::kFp8 ? a.v_scale : 1.0f;
   const int d0 = lane * kDimsPerLane;
-  if (warp < G && d0 < D) {
-    const int g = warp;
+  for (int g = warp; g < G && d0 < D; g += kWarps) {
     float acc[kDimsPerLane];
 #pragma unroll
     for (int e = 0; e < kDimsPerLane; ++e) acc[e] = 0.0f;

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Prefill work (issue 17) and everything it touches, in one device-machine call: build, the kernel GPU
+# tests (attention one-row/multi-row bit for bit on every built preset, the MoE router and MMA experts,
+# GEMV BF16 and FP8), the CUDA-backend tests, the attention prefill kernel bench, then bench:
+# --prefill-sweep at the defaults with --tune mma_products=1 (128, 1K, 8K), the batch-1 decode TPOT at
+# the defaults (mma off), and optionally S 2.1 with FP8 export weights on one GPU (TPOT).
+#   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
+#     bash tools/device/prefill_check.sh [--skip-tests] [--skip-runner] [--s21] [--sweep-32k]
+set -uo pipefail
+RESULTS=${OUT:-/tmp/out}
+LOGS=/tmp/prefill_check; rm -rf "$LOGS"; mkdir -p "$LOGS" "$RESULTS"
+source tools/device/env.sh
+TESTS=1; RUNNER=1; S21=0; SWEEP32=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip-tests) TESTS=0 ;;
+    --skip-runner) RUNNER=0 ;;
+    --s21) S21=1 ;;
+    --sweep-32k) SWEEP32=1 ;;
+    *) echo "unknown flag $1"; exit 2 ;;
+  esac
+  shift
+done
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+dl_configure build > "$LOGS/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$LOGS/configure.log"; exit 1; }
+targets="decodelab kernels_bench"
+[ "$TESTS" = 1 ] && targets="$targets kernels_gpu_test kernels_fp8_gpu_test"
+[ "$RUNNER" = 1 ] && targets="$targets cuda_runner_test"
+if ! ninja -C build $targets > "$LOGS/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$LOGS/build.log" | head -80; exit 1
+fi
+stamp "build, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+summary() {  # name log rc
+  echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED) ' "$2" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]" "$2" | head -20
+  grep -B1 -A6 "Failure" "$2" | head -40
+}
+if [ "$TESTS" = 1 ]; then
+  timeout 400 ./build/tests/gpu/kernels_gpu_test > "$LOGS/kernels_gpu_test.log" 2>&1
+  summary kernels_gpu_test "$LOGS/kernels_gpu_test.log" $?
+  timeout 120 ./build/tests/gpu/kernels_fp8_gpu_test --gtest_filter='Fp8GemvGpu.*' > "$LOGS/kernels_fp8.log" 2>&1
+  summary "kernels_fp8_gpu_test Fp8GemvGpu.*" "$LOGS/kernels_fp8.log" $?
+  stamp "kernel tests"
+fi
+if [ "$RUNNER" = 1 ]; then
+  timeout 500 ./build/tests/gpu/cuda_runner_test > "$LOGS/cuda_runner_test.log" 2>&1
+  summary cuda_runner_test "$LOGS/cuda_runner_test.log" $?
+  stamp "runner tests"
+fi
+timeout 120 ./build/tests/gpu/kernels_bench attn_prefill 2>&1 | grep -vE "^(copy|d2d|device|kernel  )" | tail -12
+B="build/bin/decodelab bench --shape xs2 --kv-dtype fp8 --page-size 32"
+lens=128,1024,8192; [ "$SWEEP32" = 1 ] && lens=$lens,32768
+timeout 300 $B --prefill-chunk 2048 --prefill-sweep $lens --repeat 1 --tune mma_products=1 \
+  --json-out "$RESULTS/prefill_sweep.json" 2> "$LOGS/sweep.err" | grep -vE "^  wrote"
+timeout 120 $B --prompt-len 1024 --gen-len 256 --repeat 1 --json-out "$RESULTS/tpot_xs2.json" 2> "$LOGS/tpot.err" |
+  grep -E "TPOT|device step|TTFT|prefill  "
+stamp "benches"
+if [ "$S21" = 1 ]; then
+  timeout 400 build/bin/decodelab bench --shape s21 --shape-dtype fp8 --fp8-layout export --kv-dtype fp8 --page-size 32 \
+    --prompt-len 1024 --gen-len 128 --repeat 1 --json-out "$RESULTS/tpot_s21_fp8.json" > "$LOGS/s21.log" 2>&1
+  echo "s21 fp8 export rc=$?"; grep -E "TPOT|device step|TTFT|floor|weights/tok|error" "$LOGS/s21.log" | head -8
+  stamp "s21"
+fi
