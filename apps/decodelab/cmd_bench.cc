@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/decodelab/commands.h"
+#include "engine/dflash_drafter.h"
 #include "apps/decodelab/engine_flags.h"
 #include "backend/cuda_runner.h"
 #include "base/build_info.h"
@@ -254,8 +255,6 @@ int RunBench(const BenchFlags& f) {
   }
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
-  auto drafter = MakeDrafter(*spec);
-  if (!drafter.ok()) return ReportError(drafter.status());
   if (f.verify_cost && (spec->enabled() || !f.prompt_file.empty())) {
     return ReportError(InvalidArgument("--verify-cost times forwards of --verify-k drafts itself: it takes no --spec "
                                        "or --prompt-file"));
@@ -275,7 +274,7 @@ int RunBench(const BenchFlags& f) {
   }
   const int prompt_len = file_prompt.empty() ? f.prompt_len : static_cast<int>(file_prompt.size());
   opts->max_seq_len = prompt_len + f.gen_len + 1;
-  SpecFlags::Size(*spec, &*opts);
+  if (Status st = SpecFlags::Size(*spec, &*opts); !st.ok()) return ReportError(st);
   if (f.verify_cost) {
     opts->max_draft_tokens = *std::max_element(f.verify_k.begin(), f.verify_k.end());
     opts->max_seq_len = f.prompt_len + opts->max_draft_tokens + 2;
@@ -309,6 +308,9 @@ int RunBench(const BenchFlags& f) {
   const auto t_load = std::chrono::steady_clock::now();
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
+  // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  if (!drafter.ok()) return ReportError(drafter.status());
   std::fprintf(stderr, "backend: %s (%s); load %.1f s\n", (*engine)->runner->backend_name().c_str(),
                (*engine)->backend_choice_reason.c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
