@@ -113,6 +113,7 @@ int RunGenerate(const GenerateFlags& f) {
     spec_json["num_accepted_tokens_per_pos"] = st.accepted_per_pos;
     spec_json["mean_acceptance_length"] = st.mean_acceptance_length();
     spec_json["decode_forwards"] = r->decode_step_seconds.size();
+    spec_json["drafter_ms"] = st.drafter_seconds * 1e3;
   }
   if (f.json) {
     nlohmann::json j = {

@@ -153,6 +153,9 @@ struct SpecStats {
   uint64_t num_draft_tokens = 0;
   uint64_t num_accepted_tokens = 0;
   std::vector<uint64_t> accepted_per_pos;  // [k]: drafts whose token at this position was accepted
+  // Host time spent in the drafter (proposing, and for DFlash feeding it the committed rows): the
+  // part of a cycle's cost the verify forward's device time does not show.
+  double drafter_seconds = 0;
   // Records one verify: `drafted` tokens proposed, the first `accepted` of them accepted.
   void Record(int32_t drafted, int32_t accepted);
   // Tokens per verify step: 1 + accepted / drafts (vLLM's mean acceptance length); 0 without drafts.

@@ -353,7 +353,11 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     // stay in the block tables and their positions are written again by the next forward.
     const int32_t keep_outputs = accepted ? accepted(result) : outputs;
     DL_RETURN_IF_ERROR(kv.Commit(seq, n - outputs + keep_outputs));
-    if (speculate) DL_RETURN_IF_ERROR(opts.drafter->Observe(draft_seq, start, result, 0, n - outputs + keep_outputs));
+    if (speculate) {
+      const auto t0 = Clock::now();
+      DL_RETURN_IF_ERROR(opts.drafter->Observe(draft_seq, start, result, 0, n - outputs + keep_outputs));
+      r.spec.drafter_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
     for (int32_t i = 0; i < keep_outputs; ++i) {
       if (!result.rows[i].finite) {
         return DataLoss("position {}: the model produced non-finite logits (NaN or Inf)",
@@ -405,7 +409,9 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
       if (speculate) {
         const int32_t room = std::min(draft_cap, opts.max_tokens - step - 2);
         if (room > 0) {
+          const auto t0 = Clock::now();
           DL_ASSIGN_OR_RETURN(std::vector<int32_t> drafts, opts.drafter->ProposeFor(draft_seq, context, room));
+          r.spec.drafter_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
           if (static_cast<int32_t>(drafts.size()) > room) drafts.resize(static_cast<size_t>(room));
           rows.insert(rows.end(), drafts.begin(), drafts.end());
         }

@@ -456,7 +456,12 @@ void Scheduler::Step() {
         const int32_t room = std::min({options_.num_draft_tokens, s.req.sampling.max_tokens - s.generated - 1,
                                        spare_rows, spare_outputs});
         if (room > 0) {
+          const auto t0 = Clock::now();
           auto drafts = options_.drafter->ProposeFor(s.draft_seq, s.tokens, room);
+          {
+            std::lock_guard slock(stats_mu_);
+            stats_.spec.drafter_seconds += Seconds(t0, Clock::now());
+          }
           if (!drafts.ok()) {
             spdlog::error("request {}: drafter: {}", s.state->id(), drafts.status().message());
             FinishSequence(s, FinishReason::kError, drafts.status().WithContext("speculative drafter"));
@@ -575,7 +580,7 @@ void Scheduler::Step() {
         continue;
       }
       // The drafter sees the kept rows only: the anchor and the accepted drafts.
-      if (Status dst = options_.drafter->Observe(s->draft_seq, begin, result, s->first_row, 1 + accepted); !dst.ok()) {
+      if (Status dst = ObserveRows(*s, begin, result, 1 + accepted); !dst.ok()) {
         FinishSequence(*s, FinishReason::kError, dst.WithContext("speculative drafter"));
         continue;
       }
@@ -594,13 +599,21 @@ void Scheduler::Step() {
       continue;
     }
     if (speculate) {
-      if (Status dst = options_.drafter->Observe(s->draft_seq, begin, result, s->first_row, s->step_rows); !dst.ok()) {
+      if (Status dst = ObserveRows(*s, begin, result, s->step_rows); !dst.ok()) {
         FinishSequence(*s, FinishReason::kError, dst.WithContext("speculative drafter"));
         continue;
       }
     }
     if (row != nullptr) Emit(*s, *row);
   }
+}
+
+Status Scheduler::ObserveRows(Sequence& s, int32_t position, const ForwardResult& result, int32_t rows) {
+  const auto t0 = Clock::now();
+  Status st = options_.drafter->Observe(s.draft_seq, position, result, s.first_row, rows);
+  std::lock_guard slock(stats_mu_);
+  stats_.spec.drafter_seconds += Seconds(t0, Clock::now());
+  return st;
 }
 
 void Scheduler::Emit(Sequence& s, const RowResult& row) {

@@ -249,6 +249,25 @@ TEST(CliTest, DflashDrafterEndToEnd) {
   ASSERT_TRUE(jb.is_object());
   EXPECT_EQ(jb["speculative"]["method"], "dflash");
   EXPECT_GT(jb["speculative"]["vllm:spec_decode_num_drafts_total"].get<int>(), 0);
+  EXPECT_GT(jb["speculative"]["drafter_ms_total"].get<double>(), 0.0);
+  // --verify-cost with the drafter: its block and per-row context cost beside the verify's.
+  const fs::path vc = dir / "verify.json";
+  const CliRun cost = Decodelab("bench --shape tiny --backend cpu --verify-cost --prompt-len 20 --verify-k 2,7 "
+                                "--verify-batch 1 --verify-iters 2 --spec dflash --spec-model " +
+                                (dir / "drafter").string() + " --json-out " + vc.string());
+  ASSERT_EQ(cost.rc, 0) << cost.err;
+  EXPECT_NE(cost.out.find("cycle break-even"), std::string::npos) << cost.out;
+  const auto jv = nlohmann::json::parse(Slurp(vc), nullptr, false);
+  ASSERT_TRUE(jv.is_object());
+  ASSERT_EQ(jv["verify_cost"].size(), 2u);
+  for (const auto& p : jv["verify_cost"]) {
+    EXPECT_GT(p["draft_block_ms"].get<double>(), 0.0);
+    EXPECT_GT(p["draft_context_ms_per_row"].get<double>(), 0.0);
+    EXPECT_TRUE(p.contains("cycle_break_even_mean_acceptance_length"));
+  }
+  EXPECT_NE(Decodelab("bench --shape tiny --backend cpu --verify-cost --verify-k 8 --spec dflash --spec-model " +
+                      (dir / "drafter").string()).rc, 0)
+      << "K 8 is beyond the block of 8";
   fs::remove_all(dir);
 }
 
