@@ -30,6 +30,10 @@ Status SpecOptions::Validate() const {
                            SpecMethodName(method));
   }
   if (!enabled()) return Status::Ok();
+  if (method == SpecMethod::kDflash && (ngram_min != SpecOptions{}.ngram_min || ngram_max != SpecOptions{}.ngram_max)) {
+    return InvalidArgument("--spec-ngram-min and --spec-ngram-max apply to --spec ngram, not dflash (got {} and {})",
+                           ngram_min, ngram_max);
+  }
   if (method == SpecMethod::kDflash && model_dir.empty()) {
     return InvalidArgument("--spec dflash needs --spec-model DIR (a DFlash drafter checkpoint; `decodelab make-model "
                            "--shape tiny-dflash` or `--dflash-for DIR` writes a random one)");

@@ -98,6 +98,9 @@ TEST(SpecOptionsTest, ParsesAndValidates) {
   EXPECT_NE(df.Validate().message().find("--spec-model"), std::string::npos);
   df.model_dir = "/some/drafter";
   EXPECT_TRUE(df.Validate().ok());
+  df.ngram_min = 3;  // an n-gram setting with the DFlash drafter is refused, not ignored
+  EXPECT_NE(df.Validate().message().find("--spec-ngram-min"), std::string::npos);
+  df.ngram_min = 2;
   df.method = SpecMethod::kNgram;
   EXPECT_NE(df.Validate().message().find("--spec dflash"), std::string::npos);
   df.method = SpecMethod::kNone;
