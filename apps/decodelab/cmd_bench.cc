@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/decodelab/commands.h"
+#include "engine/dflash_drafter.h"
 #include "apps/decodelab/engine_flags.h"
 #include "backend/cuda_runner.h"
 #include "base/build_info.h"
@@ -136,14 +137,19 @@ Result<RunResult> RunOnce(Engine& engine, const BenchFlags& f, const SchedulerOp
 // One verify forward of `batch` sequences with 1 + k rows each (every row an output, greedy) against
 // one decode forward of `batch` rows, at a context of --prompt-len: the cost of checking k drafts.
 // The pages are reserved but never committed, so every timed forward writes the same positions.
-int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu) {
+// With a DFlash drafter (`--spec dflash`), its host time too: one block forward (flat in K) and the
+// context append per committed row, so the cycle's break-even counts what drafting costs.
+int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu, const Drafter* dflash) {
   using Clock = std::chrono::steady_clock;
   KvCache& kv = *engine.kv;
   ModelRunner& runner = *engine.runner;
   const int max_batch = *std::max_element(f.verify_batch.begin(), f.verify_batch.end());
   std::vector<SequenceKv> seqs(static_cast<size_t>(max_batch));
+  uint64_t draft_seq = 0;
+  double draft_row_ms = 0;  // the drafter's context append, per committed row (host)
   auto release = [&] {
     for (auto& s : seqs) (void)kv.Release(s);
+    if (draft_seq != 0) dflash->Forget(draft_seq);
   };
   // Prefill every sequence's context once (chunks of --prefill-chunk).
   for (int b = 0; b < max_batch; ++b) {
@@ -152,13 +158,21 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
       const size_t n = std::min<size_t>(engine.options.prefill_chunk, prompt.size() - i);
       ForwardBatch batch;
       batch.mode = ForwardMode::kPrefill;
+      if (dflash && b == 0) batch.hidden_taps = dflash->hidden_taps();
       Status st = kv.Reserve(seqs[b], static_cast<int32_t>(n));
+      ForwardResult r;
       if (st.ok()) {
         batch.AddSequence(seqs[b], std::span<const int32_t>(prompt).subspan(i, n));
-        ForwardResult r;
         st = runner.Forward(batch, &r);
       }
       if (st.ok()) st = kv.Commit(seqs[b], static_cast<int32_t>(n));
+      if (st.ok() && dflash && b == 0) {
+        // The drafter's context for sequence 0, timed per row.
+        if (draft_seq == 0) draft_seq = dflash->NewSequence();
+        const auto t0 = Clock::now();
+        st = dflash->Observe(draft_seq, static_cast<int32_t>(i), r, 0, static_cast<int32_t>(n));
+        draft_row_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / f.prompt_len;
+      }
       if (!st.ok()) {
         release();
         return ReportError(st.WithContext("verify-cost prefill"));
@@ -188,6 +202,20 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
     *median_ms = lab::Median(ms);
     return Status::Ok();
   };
+  // The drafter's block forward at this context for K drafts (host; median of the same iterations).
+  auto time_draft = [&](int k, double* median_ms) -> Status {
+    const std::vector<int32_t> prompt = BenchPrompt(f.prompt_len, engine.config().vocab_size, 0);
+    std::vector<int32_t> context(prompt.begin(), prompt.end());
+    context.push_back(7);  // the anchor
+    std::vector<double> ms;
+    for (int it = 0; it < 1 + f.verify_iters; ++it) {
+      const auto t0 = Clock::now();
+      DL_RETURN_IF_ERROR(dflash->ProposeFor(draft_seq, context, k).status());
+      if (it >= 1) ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    *median_ms = lab::Median(ms);
+    return Status::Ok();
+  };
   nlohmann::json points = nlohmann::json::array();
   std::printf("decodelab bench --verify-cost  commit %s  %s\n", BuildCommit().c_str(),
               gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
@@ -196,7 +224,12 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
               static_cast<long long>(engine.config().num_hidden_layers),
               std::string(DTypeName(kv.spec().dtype)).c_str(), f.prompt_len, on_device ? "device (CUDA events)" : "host",
               f.verify_iters);
-  std::printf("  %6s %4s %12s %12s %8s %22s\n", "batch", "K", "decode ms", "verify ms", "ratio", "break-even accept len");
+  if (dflash) {
+    std::printf("  drafter %s (host time; sequences draft one after another): context append %.4f ms per row\n",
+                dflash->name().c_str(), draft_row_ms);
+  }
+  std::printf("  %6s %4s %12s %12s %8s %22s%s\n", "batch", "K", "decode ms", "verify ms", "ratio", "break-even accept len",
+              dflash ? "     draft ms  cycle break-even" : "");
   for (int batch_size : f.verify_batch) {
     double decode_ms = 0;
     if (Status st = time_forward(batch_size, 1, &decode_ms); !st.ok()) {
@@ -215,15 +248,35 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
       // time, not counted).
       // Above K + 1 no acceptance can pay for the verify.
       const std::string even = ratio <= k + 1 ? fmt::format("{:.2f}", ratio) : fmt::format("never (> {})", k + 1);
-      std::printf("  %6d %4d %12.4f %12.4f %8.3f %22s\n", batch_size, k, decode_ms, verify_ms, ratio, even.c_str());
-      points.push_back({{"batch", batch_size},
-                        {"k", k},
-                        {"decode_ms", decode_ms},
-                        {"verify_ms", verify_ms},
-                        {"ratio", ratio},
-                        {"break_even_mean_acceptance_length", ratio <= k + 1 ? nlohmann::json(ratio) : nlohmann::json(nullptr)},
-                        {"break_even_acceptance_rate",
-                         ratio <= k + 1 ? nlohmann::json(std::max(0.0, (ratio - 1.0) / k)) : nlohmann::json(nullptr)}});
+      nlohmann::json point = {{"batch", batch_size},
+                              {"k", k},
+                              {"decode_ms", decode_ms},
+                              {"verify_ms", verify_ms},
+                              {"ratio", ratio},
+                              {"break_even_mean_acceptance_length", ratio <= k + 1 ? nlohmann::json(ratio) : nlohmann::json(nullptr)},
+                              {"break_even_acceptance_rate",
+                               ratio <= k + 1 ? nlohmann::json(std::max(0.0, (ratio - 1.0) / k)) : nlohmann::json(nullptr)}};
+      std::string cycle;
+      if (dflash) {
+        // A cycle emitting L tokens costs verify + batch x (block + L rows of context) against L
+        // decode steps: L = (verify + batch x block) / (decode - batch x row), when that is <= K + 1.
+        double block_ms = 0;
+        if (Status st = time_draft(k, &block_ms); !st.ok()) {
+          release();
+          return ReportError(st.WithContext("drafter block"));
+        }
+        const double draft_ms = batch_size * block_ms, row_ms = batch_size * draft_row_ms;
+        const double margin = decode_ms - row_ms;
+        const double l = margin > 0 ? (verify_ms + draft_ms) / margin : 0.0;
+        const bool reachable = margin > 0 && l <= k + 1;
+        cycle = fmt::format("  {:11.4f}  {:>16}", draft_ms, reachable ? fmt::format("{:.2f}", l) : "never");
+        point["draft_block_ms"] = draft_ms;
+        point["draft_context_ms_per_row"] = row_ms;
+        point["cycle_break_even_mean_acceptance_length"] = reachable ? nlohmann::json(l) : nlohmann::json(nullptr);
+      }
+      std::printf("  %6d %4d %12.4f %12.4f %8.3f %22s%s\n", batch_size, k, decode_ms, verify_ms, ratio, even.c_str(),
+                  cycle.c_str());
+      points.push_back(std::move(point));
     }
   }
   release();
@@ -329,11 +382,12 @@ int RunBench(const BenchFlags& f) {
   }
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
-  auto drafter = MakeDrafter(*spec);
-  if (!drafter.ok()) return ReportError(drafter.status());
-  if (f.verify_cost && (spec->enabled() || !f.prompt_file.empty())) {
+  if (f.verify_cost && (spec->method == SpecMethod::kNgram || !f.prompt_file.empty())) {
     return ReportError(InvalidArgument("--verify-cost times forwards of --verify-k drafts itself: it takes no --spec "
-                                       "or --prompt-file"));
+                                       "ngram or --prompt-file (--spec dflash adds the drafter's cost)"));
+  }
+  if (f.verify_cost && spec->method == SpecMethod::kDflash) {
+    spec->k = *std::max_element(f.verify_k.begin(), f.verify_k.end());  // checked against the block size
   }
   std::vector<int32_t> file_prompt;
   if (!f.prompt_file.empty()) {
@@ -357,7 +411,7 @@ int RunBench(const BenchFlags& f) {
     }
     opts->max_seq_len = *std::max_element(f.prefill_sweep.begin(), f.prefill_sweep.end()) + 3;
   }
-  SpecFlags::Size(*spec, &*opts);
+  if (Status st = SpecFlags::Size(*spec, &*opts); !st.ok()) return ReportError(st);
   if (f.verify_cost) {
     opts->max_draft_tokens = *std::max_element(f.verify_k.begin(), f.verify_k.end());
     opts->max_seq_len = f.prompt_len + opts->max_draft_tokens + 2;
@@ -399,11 +453,14 @@ int RunBench(const BenchFlags& f) {
   const auto t_load = std::chrono::steady_clock::now();
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
+  // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  if (!drafter.ok()) return ReportError(drafter.status());
   std::fprintf(stderr, "backend: %s (%s); load %.1f s\n", (*engine)->runner->backend_name().c_str(),
                (*engine)->backend_choice_reason.c_str(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
   const ModelConfig& cfg = (*engine)->config();
-  if (f.verify_cost) return RunVerifyCost(**engine, f, gpu);
+  if (f.verify_cost) return RunVerifyCost(**engine, f, gpu, spec->method == SpecMethod::kDflash ? drafter->get() : nullptr);
   SchedulerOptions so;
   so.drafter = *drafter;
   so.num_draft_tokens = spec->enabled() ? spec->k : 0;
@@ -422,6 +479,7 @@ int RunBench(const BenchFlags& f) {
     spec_total.num_drafts += run->spec.num_drafts;
     spec_total.num_draft_tokens += run->spec.num_draft_tokens;
     spec_total.num_accepted_tokens += run->spec.num_accepted_tokens;
+    spec_total.drafter_seconds += run->spec.drafter_seconds;
     spec_total.accepted_per_pos.resize(std::max(spec_total.accepted_per_pos.size(), run->spec.accepted_per_pos.size()));
     for (size_t i = 0; i < run->spec.accepted_per_pos.size(); ++i) {
       spec_total.accepted_per_pos[i] += run->spec.accepted_per_pos[i];
@@ -488,6 +546,9 @@ int RunBench(const BenchFlags& f) {
            sj["vllm:spec_decode_num_accepted_tokens_per_pos_total"] = spec_total.accepted_per_pos;
            sj["mean_acceptance_length"] = spec_total.mean_acceptance_length();
            sj["acceptance_rate"] = spec_total.acceptance_rate();
+           sj["drafter_ms_total"] = spec_total.drafter_seconds * 1e3;
+           sj["drafter_ms_per_draft"] =
+               spec_total.num_drafts ? spec_total.drafter_seconds * 1e3 / spec_total.num_drafts : 0.0;
          }
          return sj;
        }()},
@@ -570,6 +631,10 @@ int RunBench(const BenchFlags& f) {
                 static_cast<unsigned long long>(spec_total.num_draft_tokens),
                 static_cast<unsigned long long>(spec_total.num_accepted_tokens), 100.0 * spec_total.acceptance_rate(),
                 spec_total.mean_acceptance_length());
+    std::printf("               drafter host time %.1f ms in all (%.3f ms per draft: proposing%s)\n",
+                spec_total.drafter_seconds * 1e3,
+                spec_total.num_drafts ? spec_total.drafter_seconds * 1e3 / spec_total.num_drafts : 0.0,
+                spec->method == SpecMethod::kDflash ? " and feeding it the committed rows" : "");
     std::printf("               (TPOT here is decode time over tokens; its p10/p90 are inter-token gaps, which are "
                 "near zero inside a verify)\n");
   }
@@ -777,7 +842,8 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
   cmd->add_flag("--verify-cost", flags->verify_cost,
                 "Instead of the decode bench: time one verify forward (1 + K rows per sequence, outputs on "
                 "every row) against one decode forward at a context of --prompt-len, for each --verify-k and "
-                "--verify-batch; prints device ms, the ratio and the break-even acceptance length");
+                "--verify-batch; prints device ms, the ratio and the break-even acceptance length (with --spec "
+                "dflash --spec-model DIR also the drafter's block and per-row cost and the cycle's break-even)");
   cmd->add_option("--verify-k", flags->verify_k, "--verify-cost: draft counts K")
       ->delimiter(',')
       ->default_str("2,4,8,15")

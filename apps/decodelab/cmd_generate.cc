@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/decodelab/commands.h"
+#include "engine/dflash_drafter.h"
 #include "apps/decodelab/engine_flags.h"
 #include "base/sha256.h"
 #include "lab/lab_stats.h"
@@ -33,9 +34,7 @@ int RunGenerate(const GenerateFlags& f) {
   opts->allow_fallback = f.allow_fallback;
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
-  auto drafter = MakeDrafter(*spec);
-  if (!drafter.ok()) return ReportError(drafter.status());
-  SpecFlags::Size(*spec, &*opts);
+  if (Status st = SpecFlags::Size(*spec, &*opts); !st.ok()) return ReportError(st);
   if (f.prompt.empty() == f.prompt_ids.empty()) {
     return ReportError(InvalidArgument("give exactly one of --prompt TEXT or --prompt-ids IDS"));
   }
@@ -55,6 +54,9 @@ int RunGenerate(const GenerateFlags& f) {
                                     static_cast<int>(prompt->size()) + f.max_tokens);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
+  // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  if (!drafter.ok()) return ReportError(drafter.status());
   spdlog::info("backend: {} ({})", (*engine)->runner->backend_name(),
                (*engine)->backend_choice_reason);
   GenerateOptions g;
@@ -111,6 +113,7 @@ int RunGenerate(const GenerateFlags& f) {
     spec_json["num_accepted_tokens_per_pos"] = st.accepted_per_pos;
     spec_json["mean_acceptance_length"] = st.mean_acceptance_length();
     spec_json["decode_forwards"] = r->decode_step_seconds.size();
+    spec_json["drafter_ms"] = st.drafter_seconds * 1e3;
   }
   if (f.json) {
     nlohmann::json j = {

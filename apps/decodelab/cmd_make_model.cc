@@ -9,7 +9,10 @@
 #include <memory>
 #include <optional>
 
+#include <fmt/ranges.h>
+
 #include "apps/decodelab/commands.h"
+#include "model/dflash.h"
 #include "model/fp8_layout.h"
 #include "model/model_writer.h"
 #include "model/param_count.h"
@@ -31,9 +34,64 @@ struct MakeModelFlags {
   int threads = 2;
   // --dtype fp8 only (docs/fp8.md).
   std::string fp8_format, fp8_layout, fp8_scales;
+  // A DFlash drafter (--shape tiny-dflash, --dflash-for DIR).
+  std::string dflash_for;
+  std::string dflash_layout = "poolside";
+  int block_size = 8;
+  bool shape_given = false, block_size_given = false, layout_given = false;
 };
 
+bool IsDrafter(const MakeModelFlags& f) { return f.shape == "tiny-dflash" || !f.dflash_for.empty(); }
+
+// A random DFlash drafter for the target `tiny` (--shape tiny-dflash) or the checkpoint in
+// --dflash-for DIR: hidden size, vocabulary and tap ids matching it, a transformers-layout config.
+int RunMakeDrafter(const MakeModelFlags& f) {
+  if (!f.dflash_for.empty() && f.shape_given) {
+    return ReportError(InvalidArgument("give --dflash-for DIR or --shape tiny-dflash, not both"));
+  }
+  if (f.dtype != "bf16") return ReportError(InvalidArgument("a DFlash drafter is written in bf16 (got --dtype {})", f.dtype));
+  if (!f.fp8_format.empty() || !f.fp8_layout.empty() || !f.fp8_scales.empty()) {
+    return ReportError(InvalidArgument("--fp8-* flags do not apply to a DFlash drafter"));
+  }
+  ModelConfig target;
+  if (!f.dflash_for.empty()) {
+    auto c = ModelConfig::FromFile(f.dflash_for + "/config.json");
+    if (!c.ok()) return ReportError(c.status().WithContext("--dflash-for"));
+    target = *c;
+  } else {
+    auto c = ShapeConfig("tiny");
+    if (!c.ok()) return ReportError(c.status());
+    target = *c;
+  }
+  WriteDflashOptions o;
+  o.config = DflashConfigFor(target, f.num_layers > 0 ? f.num_layers : 2, f.block_size);
+  o.layout = f.dflash_layout == "zlab" ? DflashLayout::kZlab : DflashLayout::kPoolside;
+  if (o.layout == DflashLayout::kZlab) {
+    // z-lab's family: no gate, context without the layer norm, bidirectional full-attention blocks.
+    DflashConfig& c = o.config;
+    c.family = DflashFamily::kZlab;
+    c.model_type = "qwen3";
+    c.per_head_gate = c.context_input_norm = c.aux_hidden_norms = false;
+    c.layer_types.assign(c.layer_types.size(), LayerType::kFull);
+    c.block_causal.assign(c.block_causal.size(), false);
+  }
+  o.seed = f.seed;
+  o.out_dir = f.out;
+  if (Status st = o.config.CheckTarget(target); !st.ok()) return ReportError(st);
+  std::fprintf(stderr, "make-model: DFlash drafter (%s layout) for a %lld-layer target: %lld layers, block %lld, taps "
+               "[%s] -> %s\n", f.dflash_layout.c_str(), static_cast<long long>(target.num_hidden_layers),
+               static_cast<long long>(o.config.num_hidden_layers), static_cast<long long>(o.config.block_size),
+               fmt::format("{}", fmt::join(o.config.target_layer_ids, ",")).c_str(), f.out.c_str());
+  if (Status st = WriteSyntheticDflash(o); !st.ok()) return ReportError(st);
+  return 0;
+}
+
 int RunMakeModel(const MakeModelFlags& f) {
+  if (IsDrafter(f)) return RunMakeDrafter(f);
+  if (f.block_size_given || f.layout_given) {
+    return ReportError(InvalidArgument("--block-size and --dflash-layout apply only to a DFlash drafter "
+                                       "(--shape tiny-dflash or --dflash-for DIR)"));
+  }
   std::optional<int> layers;
   if (f.num_layers > 0) layers = f.num_layers;
   auto config = ShapeConfig(f.shape, layers);
@@ -124,9 +182,19 @@ void AddMakeModelCommand(CLI::App& root, CommandContext& ctx) {
       "deterministic random weights, in the layout transformers' save_pretrained writes. Large shapes\n"
       "stream to disk (free space is checked first; the directory appears only when complete).");
   cmd->add_option("--shape", flags->shape, "Model shape: tiny (spec §7), xs2 (Laguna-XS.2, ~67 GB BF16), "
-                                           "s21 (Laguna S 2.1, ~235 GB BF16)")
+                                           "s21 (Laguna S 2.1, ~235 GB BF16), or tiny-dflash (a random DFlash "
+                                           "drafter for tiny, docs/speculative.md)")
       ->default_val("tiny")
-      ->check(CLI::IsMember({"tiny", "xs2", "s21"}));
+      ->check(CLI::IsMember({"tiny", "xs2", "s21", "tiny-dflash"}));
+  cmd->add_option("--dflash-for", flags->dflash_for,
+                  "Write a random DFlash drafter matching the checkpoint in DIR (hidden size, vocabulary, tap "
+                  "layers spread over its layers, ending at the last) instead of a model");
+  cmd->add_option("--dflash-layout", flags->dflash_layout,
+                  "Drafter: poolside (Laguna family: fused qkv_proj, per-head gate, causal sliding blocks; default) or "
+                  "zlab (DFlashDraftModel: split projections, bidirectional full-attention blocks)")
+      ->check(CLI::IsMember({"poolside", "zlab"}));
+  cmd->add_option("--block-size", flags->block_size, "Drafter: block size B (drafts up to B - 1 per step; default 8)")
+      ->check(CLI::Range(2, 64));
   cmd->add_option("--out", flags->out, "Output directory (must not exist, or be empty)")->required();
   cmd->add_option("--seed", flags->seed, "Seed: weights depend only on (seed, tensor name, index)")->default_val(0);
   cmd->add_option("--dtype", flags->dtype,
@@ -145,14 +213,20 @@ void AddMakeModelCommand(CLI::App& root, CommandContext& ctx) {
                   "With --dtype fp8: block (128x128, default), channel or tensor (compressed-tensors only for channel)")
       ->check(CLI::IsMember({"block", "channel", "tensor"}));
   cmd->add_option("--num-layers", flags->num_layers,
-                  "Keep the shape's dimensions but only the first N layers (tests, small disks)")
+                  "Keep the shape's dimensions but only the first N layers (tests, small disks); for a DFlash "
+                  "drafter its number of layers (default 2)")
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--max-shard-size", flags->max_shard_size,
                   "Largest safetensors shard, as transformers: 5GB, 500MB, 2GiB; one shard is written as "
                   "model.safetensors, more as model-0000i-of-0000N.safetensors + index")
       ->default_val("5GB");
   cmd->add_option("--threads", flags->threads, "Value generation threads")->default_val(2)->check(CLI::Range(1, 64));
-  cmd->callback([flags, &ctx] { ctx.exit_code = RunMakeModel(*flags); });
+  cmd->callback([flags, cmd, &ctx] {
+    flags->shape_given = cmd->count("--shape") > 0;
+    flags->block_size_given = cmd->count("--block-size") > 0;
+    flags->layout_given = cmd->count("--dflash-layout") > 0;
+    ctx.exit_code = RunMakeModel(*flags);
+  });
 }
 
 }  // namespace dl::app

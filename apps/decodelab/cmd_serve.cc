@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/decodelab/commands.h"
+#include "engine/dflash_drafter.h"
 #include "apps/decodelab/engine_flags.h"
 #include "base/file_util.h"
 #include "server/server.h"
@@ -90,9 +91,11 @@ int RunServe(const ServeFlags& f) {
   if (!opts.ok()) return ReportError(opts.status());
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
-  auto drafter = MakeDrafter(*spec);
-  if (!drafter.ok()) return ReportError(drafter.status());
-  SpecFlags::Size(*spec, &*opts);
+  if (spec->method == SpecMethod::kDflash && f.prefix_caching) {
+    return ReportError(Unimplemented("--enable-prefix-caching with --spec dflash: the DFlash drafter needs the model's "
+                                     "hidden states of every prompt position, which cached pages skip"));
+  }
+  if (Status st = SpecFlags::Size(*spec, &*opts); !st.ok()) return ReportError(st);
   auto api_key = ResolveApiKey(f);
   if (!api_key.ok()) return ReportError(api_key.status());
   if (api_key->empty() && !IsLoopbackHost(f.host)) {
@@ -118,6 +121,9 @@ int RunServe(const ServeFlags& f) {
                opts->model_dir.empty() ? "--shape " + opts->shape : opts->model_dir);
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
+  // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  if (!drafter.ok()) return ReportError(drafter.status());
   Engine& e = **engine;
   spdlog::info("backend: {} ({})", e.runner->backend_name(), e.backend_choice_reason);
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "model/dflash.h"
 #include "model/hf_cache.h"
 #include "model/shapes.h"
 #include "tokenizer/tokenizer_writer.h"
@@ -63,23 +64,23 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
 
 void SpecFlags::Add(CLI::App* cmd) {
   cmd->add_option("--spec", method,
-                  "Speculative decoding: none, or ngram (prompt lookup: drafts are what followed the latest "
-                  "earlier occurrence of the context's last n tokens). Output is unchanged, token for token; "
-                  "dflash is not implemented yet")
+                  "Speculative decoding: none, ngram (prompt lookup: drafts are what followed the latest "
+                  "earlier occurrence of the context's last n tokens) or dflash (a DFlash block drafter, "
+                  "--spec-model DIR, conditioned on the model's hidden states). Output is unchanged, token for token")
       ->default_val("none");
-  cmd->add_option("--spec-k", k, "Draft tokens per verify step (at most)")->default_val(4);
+  cmd->add_option("--spec-k", k, "Draft tokens per verify step (at most; dflash: at most the drafter's block_size - 1)")
+      ->default_val(4);
   cmd->add_option("--spec-ngram-min", ngram_min, "--spec ngram: shortest n-gram to match")->default_val(2);
   cmd->add_option("--spec-ngram-max", ngram_max, "--spec ngram: longest n-gram to match")->default_val(5);
-  cmd->add_option("--spec-model", model, "Drafter checkpoint (DFlash; not implemented yet: refused)");
+  cmd->add_option("--spec-model", model,
+                  "--spec dflash: the DFlash drafter checkpoint directory (config.json + model.safetensors, z-lab "
+                  "or Poolside layout; make-model --shape tiny-dflash / --dflash-for DIR writes a random one)");
 }
 
 Result<SpecOptions> SpecFlags::ToOptions() const {
-  if (!model.empty()) {
-    return Unimplemented("--spec-model {}: DFlash drafter checkpoints are not implemented yet (only --spec ngram)",
-                         model);
-  }
   SpecOptions o;
   DL_ASSIGN_OR_RETURN(o.method, SpecOptions::ParseMethod(method));
+  o.model_dir = model;
   o.k = k;
   o.ngram_min = ngram_min;
   o.ngram_max = ngram_max;
@@ -97,16 +98,26 @@ std::vector<std::string> SpecFlags::ToArgs() const {
   return a;
 }
 
-void SpecFlags::Size(const SpecOptions& spec, EngineOptions* engine) {
+Status SpecFlags::Size(const SpecOptions& spec, EngineOptions* engine) {
   engine->max_draft_tokens = spec.enabled() ? spec.k : 0;
+  engine->max_hidden_taps = 0;
+  if (spec.method == SpecMethod::kDflash) {
+    auto c = DflashConfig::FromFile(spec.model_dir + "/config.json");
+    if (!c.ok()) return c.status().WithContext("--spec-model");
+    engine->max_hidden_taps = static_cast<int32_t>(c->num_taps());
+  }
+  return Status::Ok();
 }
 
 nlohmann::json SpecFlags::ToJson(const SpecOptions& spec) {
   nlohmann::json j = {{"method", SpecMethodName(spec.method)}};
   if (spec.enabled()) {
     j["num_speculative_tokens"] = spec.k;
-    j["prompt_lookup_min"] = spec.ngram_min;
-    j["prompt_lookup_max"] = spec.ngram_max;
+    if (spec.method == SpecMethod::kNgram) {
+      j["prompt_lookup_min"] = spec.ngram_min;
+      j["prompt_lookup_max"] = spec.ngram_max;
+    }
+    if (spec.method == SpecMethod::kDflash) j["model"] = spec.model_dir;
   }
   return j;
 }

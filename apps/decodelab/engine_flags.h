@@ -39,21 +39,23 @@ struct EngineFlags {
 };
 
 // Speculative decoding flags (generate, bench, bench serve, serve): --spec, --spec-k,
-// --spec-ngram-min, --spec-ngram-max, and --spec-model (refused: DFlash is not implemented yet).
+// --spec-ngram-min, --spec-ngram-max, and --spec-model (the DFlash drafter's checkpoint).
 struct SpecFlags {
   std::string method = "none";
   int k = 4;
   int ngram_min = 2;
   int ngram_max = 5;
-  std::string model;  // --spec-model DIR (DFlash drafter): refused
+  std::string model;  // --spec-model DIR (DFlash drafter)
 
   void Add(CLI::App* cmd);
-  // Validates; --spec dflash and --spec-model are refused as not implemented yet.
+  // Validates (--spec dflash needs --spec-model, which needs --spec dflash). The drafter itself is
+  // built once the model is loaded (MakeDrafterFor in engine/dflash_drafter.h).
   Result<SpecOptions> ToOptions() const;
   // The same settings as command-line flags (for a `decodelab serve` child).
   std::vector<std::string> ToArgs() const;
-  // Applies the options: the engine's workspace is sized for verify steps of 1 + k rows.
-  static void Size(const SpecOptions& spec, EngineOptions* engine);
+  // Applies the options: the engine's workspace is sized for verify steps of 1 + k rows and, for
+  // DFlash, for the drafter's hidden-state taps (read from its config.json).
+  static Status Size(const SpecOptions& spec, EngineOptions* engine);
   static nlohmann::json ToJson(const SpecOptions& spec);
 };
 

@@ -172,6 +172,7 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   z.max_seqs = z.max_outputs + 1;  // + the padding rows' dummy sequence
   z.max_pages = PagesNeededFull(opt.max_seq_len, kv.page_size);
   z.max_seq_len = opt.max_seq_len;
+  z.max_taps = std::max(0, opt.max_taps);
   DL_ASSIGN_OR_RETURN(ws, CudaWorkspace::Create(c, z));
   // The dummy sequence's tables (the last row of each group): position 0 in the trash page. Never
   // overwritten, so the one copy per step carries them.
@@ -196,7 +197,8 @@ Status CudaRunner::Impl::Stage(const ForwardBatch& b, GraphKey* key, bool* graph
                            rows, outs, seqs, z.max_rows, z.max_outputs, z.max_seqs - 1);
   }
   if (!b.hidden_taps.empty() && static_cast<int32_t>(b.hidden_taps.size()) > z.max_taps) {
-    return Unimplemented("hidden-state taps on the CUDA backend (asked for {})", b.hidden_taps.size());
+    return Unimplemented("{} hidden-state taps on the CUDA backend, which was sized for {} (CudaRunnerOptions::max_taps, "
+                         "EngineOptions::max_hidden_taps)", b.hidden_taps.size(), z.max_taps);
   }
   for (const BatchSequence& sq : b.seqs) {
     if (sq.kv->length() + sq.num_rows > opt.max_seq_len) {

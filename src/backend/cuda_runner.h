@@ -24,6 +24,9 @@ struct CudaRunnerOptions {
   int32_t max_seq_len = 4096;   // positions the graphs and the workspaces are sized for
   int32_t max_rows = 512;       // token rows of one forward
   int32_t max_outputs = 1;      // output rows (sequences) of one forward
+  // Hidden-state taps one forward may ask for (ForwardBatch::hidden_taps; the DFlash drafter's
+  // target_layer_ids): the workspace holds [max_taps, max_rows, d] of them. 0: taps are refused.
+  int32_t max_taps = 0;
   // For a shape-only checkpoint (null data): generate each tensor on the device with this seed,
   // by the formula of model/synthetic.h.
   uint64_t synthetic_seed = 0;

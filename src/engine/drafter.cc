@@ -12,6 +12,7 @@ const char* SpecMethodName(SpecMethod m) {
   switch (m) {
     case SpecMethod::kNone: return "none";
     case SpecMethod::kNgram: return "ngram";
+    case SpecMethod::kDflash: return "dflash";
   }
   return "none";
 }
@@ -19,15 +20,24 @@ const char* SpecMethodName(SpecMethod m) {
 Result<SpecMethod> SpecOptions::ParseMethod(const std::string& name) {
   if (name == "none") return SpecMethod::kNone;
   if (name == "ngram") return SpecMethod::kNgram;
-  if (name == "dflash") {
-    return Unimplemented("--spec dflash is not implemented yet (the DFlash drafter is a later step of issue 20); "
-                         "use --spec ngram or --spec none");
-  }
-  return InvalidArgument("--spec must be none or ngram (got \"{}\")", name);
+  if (name == "dflash") return SpecMethod::kDflash;
+  return InvalidArgument("--spec must be none, ngram or dflash (got \"{}\")", name);
 }
 
 Status SpecOptions::Validate() const {
+  if (method != SpecMethod::kDflash && !model_dir.empty()) {
+    return InvalidArgument("--spec-model is the DFlash drafter's checkpoint: it needs --spec dflash (got --spec {})",
+                           SpecMethodName(method));
+  }
   if (!enabled()) return Status::Ok();
+  if (method == SpecMethod::kDflash && (ngram_min != SpecOptions{}.ngram_min || ngram_max != SpecOptions{}.ngram_max)) {
+    return InvalidArgument("--spec-ngram-min and --spec-ngram-max apply to --spec ngram, not dflash (got {} and {})",
+                           ngram_min, ngram_max);
+  }
+  if (method == SpecMethod::kDflash && model_dir.empty()) {
+    return InvalidArgument("--spec dflash needs --spec-model DIR (a DFlash drafter checkpoint; `decodelab make-model "
+                           "--shape tiny-dflash` or `--dflash-for DIR` writes a random one)");
+  }
   if (k < 1 || k > 64) return InvalidArgument("--spec-k must be in [1, 64] (got {})", k);
   if (method == SpecMethod::kNgram) {
     if (ngram_min < 1 || ngram_max > 64 || ngram_min > ngram_max) {
@@ -61,6 +71,8 @@ Result<std::shared_ptr<const Drafter>> MakeDrafter(const SpecOptions& o) {
   switch (o.method) {
     case SpecMethod::kNone: return std::shared_ptr<const Drafter>();
     case SpecMethod::kNgram: return std::shared_ptr<const Drafter>(std::make_shared<NgramDrafter>(o.ngram_min, o.ngram_max));
+    case SpecMethod::kDflash:
+      return InvalidArgument("the DFlash drafter reads the loaded target's weights: build it with MakeDflashDrafter");
   }
   return InvalidArgument("unknown speculative method");
 }

@@ -4,9 +4,13 @@
 // token of the first row that disagreed (docs/speculative.md). A drafter only changes how many
 // forwards a sequence takes, never its tokens: whatever it proposes, the output equals plain decoding.
 //
-// Drafters are stateless functions of the context (so one drafter serves every sequence of a batch,
-// and a preempted, recomputed sequence gets the same drafts) and must be safe to call from the
-// engine thread while tests hold them.
+// The n-gram and test drafters are stateless functions of the context (so one drafter serves every
+// sequence of a batch, and a preempted, recomputed sequence gets the same drafts). A drafter that
+// reads the target's hidden states (DFlash, engine/dflash_drafter.h) keeps per-sequence state (its
+// context K/V, like a KV cache): the engine gives each sequence an id (NewSequence), asks every
+// forward of it for the drafter's hidden_taps, hands over the taps of the rows it commits (Observe,
+// never a rejected draft's), drafts with ProposeFor and ends the state with Forget (finish,
+// preemption). Drafters must be safe to call from the engine thread while tests hold them.
 #pragma once
 
 #include <cstdint>
@@ -16,21 +20,24 @@
 #include <vector>
 
 #include "base/status.h"
+#include "model/forward_batch.h"
 
 namespace dl {
 
-enum class SpecMethod : uint8_t { kNone, kNgram };
+enum class SpecMethod : uint8_t { kNone, kNgram, kDflash };
 const char* SpecMethodName(SpecMethod m);
 
-// The user's choice: `--spec`, `--spec-k`, `--spec-ngram-min`, `--spec-ngram-max`.
+// The user's choice: `--spec`, `--spec-k`, `--spec-ngram-min`, `--spec-ngram-max`, `--spec-model`.
 struct SpecOptions {
   SpecMethod method = SpecMethod::kNone;
   int32_t k = 4;          // draft tokens per verify step (at most)
   int32_t ngram_min = 2;  // shortest suffix n-gram the n-gram drafter matches
   int32_t ngram_max = 5;  // longest
-  // "none" or "ngram"; "dflash" is refused as not implemented yet (never ignored).
+  std::string model_dir;  // --spec-model: the DFlash drafter checkpoint (dflash only)
+  // "none", "ngram" or "dflash".
   static Result<SpecMethod> ParseMethod(const std::string& name);
-  // k in [1, 64], 1 <= ngram_min <= ngram_max <= 64 (only checked when a method is on).
+  // k in [1, 64], 1 <= ngram_min <= ngram_max <= 64; dflash needs model_dir and nothing else does
+  // (only checked when a method is on; a model_dir without dflash is refused).
   Status Validate() const;
   bool enabled() const { return method != SpecMethod::kNone; }
 };
@@ -42,6 +49,29 @@ class Drafter {
   // entry the token the verify step's first row feeds). May return fewer, or none.
   virtual std::vector<int32_t> Propose(std::span<const int32_t> context, int32_t max_tokens) const = 0;
   virtual std::string name() const = 0;
+
+  // ---- Drafters that read the target's hidden states (the defaults: a stateless drafter) ----
+  // Target layers after which every forward of a speculating sequence returns the hidden state
+  // (ForwardBatch::hidden_taps; ascending). Empty: none.
+  virtual std::vector<int32_t> hidden_taps() const { return {}; }
+  // A fresh id for one sequence's drafter state (never 0).
+  virtual uint64_t NewSequence() const { return 1; }
+  // The target committed positions [position, position + rows) of sequence `seq`; their hidden
+  // states are rows [first_row, first_row + rows) of `result.hidden`.
+  virtual Status Observe(uint64_t seq, int32_t position, const ForwardResult& result, int32_t first_row,
+                         int32_t rows) const {
+    (void)seq, (void)position, (void)result, (void)first_row, (void)rows;
+    return Status::Ok();
+  }
+  // Propose for sequence `seq` (whose committed positions are context[0, size - 1): the last token
+  // is the anchor the verify's first row feeds).
+  virtual Result<std::vector<int32_t>> ProposeFor(uint64_t seq, std::span<const int32_t> context,
+                                                  int32_t max_tokens) const {
+    (void)seq;
+    return Propose(context, max_tokens);
+  }
+  // Drops sequence `seq`'s state (finished, failed, preempted: a recomputed sequence starts over).
+  virtual void Forget(uint64_t seq) const { (void)seq; }
 };
 
 // Prompt lookup (vLLM's ngram proposer): for n from ngram_max down to ngram_min, the context's last n
@@ -58,7 +88,8 @@ class NgramDrafter : public Drafter {
   int32_t min_, max_;
 };
 
-// The drafter `options` asks for; nullptr for SpecMethod::kNone.
+// The drafter `options` asks for; nullptr for SpecMethod::kNone. DFlash needs the loaded target
+// (engine/dflash_drafter.h: MakeDflashDrafter); here it is refused.
 Result<std::shared_ptr<const Drafter>> MakeDrafter(const SpecOptions& options);
 
 // ---- Drafters for tests: they know the true continuation (a plain run's output) ----
@@ -122,6 +153,9 @@ struct SpecStats {
   uint64_t num_draft_tokens = 0;
   uint64_t num_accepted_tokens = 0;
   std::vector<uint64_t> accepted_per_pos;  // [k]: drafts whose token at this position was accepted
+  // Host time spent in the drafter (proposing, and for DFlash feeding it the committed rows): the
+  // part of a cycle's cost the verify forward's device time does not show.
+  double drafter_seconds = 0;
   // Records one verify: `drafted` tokens proposed, the first `accepted` of them accepted.
   void Record(int32_t drafted, int32_t accepted);
   // Tokens per verify step: 1 + accepted / drafts (vLLM's mean acceptance length); 0 without drafts.

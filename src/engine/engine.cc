@@ -256,6 +256,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   const int32_t verify_rows = std::max(o.max_batch, 1) * (1 + o.max_draft_tokens);
   co.max_rows = std::max({o.max_rows_per_step, o.prefill_chunk, verify_rows, 1});
   co.max_outputs = verify_rows;
+  if (o.max_hidden_taps < 0) return InvalidArgument("max_hidden_taps must be >= 0");
+  co.max_taps = o.max_hidden_taps;
   co.synthetic_seed = o.seed;
   co.skip_ops = o.skip_ops;
   co.tuning = o.tuning;
@@ -328,15 +330,22 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     std::vector<float> logits;
   };
   std::deque<RowOutput> pending;
+  const bool speculate = opts.drafter != nullptr && opts.num_draft_tokens > 0 && opts.forced_tokens.empty();
+  // A drafter that reads the target's hidden states gets them from every forward of the sequence
+  // (the committed rows only) and keeps its state under draft_seq until the end.
+  const std::vector<int32_t> taps = speculate ? opts.drafter->hidden_taps() : std::vector<int32_t>{};
+  const uint64_t draft_seq = speculate ? opts.drafter->NewSequence() : 0;
   // One forward of `rows` for this sequence with outputs on the last `outputs` rows; commits the
   // first `commit(result)` rows' KV (the rows the caller keeps) and queues their outputs.
   auto run = [&](std::span<const int32_t> rows, int32_t outputs, ForwardMode mode,
                  const std::function<int32_t(const ForwardResult&)>& accepted) -> Status {
     const int32_t n = static_cast<int32_t>(rows.size());
+    const int32_t start = seq.length();
     DL_RETURN_IF_ERROR(kv.Reserve(seq, n));
     ForwardBatch batch;
     batch.mode = mode;
     batch.AddSequence(seq, rows);
+    batch.hidden_taps = taps;
     for (int32_t i = n - outputs; i < n; ++i) batch.AddOutput(i).want_logits = true;
     ForwardResult result;
     DL_RETURN_IF_ERROR(runner.Forward(batch, &result));
@@ -344,6 +353,11 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     // stay in the block tables and their positions are written again by the next forward.
     const int32_t keep_outputs = accepted ? accepted(result) : outputs;
     DL_RETURN_IF_ERROR(kv.Commit(seq, n - outputs + keep_outputs));
+    if (speculate) {
+      const auto t0 = Clock::now();
+      DL_RETURN_IF_ERROR(opts.drafter->Observe(draft_seq, start, result, 0, n - outputs + keep_outputs));
+      r.spec.drafter_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
     for (int32_t i = 0; i < keep_outputs; ++i) {
       if (!result.rows[i].finite) {
         return DataLoss("position {}: the model produced non-finite logits (NaN or Inf)",
@@ -353,7 +367,6 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     }
     return Status::Ok();
   };
-  const bool speculate = opts.drafter != nullptr && opts.num_draft_tokens > 0 && opts.forced_tokens.empty();
   // A verify step's rows and outputs must fit one forward of the backend.
   const int32_t draft_cap =
       std::min({opts.num_draft_tokens, runner.max_rows() - 1, runner.max_outputs() - 1});
@@ -396,7 +409,9 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
       if (speculate) {
         const int32_t room = std::min(draft_cap, opts.max_tokens - step - 2);
         if (room > 0) {
-          std::vector<int32_t> drafts = opts.drafter->Propose(context, room);
+          const auto t0 = Clock::now();
+          DL_ASSIGN_OR_RETURN(std::vector<int32_t> drafts, opts.drafter->ProposeFor(draft_seq, context, room));
+          r.spec.drafter_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
           if (static_cast<int32_t>(drafts.size()) > room) drafts.resize(static_cast<size_t>(room));
           rows.insert(rows.end(), drafts.begin(), drafts.end());
         }
@@ -425,6 +440,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     }
     return Status::Ok();
   }();
+  if (speculate) opts.drafter->Forget(draft_seq);
   Status release = kv.Release(seq);
   DL_RETURN_IF_ERROR(status);
   DL_RETURN_IF_ERROR(release);

@@ -46,6 +46,9 @@ struct EngineOptions {
   // has 1 + this many rows and outputs per sequence, so the CUDA workspace and graph buckets are
   // sized for max_batch * (1 + max_draft_tokens) of each.
   int32_t max_draft_tokens = 0;
+  // Hidden-state taps a forward may ask for (the DFlash drafter's target layers; CUDA sizes its
+  // workspace for them; the CPU backends take any number).
+  int32_t max_hidden_taps = 0;
   bool allow_fallback = false;  // CUDA: run a generic kernel where a preset is missing (reported)
   bool use_graph = true;        // CUDA: one captured graph per decode step
   bool force_calibration = false;  // FP8: calibrate even when the checkpoint ships scales

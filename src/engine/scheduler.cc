@@ -122,7 +122,10 @@ struct Scheduler::Sequence {
   Clock::time_point arrival, admitted, last_emit;
   // This step's rows (set while planning), and its drafts when it verifies (rows = 1 + drafts).
   int32_t step_rows = 0;
+  int32_t first_row = 0;  // of this step's rows in the batch
   std::vector<int32_t> drafts;
+  // The drafter's state of this sequence (0: none yet; dropped on preemption and finish).
+  uint64_t draft_seq = 0;
   int32_t computed() const { return kv.length(); }
 };
 
@@ -175,6 +178,12 @@ Result<std::shared_ptr<RequestState>> Scheduler::Submit(GenerationRequest r) {
     }
   }
   if (p.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1 (got {})", p.max_tokens);
+  if (options_.enable_prefix_caching && options_.drafter && !options_.drafter->hidden_taps().empty()) {
+    // A cached prompt page is never run, so the drafter would get no hidden states for it.
+    return Unimplemented("prefix caching with the {} drafter is not supported (the drafter needs the target's hidden "
+                         "states of every prompt position; cached pages skip that forward)",
+                         options_.drafter->name());
+  }
   const int64_t total = static_cast<int64_t>(r.prompt.size()) + p.max_tokens;
   if (total > max_context()) {
     return InvalidArgument(
@@ -374,6 +383,10 @@ void Scheduler::Preempt(size_t index) {
   s.block_hashes.clear();
   s.step_rows = 0;
   s.drafts.clear();
+  if (s.draft_seq != 0) {
+    options_.drafter->Forget(s.draft_seq);  // recomputation feeds the drafter again from position 0
+    s.draft_seq = 0;
+  }
   {
     std::lock_guard slock(stats_mu_);
     ++stats_.preemptions_total;
@@ -417,6 +430,10 @@ void Scheduler::Step() {
     }
     return true;
   };
+  // A drafter that reads the target's hidden states: every forward returns them, and each sequence
+  // gets a drafter state before its first forward.
+  const bool speculate = options_.drafter && options_.num_draft_tokens > 0;
+  if (speculate) batch.hidden_taps = options_.drafter->hidden_taps();
   int32_t spare_rows = budget - active;
   int32_t spare_outputs = runner.max_outputs() - active;
   // Two passes in admission order: decode rows first (one each, plus drafts), then prefill chunks
@@ -432,13 +449,25 @@ void Scheduler::Step() {
       Status st = Status::Ok();
       bool reserved = false;
       if (decode) --decoders_left;
-      if (decode && options_.drafter && options_.num_draft_tokens > 0) {
+      if (speculate && s.draft_seq == 0) s.draft_seq = options_.drafter->NewSequence();
+      if (decode && speculate) {
         // At most the tokens the request still needs after this step's first one, so a verify
         // never writes past prompt + max_tokens - 1 (within the context limit Submit checked).
         const int32_t room = std::min({options_.num_draft_tokens, s.req.sampling.max_tokens - s.generated - 1,
                                        spare_rows, spare_outputs});
         if (room > 0) {
-          s.drafts = options_.drafter->Propose(s.tokens, room);
+          const auto t0 = Clock::now();
+          auto drafts = options_.drafter->ProposeFor(s.draft_seq, s.tokens, room);
+          {
+            std::lock_guard slock(stats_mu_);
+            stats_.spec.drafter_seconds += Seconds(t0, Clock::now());
+          }
+          if (!drafts.ok()) {
+            spdlog::error("request {}: drafter: {}", s.state->id(), drafts.status().message());
+            FinishSequence(s, FinishReason::kError, drafts.status().WithContext("speculative drafter"));
+            continue;
+          }
+          s.drafts = std::move(drafts).value();
           if (static_cast<int32_t>(s.drafts.size()) > room) s.drafts.resize(static_cast<size_t>(room));
         }
         // Short of pages: fewer drafts (halving), never a preemption for the sake of drafts.
@@ -475,6 +504,7 @@ void Scheduler::Step() {
         std::vector<int32_t> rows = {s.tokens.back()};
         rows.insert(rows.end(), s.drafts.begin(), s.drafts.end());
         const int32_t first = batch.AddSequence(s.kv, rows);
+        s.first_row = first;
         const SamplingParams& p = s.req.sampling;
         const size_t prompt_len = s.req.prompt.size();
         // The generated tokens only matter to logit processors: copied only when there are some.
@@ -495,6 +525,7 @@ void Scheduler::Step() {
       }
       const int32_t first = batch.AddSequence(
           s.kv, std::span<const int32_t>(s.tokens.data() + s.computed(), static_cast<size_t>(n)));
+      s.first_row = first;
       if (s.computed() + n == static_cast<int32_t>(s.tokens.size())) {
         OutputRequest& out = batch.AddOutput(first + n - 1);
         const SamplingParams& p = s.req.sampling;
@@ -548,6 +579,11 @@ void Scheduler::Step() {
         FinishSequence(*s, FinishReason::kError, cst);
         continue;
       }
+      // The drafter sees the kept rows only: the anchor and the accepted drafts.
+      if (Status dst = ObserveRows(*s, begin, result, 1 + accepted); !dst.ok()) {
+        FinishSequence(*s, FinishReason::kError, dst.WithContext("speculative drafter"));
+        continue;
+      }
       // Emitted one by one with plain decoding's stop checks: a stop or max_tokens inside the
       // accepted run ends the sequence there (its pages are released with the rest).
       for (int32_t j = 0; j <= accepted && !s->done; ++j) Emit(*s, rows[j]);
@@ -562,8 +598,22 @@ void Scheduler::Step() {
       FinishSequence(*s, FinishReason::kError, cst);
       continue;
     }
+    if (speculate) {
+      if (Status dst = ObserveRows(*s, begin, result, s->step_rows); !dst.ok()) {
+        FinishSequence(*s, FinishReason::kError, dst.WithContext("speculative drafter"));
+        continue;
+      }
+    }
     if (row != nullptr) Emit(*s, *row);
   }
+}
+
+Status Scheduler::ObserveRows(Sequence& s, int32_t position, const ForwardResult& result, int32_t rows) {
+  const auto t0 = Clock::now();
+  Status st = options_.drafter->Observe(s.draft_seq, position, result, s.first_row, rows);
+  std::lock_guard slock(stats_mu_);
+  stats_.spec.drafter_seconds += Seconds(t0, Clock::now());
+  return st;
 }
 
 void Scheduler::Emit(Sequence& s, const RowResult& row) {
@@ -613,6 +663,10 @@ void Scheduler::Emit(Sequence& s, const RowResult& row) {
 void Scheduler::FinishSequence(Sequence& s, FinishReason reason, Status error) {
   if (s.done) return;
   s.done = true;
+  if (s.draft_seq != 0) {
+    options_.drafter->Forget(s.draft_seq);
+    s.draft_seq = 0;
+  }
   if (s.has_kv && engine_.kv) {
     Status st = engine_.kv->Release(s.kv);
     if (!st.ok()) spdlog::error("request {}: releasing KV pages: {}", s.state->id(), st.message());

@@ -189,6 +189,9 @@ class Scheduler {
   // that cannot make room.
   Status ReserveForStep(Sequence& s, int32_t n, size_t index);
   void Preempt(size_t index);
+  // Hands the drafter the `rows` committed rows of s (from `position`, at s.first_row of `result`),
+  // timing it into the speculative stats.
+  Status ObserveRows(Sequence& s, int32_t position, const ForwardResult& result, int32_t rows);
   // Emits the token sampled for s (and finishes it on a stop condition).
   void Emit(Sequence& s, const RowResult& row);
   void FinishSequence(Sequence& s, FinishReason reason, Status error = Status::Ok());

@@ -129,13 +129,23 @@ TEST(CliTest, GenerateTakesTextAndPrintsText) {
 // implemented (never ignored), --spec ngram gives generate's plain tokens with drafts counted, and
 // bench reports the counters and times verify against decode with --verify-cost.
 TEST(CliTest, SpecFlagsOnGenerateAndBench) {
+  // --spec dflash needs --spec-model and --spec-model needs --spec dflash.
   for (const char* args : {"generate --shape tiny --backend cpu --prompt-ids 5,6 --spec dflash",
-                           "generate --shape tiny --backend cpu --prompt-ids 5,6 --spec-model /nonexistent",
-                           "serve --shape tiny --backend cpu --port 0 --spec dflash",
-                           "bench --shape tiny --backend cpu --prompt-len 8 --gen-len 4 --spec-model /x"}) {
+                           "serve --shape tiny --backend cpu --port 0 --spec dflash"}) {
     const CliRun r = Decodelab(args);
     EXPECT_NE(r.rc, 0) << args;
-    EXPECT_NE(r.err.find("not implemented yet"), std::string::npos) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("needs --spec-model"), std::string::npos) << args << ": " << r.err;
+  }
+  for (const char* args : {"generate --shape tiny --backend cpu --prompt-ids 5,6 --spec-model /nonexistent",
+                           "bench --shape tiny --backend cpu --prompt-len 8 --gen-len 4 --spec ngram --spec-model /x"}) {
+    const CliRun r = Decodelab(args);
+    EXPECT_NE(r.rc, 0) << args;
+    EXPECT_NE(r.err.find("needs --spec dflash"), std::string::npos) << args << ": " << r.err;
+  }
+  {
+    const CliRun r = Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --spec dflash --spec-model /nonexistent");
+    EXPECT_NE(r.rc, 0);
+    EXPECT_NE(r.err.find("--spec-model"), std::string::npos) << r.err;
   }
   EXPECT_EQ(Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --spec eagle").rc, 2);
   EXPECT_EQ(Decodelab("generate --shape tiny --backend cpu --prompt-ids 5,6 --spec ngram --spec-k 0").rc, 2);
@@ -231,6 +241,79 @@ TEST(CliTest, BenchPrefillSweep) {
     EXPECT_NE(r.rc, 0) << bad;
     EXPECT_NE(r.err.find("--prefill-sweep"), std::string::npos) << bad << ": " << r.err;
   }
+}
+
+// A random DFlash drafter from make-model drives `generate --spec dflash` and `bench --spec dflash` on
+// the tiny shape: the plain tokens, the drafter's counters; a drafter for another model is refused.
+TEST(CliTest, DflashDrafterEndToEnd) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_dflash_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const CliRun made = Decodelab("make-model --shape tiny-dflash --out " + (dir / "drafter").string());
+  ASSERT_EQ(made.rc, 0) << made.err;
+  const auto cfg = nlohmann::json::parse(Slurp(dir / "drafter" / "config.json"), nullptr, false);
+  ASSERT_TRUE(cfg.is_object());
+  EXPECT_EQ(cfg["architectures"][0], "DFlashLagunaForCausalLM");
+  EXPECT_TRUE(cfg["dflash_config"].contains("target_layer_ids"));
+  EXPECT_TRUE(fs::exists(dir / "drafter" / "model.safetensors"));
+  // --dflash-for a written model gives the same kind of drafter; zlab layout too.
+  ASSERT_EQ(Decodelab("make-model --shape tiny --num-layers 3 --out " + (dir / "model").string()).rc, 0);
+  const CliRun made2 = Decodelab("make-model --dflash-for " + (dir / "model").string() + " --dflash-layout zlab "
+                                 "--block-size 4 --num-layers 1 --out " + (dir / "zlab").string());
+  ASSERT_EQ(made2.rc, 0) << made2.err;
+  const auto cfg2 = nlohmann::json::parse(Slurp(dir / "zlab" / "config.json"), nullptr, false);
+  EXPECT_EQ(cfg2["architectures"][0], "DFlashDraftModel");
+  EXPECT_EQ(cfg2["dflash_config"]["num_target_layers"], 3);
+  EXPECT_NE(Decodelab("make-model --shape tiny --block-size 4 --out " + (dir / "x").string()).rc, 0);
+
+  auto last_json = [](const CliRun& r) {
+    return nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1), nullptr, false);
+  };
+  const std::string gen = "generate --shape tiny --backend cpu --max-tokens 20 --ignore-eos --json --prompt-ids "
+                          "40,57,74,91,108,40,57,74,91,108,40,57";
+  const CliRun plain = Decodelab(gen);
+  const CliRun spec = Decodelab(gen + " --spec dflash --spec-k 5 --spec-model " + (dir / "drafter").string());
+  ASSERT_EQ(plain.rc, 0) << plain.err;
+  ASSERT_EQ(spec.rc, 0) << spec.err;
+  const auto jp = last_json(plain), js = last_json(spec);
+  ASSERT_TRUE(jp.is_object() && js.is_object()) << spec.out;
+  EXPECT_EQ(js["tokens"], jp["tokens"]);
+  EXPECT_EQ(js["speculative"]["method"], "dflash");
+  EXPECT_GT(js["speculative"]["num_drafts"].get<int>(), 0);
+  // K beyond the block, and a drafter for a 3-layer model on the 5-layer tiny shape.
+  const CliRun big = Decodelab(gen + " --spec dflash --spec-k 8 --spec-model " + (dir / "drafter").string());
+  EXPECT_NE(big.rc, 0);
+  EXPECT_NE(big.err.find("block_size"), std::string::npos) << big.err;
+  const CliRun other = Decodelab(gen + " --spec dflash --spec-k 2 --spec-model " + (dir / "zlab").string());
+  EXPECT_NE(other.rc, 0);
+  EXPECT_NE(other.err.find("layers"), std::string::npos) << other.err;
+  const fs::path out = dir / "bench.json";
+  const CliRun bench = Decodelab("bench --shape tiny --backend cpu --prompt-len 24 --gen-len 12 --repeat 1 --spec dflash "
+                                 "--spec-k 3 --spec-model " + (dir / "drafter").string() + " --json-out " + out.string());
+  ASSERT_EQ(bench.rc, 0) << bench.err;
+  const auto jb = nlohmann::json::parse(Slurp(out), nullptr, false);
+  ASSERT_TRUE(jb.is_object());
+  EXPECT_EQ(jb["speculative"]["method"], "dflash");
+  EXPECT_GT(jb["speculative"]["vllm:spec_decode_num_drafts_total"].get<int>(), 0);
+  EXPECT_GT(jb["speculative"]["drafter_ms_total"].get<double>(), 0.0);
+  // --verify-cost with the drafter: its block and per-row context cost beside the verify's.
+  const fs::path vc = dir / "verify.json";
+  const CliRun cost = Decodelab("bench --shape tiny --backend cpu --verify-cost --prompt-len 20 --verify-k 2,7 "
+                                "--verify-batch 1 --verify-iters 2 --spec dflash --spec-model " +
+                                (dir / "drafter").string() + " --json-out " + vc.string());
+  ASSERT_EQ(cost.rc, 0) << cost.err;
+  EXPECT_NE(cost.out.find("cycle break-even"), std::string::npos) << cost.out;
+  const auto jv = nlohmann::json::parse(Slurp(vc), nullptr, false);
+  ASSERT_TRUE(jv.is_object());
+  ASSERT_EQ(jv["verify_cost"].size(), 2u);
+  for (const auto& p : jv["verify_cost"]) {
+    EXPECT_GT(p["draft_block_ms"].get<double>(), 0.0);
+    EXPECT_GT(p["draft_context_ms_per_row"].get<double>(), 0.0);
+    EXPECT_TRUE(p.contains("cycle_break_even_mean_acceptance_length"));
+  }
+  EXPECT_NE(Decodelab("bench --shape tiny --backend cpu --verify-cost --verify-k 8 --spec dflash --spec-model " +
+                      (dir / "drafter").string()).rc, 0)
+      << "K 8 is beyond the block of 8";
+  fs::remove_all(dir);
 }
 
 // --tp on the CPU reference: the same greedy tokens as one rank in both embedding modes (this

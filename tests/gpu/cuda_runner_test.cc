@@ -12,16 +12,19 @@
 #include <nlohmann/json.hpp>
 
 #include "cuda/device.h"
+#include "engine/dflash_drafter.h"
 #include "engine/drafter.h"
 #include "engine/engine.h"
 #include "engine/scheduler.h"
 #include "backend/cuda_runner.h"
 #include "backend/cuda_weights.h"
+#include "model/dflash.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
 #include "tests/common/batch_schedule.h"
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
+#include "tests/common/temp_dir.h"
 
 namespace dl {
 namespace {
@@ -521,6 +524,116 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
       }
       EXPECT_EQ(engine.kv->used_pages(KvGroup::kFull) + engine.kv->used_pages(KvGroup::kSliding), 0);
     }
+  }
+}
+
+// DFlash on the GPU: the target runs on CUDA and returns the drafter's hidden-state taps (the
+// workspace sized by CudaRunnerOptions::max_taps; forwards with taps run eagerly); the drafter (CPU
+// reference ops, the target's embedding and LM head read from host memory) proposes blocks. With
+// random drafter weights few drafts are accepted; what is checked is that the output equals plain
+// decoding token for token and logit for logit, alone and in a scheduler batch (greedy and seeded
+// sampling), whatever is accepted or rolled back.
+TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig cfg = SmallXs2Geometry();
+  test_util::TempDir dir("dl_gpu_dflash");
+  WriteDflashOptions wo;
+  wo.config = DflashConfigFor(cfg, 2, 8);
+  wo.seed = 3;
+  wo.out_dir = dir / "drafter";
+  ASSERT_TRUE(WriteSyntheticDflash(wo).ok());
+  const int32_t vocab = static_cast<int32_t>(cfg.vocab_size);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : {40, 300, 9}) {
+    std::vector<int32_t> p = LongPrompt(n, vocab);
+    for (auto& t : p) t = (t + 5 * n) % vocab;
+    prompts.push_back(p);
+  }
+  const int32_t k_max = 7, batch = static_cast<int32_t>(prompts.size());
+  for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(kv));
+    Engine engine;
+    auto ck = MakeSyntheticCheckpoint(cfg, 17, DType::kBF16);
+    ASSERT_TRUE(ck.ok());
+    engine.checkpoint = std::make_unique<Checkpoint>(std::move(*ck));
+    const KvCacheSpec spec = TestKvSpec(engine.checkpoint->config(), kv, 32, batch);
+    auto kvc = KvCache::Create(spec);
+    ASSERT_TRUE(kvc.ok());
+    engine.kv = std::make_unique<KvCache>(std::move(*kvc));
+    CudaRunnerOptions co;
+    co.max_seq_len = 1024;
+    co.max_rows = 128;
+    co.max_outputs = batch * (1 + k_max);
+    co.max_taps = static_cast<int32_t>(wo.config.num_taps());
+    auto runner = CudaRunner::Create(*engine.checkpoint, spec, TestKvScales(spec.num_layers), co);
+    ASSERT_TRUE(runner.ok()) << runner.status().ToString();
+    engine.runner = std::move(*runner);
+    engine.options.max_seq_len = 1024;
+    auto drafter = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, k_max);
+    ASSERT_TRUE(drafter.ok()) << drafter.status().ToString();
+    GenerateOptions g;
+    g.max_tokens = 24;
+    g.ignore_eos = true;
+    g.prefill_chunk = 128;
+    g.keep_step_logits = true;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto plain = GenerateGreedy(engine, prompts[i], g);
+      ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+      for (int32_t k : {3, 7}) {
+        GenerateOptions sg = g;
+        sg.drafter = drafter->get();
+        sg.num_draft_tokens = k;
+        auto r = GenerateGreedy(engine, prompts[i], sg);
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        EXPECT_EQ(r->tokens, plain->tokens) << "k " << k << " prompt " << i;
+        EXPECT_GT(r->spec.num_drafts, 0u);
+        ASSERT_EQ(r->step_logits.size(), plain->step_logits.size());
+        for (size_t s = 0; s < plain->step_logits.size(); ++s) {
+          ASSERT_EQ(0, std::memcmp(r->step_logits[s].data(), plain->step_logits[s].data(),
+                                   plain->step_logits[s].size() * 4))
+              << "k " << k << " prompt " << i << " step " << s;
+        }
+        std::printf("dflash %s k %d prompt %zu: %llu drafts, %llu of %llu draft tokens accepted\n", DTypeName(kv).data(),
+                    k, i, static_cast<unsigned long long>(r->spec.num_drafts),
+                    static_cast<unsigned long long>(r->spec.num_accepted_tokens),
+                    static_cast<unsigned long long>(r->spec.num_draft_tokens));
+      }
+    }
+    auto run_batch = [&](std::shared_ptr<const Drafter> d, int32_t k) {
+      SchedulerOptions so;
+      so.max_batch = batch;
+      so.prefill_chunk = 64;
+      so.max_tokens_per_step = 128;
+      so.drafter = std::move(d);
+      so.num_draft_tokens = k;
+      Scheduler sched(engine, so);
+      sched.Start();
+      std::vector<GenerationRequest> requests;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        GenerationRequest& r = requests.emplace_back();
+        r.prompt = prompts[i];
+        r.sampling.max_tokens = 20;
+        r.sampling.ignore_eos = true;
+        r.sampling.logprobs = 2;
+        if (i % 2 == 1) {
+          r.sampling.temperature = 0.8f;
+          r.sampling.top_k = 50;
+          r.sampling.seed = 100 + i;
+        }
+      }
+      std::vector<std::vector<std::pair<int32_t, float>>> out;
+      for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
+        std::vector<std::pair<int32_t, float>> events;
+        for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
+        out.push_back(std::move(events));
+      }
+      sched.Stop();
+      return out;
+    };
+    const auto want = run_batch(nullptr, 0);
+    EXPECT_EQ(run_batch(*drafter, 7), want);
+    EXPECT_EQ((*drafter)->num_sequences(), 0u);
+    EXPECT_EQ(engine.kv->used_pages(KvGroup::kFull) + engine.kv->used_pages(KvGroup::kSliding), 0);
   }
 }
 
