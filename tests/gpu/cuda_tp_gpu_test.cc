@@ -22,7 +22,9 @@
 #include "backend/cuda_tp_runner.h"
 #include "cuda/device.h"
 #include "engine/engine.h"
+#include "engine/scheduler.h"
 #include "tests/common/golden_data.h"
+#include "tests/common/scheduler_util.h"
 
 namespace dl {
 namespace {
@@ -149,6 +151,69 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuAreBitIdenticalRunToRun) {
             << "run " << k << " step " << s << " logit " << i;
       }
     }
+  }
+}
+
+// Batch invariance under TP: each sequence's tokens and logprobs in a scheduler batch of four (mixed
+// prompt lengths, chunked prefill, greedy and seeded sampling) are bit-identical to its run alone.
+TEST(CudaTpGpuTest, TwoRanksOnOneGpuGiveEachSequenceItsOwnResultsInABatch) {
+  SKIP_WITHOUT_GPU();
+  EngineOptions o;
+  o.model_dir = GoldenDir("tiny_fixed_routing").string();
+  o.backend = BackendKind::kCuda;
+  o.kv_dtype = DType::kBF16;
+  o.max_seq_len = 256;
+  o.max_batch = 4;
+  o.max_sequences = 4;
+  o.allow_fallback = true;
+  o.tp = 2;
+  auto loaded = LoadEngine(o);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  Engine& engine = **loaded;
+  std::vector<std::vector<int32_t>> prompts;
+  for (const GoldenPrompt& gp : LoadGoldens(GoldenDir("tiny_fixed_routing") / "goldens_bf16.json")) {
+    prompts.push_back(gp.prompt);
+  }
+  prompts.push_back({5, 6, 7});
+  ASSERT_GE(prompts.size(), 3u);
+  auto run = [&](const std::vector<size_t>& which, int32_t batch) {
+    SchedulerOptions so;
+    so.max_batch = batch;
+    so.prefill_chunk = 16;  // several chunks for the longer prompts
+    so.max_tokens_per_step = 64;
+    Scheduler sched(engine, so);
+    sched.Start();
+    std::vector<GenerationRequest> requests;
+    for (size_t i : which) {
+      GenerationRequest& r = requests.emplace_back();
+      r.prompt = prompts[i];
+      r.sampling.max_tokens = 12;
+      r.sampling.ignore_eos = true;
+      r.sampling.logprobs = 2;
+      if (i % 2 == 1) {
+        r.sampling.temperature = 0.8f;
+        r.sampling.top_k = 50;
+        r.sampling.seed = 100 + i;
+      }
+    }
+    std::vector<std::vector<std::pair<int32_t, float>>> out;
+    for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
+      std::vector<std::pair<int32_t, float>> events;
+      for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
+      out.push_back(std::move(events));
+    }
+    sched.Stop();
+    return out;
+  };
+  std::vector<size_t> all;
+  for (size_t i = 0; i < prompts.size() && i < 4; ++i) all.push_back(i);
+  const auto together = run(all, 4);
+  ASSERT_EQ(together.size(), all.size());
+  for (size_t k = 0; k < all.size(); ++k) {
+    const auto alone = run({all[k]}, 1);
+    ASSERT_EQ(alone.size(), 1u);
+    EXPECT_EQ(alone[0].size(), 12u);
+    EXPECT_EQ(alone[0], together[k]) << "prompt " << all[k];
   }
 }
 
