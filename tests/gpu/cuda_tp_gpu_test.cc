@@ -10,8 +10,8 @@
 //   the all-reduce (one rank rounds the whole sum once), and each rank's GEMV sums half a row; the
 //   CPU computes in FP32 throughout. The difference is BF16 rounding, so tokens agree wherever the
 //   reference's top-2 margin is well above it: teacher-forced along TP=1's tokens, every step whose
-//   TP=1 margin is at least kMargin must give TP=1's token, and the last prompt position's logits are
-//   within 2e-2 relative L2.
+//   TP=1 margin is at least kMarginVsCuda must give TP=1's token (vs the CPU: its margin at least
+//   kMarginVsCpu), and the last prompt position's logits are within 2e-2 relative L2 of TP=1's.
 // Every test skips with the reason where no GPU is usable (CI).
 #include <cstdio>
 #include <cstring>
@@ -38,8 +38,10 @@ using namespace testing_golden;
   } while (0)
 
 // Four BF16 steps of logits in [8, 16) (these models' top logits): well above the rounding that
-// separates the TP=2 and TP=1 products.
-constexpr double kMargin = 0.25;
+// separates the TP=2 and TP=1 products. Against the FP32 CPU, whose distance from any BF16 pipeline
+// is larger (transformers' own BF16 run is 1.5e-2 to 1.2e-1 from its FP32 run, cuda_runner_test.cc),
+// eight steps.
+constexpr double kMarginVsCuda = 0.25, kMarginVsCpu = 0.5;
 
 std::unique_ptr<Engine> Load(const std::string& model, BackendKind backend, int tp, bool use_graph = true) {
   EngineOptions o;
@@ -67,14 +69,14 @@ GenerateResult Forced(Engine& e, const std::vector<int32_t>& prompt, const std::
   return r.ok() ? std::move(r).value() : GenerateResult{};
 }
 
-// Teacher-forced along `ref`'s tokens: every step whose reference margin is >= kMargin agrees.
-void ExpectTokensUnderTheMarginRule(const GenerateResult& got, const GenerateResult& ref, double max_rel_l2,
-                                   const std::string& what) {
+// Teacher-forced along `ref`'s tokens: every step whose reference margin is >= `margin` agrees.
+void ExpectTokensUnderTheMarginRule(const GenerateResult& got, const GenerateResult& ref, double margin,
+                                   double max_rel_l2, const std::string& what) {
   ASSERT_EQ(got.tokens.size(), ref.tokens.size()) << what;
   int checked = 0, agreed = 0;
   std::string mismatches;
   for (size_t s = 0; s < ref.tokens.size(); ++s) {
-    if (ref.margins[s] < kMargin) continue;
+    if (ref.margins[s] < margin) continue;
     ++checked;
     if (got.tokens[s] == ref.tokens[s]) {
       ++agreed;
@@ -115,11 +117,10 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuMatchTp1AndTheCpuUnderTheMarginRule) {
       auto ref = GenerateGreedy(*one, gp.prompt, g);
       ASSERT_TRUE(ref.ok()) << ref.status().ToString();
       const GenerateResult tp2 = Forced(*two, gp.prompt, ref->tokens, false);
-      ExpectTokensUnderTheMarginRule(tp2, *ref, 2e-2, model + " cuda tp2 vs cuda tp1");
-      // The CPU is FP32 throughout: the BF16 pipeline's distance from it (cuda_runner_test.cc's goldens
-      // put CUDA BF16 within 6e-2 of FP32 references).
+      ExpectTokensUnderTheMarginRule(tp2, *ref, kMarginVsCuda, 2e-2, model + " cuda tp2 vs cuda tp1");
+      // The CPU is FP32 throughout: a loose bound on the logits, the tokens are the check.
       const GenerateResult c2 = Forced(*cpu2, gp.prompt, ref->tokens, false);
-      ExpectTokensUnderTheMarginRule(tp2, c2, 6e-2, model + " cuda tp2 vs cpu tp2");
+      ExpectTokensUnderTheMarginRule(tp2, c2, kMarginVsCpu, 1e-1, model + " cuda tp2 vs cpu tp2");
     }
   }
 }
