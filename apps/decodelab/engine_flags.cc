@@ -52,8 +52,9 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
       ->default_val(512);
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
   cmd->add_option("--tp", tp,
-                  "Tensor-parallel ranks (CPU backend: in-process ranks; the CUDA backend refuses tp > 1 "
-                  "for now). docs/tensor-parallel.md")
+                  "Tensor-parallel ranks, threads of this process. CUDA: rank r runs on GPU r % (visible "
+                  "GPUs), so a tp above the GPU count shares GPUs round-robin; NCCL when every rank has its "
+                  "own GPU, else the in-process device communicator (eager forwards). docs/tensor-parallel.md")
       ->default_val(1);
   cmd->add_option("--embedding", embedding,
                   "How tensor-parallel ranks hold the embedding: replicated (whole table on every rank, "

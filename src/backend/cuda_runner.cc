@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "backend/cuda_graphs.h"
+#include "backend/cuda_tp_runner.h"
 #include "backend/cuda_weights.h"
 #include "backend/cuda_workspace.h"
+#include "comm/device_communicator.h"
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
@@ -18,6 +21,7 @@
 #include "kernels/timeline.h"
 #include "model/backend_support.h"
 #include "model/laguna_forward.h"
+#include "model/weight_shard.h"
 #endif
 
 namespace dl {
@@ -48,7 +52,20 @@ kernels::Fp8Weight Fp8Of(const WeightRef& w) {
 }  // namespace
 
 struct CudaRunner::Impl final : LagunaOps {
-  const ModelConfig& cfg;
+  // The model as this runner computes it: the whole model, or a tensor-parallel rank's part of it
+  // (RankModelConfig: its heads and widths; the vocabulary stays whole).
+  const ModelConfig cfg;
+  // Tensor parallelism (tp_size 1: none). The rank's LM head writes its vocabulary slice of each
+  // output row into local_logits [R, vocab_stride] (the largest slice, so every rank's block has one
+  // shape for the all-gather); SelectTokens gathers the blocks [tp, R, vocab_stride] into
+  // gathered_logits and copies each rank's columns into place in ws.logits [R, V].
+  int tp_size = 1, rank = 0;
+  comm::DeviceCommunicator* comm = nullptr;
+  std::vector<Slice> vocab_slices;  // [tp]: every rank's LM head rows
+  int64_t vocab_stride = 0;
+  cuda::DeviceBuffer local_logits, gathered_logits;
+  int64_t collectives_last_forward = 0;
+  std::map<std::string, int64_t> graph_collectives;  // GraphKey::Name() -> collectives captured in it
   KvCacheSpec kv;
   KvScales scales;
   CudaRunnerOptions opt;
@@ -116,6 +133,10 @@ struct CudaRunner::Impl final : LagunaOps {
   Status TapHidden(int32_t tap) override;
   Status OutputNorm(const WeightRef& weight) override;
   Status SelectTokens() override;
+  Status AllReduce(PartialSum what) override;
+  // Tensor parallelism: every rank's logits of the R output rows into ws.logits [R, V].
+  Status GatherLogits();
+  const TensorParallelPlan* plan = nullptr;  // Init only (the rank's shard)
 };
 
 Status CudaRunner::Impl::Init(const Checkpoint& ck) {
@@ -129,7 +150,21 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
   const int64_t D = c.head_dim;
-  DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
+  if (tp_size == 1) {
+    DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
+  } else {
+    // The rank's slices of the host weights (row slices are views, column slices copies the shard
+    // owns until the upload is done).
+    DL_ASSIGN_OR_RETURN(auto shard, ShardHostWeights(ck.config(), HostLagunaWeights(ck.weights()), *plan, rank));
+    DL_ASSIGN_OR_RETURN(weights, CudaWeights::UploadHost(ck, shard->weights, opt.synthetic_seed, s()));
+    for (const RankShard& r : plan->ranks) {
+      vocab_slices.push_back(r.lm_head_vocab);
+      vocab_stride = std::max(vocab_stride, r.lm_head_vocab.size);
+    }
+    const size_t block = static_cast<size_t>(std::max(1, opt.max_outputs)) * vocab_stride * sizeof(bf16);
+    DL_ASSIGN_OR_RETURN(local_logits, cuda::DeviceBuffer::Create(block));
+    DL_ASSIGN_OR_RETURN(gathered_logits, cuda::DeviceBuffer::Create(block * tp_size));
+  }
   rope[0] = ComputeRopeTable(c.rope_full, D);
   rope[1] = ComputeRopeTable(c.rope_sliding, D);
   for (int i = 0; i < 2; ++i) {
@@ -351,6 +386,10 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
     p.out = static_cast<int>(W.rows());
     p.in = static_cast<int>(W.cols());
     p.y_stride = total_out;
+    if (out == Act::kLogits && tp_size > 1) {  // the rank's vocabulary slice, gathered in SelectTokens
+      p.y = local_logits.as<bf16>() + row0;
+      p.y_stride = vocab_stride;
+    }
     p.num_tokens = rows;
     p.streaming.ring_kb = tu.stream_ring_kb;
     p.streaming.stage_kb = tu.stream_stage_kb;
@@ -548,7 +587,35 @@ Status CudaRunner::Impl::OutputNorm(const WeightRef& weight) {
   return kernels::GatherRows({ws.normed, ws.out_rows, ws.out_normed, R, static_cast<int>(cfg.hidden_size)}, s());
 }
 
+Status CudaRunner::Impl::GatherLogits() {
+  // [R, vocab_stride] per rank -> [tp, R, vocab_stride] on every rank -> each rank's [R, V_q] columns at
+  // [v_q, v_q + V_q) of ws.logits [R, V]. A copy, not arithmetic: every rank then holds the whole
+  // rows in BF16 exactly as one rank's LM head would have written them, and chooses the same tokens.
+  const size_t block = static_cast<size_t>(R) * vocab_stride * sizeof(bf16);
+  DL_RETURN_IF_ERROR(comm->AllGather(local_logits.data(), block, gathered_logits.data(), s()));
+  const size_t V = static_cast<size_t>(cfg.vocab_size);
+  for (int q = 0; q < tp_size; ++q) {
+    const Slice& v = vocab_slices[q];
+    if (v.size == 0) continue;
+    DL_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(ws.logits + v.begin, V * sizeof(bf16),
+                                              gathered_logits.as<char>() + q * block, vocab_stride * sizeof(bf16),
+                                              v.size * sizeof(bf16), R, cudaMemcpyDeviceToDevice, s()));
+  }
+  return Status::Ok();
+}
+
+Status CudaRunner::Impl::AllReduce(PartialSum what) {
+  if (tp_size == 1) return Status::Ok();
+  if (what != PartialSum::kDelta) {
+    return Internal("CUDA tensor parallelism: a vocab-parallel embedding is not built (refused at creation)");
+  }
+  // kDelta [T, d] BF16: each rank's partial sum, added in FP32 and rounded once (in rank order with the
+  // in-process device communicator; NCCL's own order otherwise).
+  return comm->AllReduceSum(ws.delta, static_cast<int64_t>(T) * cfg.hidden_size, comm::DeviceElem::kBF16, s());
+}
+
 Status CudaRunner::Impl::SelectTokens() {
+  if (tp_size > 1 && R > 0) DL_RETURN_IF_ERROR(GatherLogits());
   const int V = static_cast<int>(cfg.vocab_size);
   if (argmax_only) {
     kernels::ArgmaxParams am;
@@ -579,6 +646,13 @@ CudaRunner::~CudaRunner() = default;
 
 Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
                                                        KvScales scales, const CudaRunnerOptions& options) {
+  return CreateRank(checkpoint, kv, std::move(scales), options, TensorParallelPlan{}, 0, nullptr);
+}
+
+Result<std::unique_ptr<CudaRunner>> CudaRunner::CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                           KvScales scales, const CudaRunnerOptions& options,
+                                                           const TensorParallelPlan& plan, int rank,
+                                                           comm::DeviceCommunicator* comm) {
   std::string why;
   if (cuda::DeviceCount(&why) <= options.device) {
     return Unavailable("--backend cuda: no usable GPU ({})", why);
@@ -587,10 +661,25 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint& checkpo
     return InvalidArgument("--kv-dtype {} is the CPU backend's; the CUDA backend takes bf16 or fp8",
                            DTypeName(kv.dtype));
   }
+  const bool tp = plan.tp_size > 1;
+  if (tp) {
+    if (comm == nullptr || comm->size() != plan.tp_size || comm->rank() != rank) {
+      return InvalidArgument("tensor-parallel rank {} of {}: the device communicator is {} of {}", rank, plan.tp_size,
+                             comm ? comm->rank() : -1, comm ? comm->size() : 0);
+    }
+    DL_RETURN_IF_ERROR(CheckCudaTensorParallel(checkpoint, plan));
+  }
   const ModelConfig& c = checkpoint.config();
   if (scales.empty()) scales = KvScales::Unit(static_cast<int>(c.num_hidden_layers));
-  auto impl = std::make_unique<Impl>(c);
+  auto impl = std::make_unique<Impl>(tp ? RankModelConfig(c, plan, rank) : c);
   impl->kv = kv;
+  if (tp) {
+    impl->tp_size = plan.tp_size;
+    impl->rank = rank;
+    impl->comm = comm;
+    impl->plan = &plan;
+    impl->kv.num_kv_heads = static_cast<int32_t>(impl->cfg.num_key_value_heads);  // the rank's heads only
+  }
   impl->scales = std::move(scales);
   impl->opt = options;
   for (const std::string& op : options.skip_ops) {
@@ -599,6 +688,7 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint& checkpo
     }
   }
   DL_RETURN_IF_ERROR(impl->Init(checkpoint));
+  impl->plan = nullptr;  // the caller's; not needed after the upload
   return std::unique_ptr<CudaRunner>(new CudaRunner(std::move(impl)));
 }
 
@@ -607,18 +697,25 @@ const KvScales& CudaRunner::kv_scales() const { return impl_->scales; }
 int32_t CudaRunner::max_rows() const { return impl_->ws.sizes.max_rows; }
 int32_t CudaRunner::max_outputs() const { return impl_->ws.sizes.max_outputs; }
 int CudaRunner::kernel_nodes() const { return impl_->decode_kernel_nodes; }
+int64_t CudaRunner::collectives_last_forward() const { return impl_->collectives_last_forward; }
 const std::vector<std::string>& CudaRunner::layer_presets() const { return impl_->layer_presets; }
 bool CudaRunner::fallback() const { return impl_->fallback; }
 
 Status CudaRunner::Launch(const ForwardBatch& batch) {
   Impl& m = *impl_;
   if (m.launched != nullptr) return FailedPrecondition("a forward is already in flight");
+  // A tensor-parallel rank launches from its group's thread: its device, not whatever that thread had.
+  DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.opt.device));
   GraphKey key;
   bool graphed = false;
   DL_RETURN_IF_ERROR(m.Stage(batch, &key, &graphed));
+  // The in-process device communicator meets the other ranks on the host at each collective, which a
+  // captured graph cannot replay: such a rank runs eagerly (comm/device_communicator.h).
+  if (m.comm != nullptr && !m.comm->capturable()) graphed = false;
   cudaStream_t s = m.s();
+  const int64_t collectives_before = m.comm != nullptr ? m.comm->collectives_issued() : 0;
   const bool decode1 = batch.num_rows() == 1 && batch.outputs.size() == 1;
-  if (kernels::TimelineBuilt() && decode1) {  // diagnostic builds: keep the stamps of the latest step only
+  if (kernels::TimelineBuilt() && decode1 && m.comm == nullptr) {  // diagnostic builds: keep the stamps of the latest step only
     static const Status enabled = kernels::TimelineEnable(size_t{1} << 21);
     DL_RETURN_IF_ERROR(enabled);
     DL_RETURN_IF_ERROR(kernels::TimelineReset(s));
@@ -627,11 +724,17 @@ Status CudaRunner::Launch(const ForwardBatch& batch) {
     DL_ASSIGN_OR_RETURN(GraphCache::Entry * entry,
                         m.graphs.GetOrCapture(key, s, [&] { return m.Record(batch); }));
     if (key.rows == 1 && key.outputs == 1) m.decode_kernel_nodes = entry->kernel_nodes;
+    if (m.comm != nullptr) {
+      const int64_t captured = m.comm->collectives_issued() - collectives_before;
+      if (captured > 0) m.graph_collectives[key.Name()] = captured;  // 0: replayed, not captured now
+      m.collectives_last_forward = m.graph_collectives[key.Name()];
+    }
     DL_RETURN_IF_ERROR(m.step_start.Record(s));
     DL_RETURN_IF_ERROR(entry->exec.Launch(s));
   } else {
     DL_RETURN_IF_ERROR(m.step_start.Record(s));
     DL_RETURN_IF_ERROR(m.Record(batch));
+    if (m.comm != nullptr) m.collectives_last_forward = m.comm->collectives_issued() - collectives_before;
   }
   DL_RETURN_IF_ERROR(m.step_end.Record(s));
   // What comes back: tokens and flags, logits of the rows that asked, taps.
@@ -662,6 +765,7 @@ Status CudaRunner::Wait(ForwardResult* result) {
   Impl& m = *impl_;
   if (m.launched == nullptr) return FailedPrecondition("no forward in flight");
   const ForwardBatch& batch = *std::exchange(m.launched, nullptr);
+  DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.opt.device));
   DL_RETURN_IF_ERROR(m.stream.Synchronize());
   const int V = static_cast<int>(m.cfg.vocab_size);
   *result = ForwardResult{};
@@ -715,14 +819,17 @@ nlohmann::json CudaRunner::Describe() const {
   nlohmann::json tuning = nlohmann::json::object();
   for (const auto& [name, value] : kernels::TuningSettings(m.opt.tuning)) tuning[name] = value;
   const int nodes = m.decode_kernel_nodes;
-  return {{"backend", "cuda"},
+  nlohmann::json d = {{"backend", "cuda"},
           {"device", m.device_name},
           {"kernel_presets", unique},
           {"layer_presets", m.layer_presets},
           {"fallback", m.fallback},
           {"fallback_ops", m.fallback_ops},
           {"topology",
-           {{{"rank", 0}, {"kernel_nodes", nodes}, {"collectives", 0}, {"signature", fmt::format("{}/0", nodes)}}}},
+           {{{"rank", m.rank},
+             {"kernel_nodes", nodes},
+             {"collectives", m.collectives_last_forward},
+             {"signature", fmt::format("{}/{}", nodes, m.collectives_last_forward)}}}},
           {"graphs", graphs},
           {"kv_dtype", std::string(DTypeName(m.kv.dtype))},
           {"page_size", m.kv.page_size},
@@ -734,6 +841,18 @@ nlohmann::json CudaRunner::Describe() const {
           {"tuning", tuning},
           {"workspace_bytes", m.ws.device_bytes},
           {"weight_bytes", m.weights->bytes()}};
+  if (m.tp_size > 1) {
+    d["tensor_parallel_rank"] = {{"rank", m.rank},
+                                 {"size", m.tp_size},
+                                 {"device", m.opt.device},
+                                 {"transport", m.comm->transport()},
+                                 {"graphs", m.comm->capturable() && m.opt.use_graph},
+                                 {"q_heads_layer0", m.cfg.heads(0)},
+                                 {"kv_heads", m.cfg.num_key_value_heads},
+                                 {"lm_head_vocab", {m.vocab_slices[m.rank].begin, m.vocab_slices[m.rank].end()}},
+                                 {"collectives_last_forward", m.collectives_last_forward}};
+  }
+  return d;
 }
 
 #else  // no CUDA backend in this build
@@ -745,6 +864,12 @@ Result<std::unique_ptr<CudaRunner>> CudaRunner::Create(const Checkpoint&, const 
                                                        const CudaRunnerOptions&) {
   return Unavailable("--backend cuda: this build of decodelab has no CUDA backend");
 }
+Result<std::unique_ptr<CudaRunner>> CudaRunner::CreateRank(const Checkpoint&, const KvCacheSpec&, KvScales,
+                                                           const CudaRunnerOptions&, const TensorParallelPlan&, int,
+                                                           comm::DeviceCommunicator*) {
+  return Unavailable("--backend cuda: this build of decodelab has no CUDA backend");
+}
+int64_t CudaRunner::collectives_last_forward() const { return 0; }
 static const KvCacheSpec kNoSpec;
 static const KvScales kNoScales;
 static const std::vector<std::string> kNoPresets;

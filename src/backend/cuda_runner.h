@@ -14,8 +14,13 @@
 #include "kernels/tuning.h"
 #include "model/checkpoint.h"
 #include "model/runner.h"
+#include "model/shard_plan.h"
 
 namespace dl {
+
+namespace comm {
+class DeviceCommunicator;
+}
 
 struct CudaRunnerOptions {
   int device = 0;
@@ -43,6 +48,16 @@ class CudaRunner : public ModelRunner {
   static Result<std::unique_ptr<CudaRunner>> Create(const Checkpoint& checkpoint,
                                                     const KvCacheSpec& kv, KvScales scales,
                                                     const CudaRunnerOptions& options);
+  // Rank `rank` of a tensor-parallel group on options.device (backend/cuda_tp_runner.h runs the
+  // group): it uploads only its shard of the checkpoint's host weights (model/weight_shard.h), sizes
+  // its kernels from RankModelConfig, holds only its KV heads, all-reduces the row-parallel partial
+  // sums through `comm` (which must outlive the runner) and gathers the vocabulary-parallel logits
+  // before choosing tokens. `kv` is the whole model's cache geometry; the rank stores its KV heads of
+  // it. Forwards run eagerly unless the communicator is capturable. BF16 weights, replicated embedding.
+  static Result<std::unique_ptr<CudaRunner>> CreateRank(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                        KvScales scales, const CudaRunnerOptions& options,
+                                                        const TensorParallelPlan& plan, int rank,
+                                                        comm::DeviceCommunicator* comm);
   ~CudaRunner() override;
 
   std::string backend_name() const override { return "cuda"; }
@@ -62,6 +77,9 @@ class CudaRunner : public ModelRunner {
   // Attention preset (canonical name) per layer, and whether any layer runs a fallback kernel.
   const std::vector<std::string>& layer_presets() const;
   bool fallback() const;
+  // Collectives this rank issued in its last forward (recorded, or captured with the graph it
+  // replayed); 0 without tensor parallelism.
+  int64_t collectives_last_forward() const;
 
   struct Impl;
 

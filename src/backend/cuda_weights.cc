@@ -260,11 +260,18 @@ class CudaWeightsBuilder {
 
 Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint& ck, uint64_t synthetic_seed,
                                                          CUstream_st* stream) {
+  // The host's description of every weight (dtype, data, FP8 scales and block shape).
+  return UploadHost(ck, HostLagunaWeights(ck.weights()), synthetic_seed, stream);
+}
+
+Result<std::unique_ptr<CudaWeights>> CudaWeights::UploadHost(const Checkpoint& ck, const LagunaWeights& host,
+                                                             uint64_t synthetic_seed, CUstream_st* stream) {
   std::unique_ptr<CudaWeights> w(new CudaWeights());
   CudaWeightsBuilder b(*w, ck, synthetic_seed, stream);
-  // The host's description of every weight (dtype, data, FP8 scales and block shape).
-  const LagunaWeights host = HostLagunaWeights(ck.weights());
   LagunaWeights& r = w->refs_;
+  r.embed_vocab_begin = host.embed_vocab_begin;
+  r.lm_head_vocab_begin = host.lm_head_vocab_begin;
+  r.embed_vocab_parallel = host.embed_vocab_parallel;
   DL_ASSIGN_OR_RETURN(r.embed, b.One(host.embed));
   DL_ASSIGN_OR_RETURN(r.final_norm, b.One(host.final_norm));
   DL_ASSIGN_OR_RETURN(r.lm_head, b.Linear(host.lm_head));
@@ -310,6 +317,10 @@ Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint& ck, u
 #else
 
 Result<std::unique_ptr<CudaWeights>> CudaWeights::Upload(const Checkpoint&, uint64_t, CUstream_st*) {
+  return Unavailable("this build of decodelab has no CUDA backend");
+}
+Result<std::unique_ptr<CudaWeights>> CudaWeights::UploadHost(const Checkpoint&, const LagunaWeights&, uint64_t,
+                                                             CUstream_st*) {
   return Unavailable("this build of decodelab has no CUDA backend");
 }
 

@@ -30,6 +30,11 @@ class CudaWeights {
   // Uploads `checkpoint` to the current device (`synthetic_seed` generates a shape-only one).
   static Result<std::unique_ptr<CudaWeights>> Upload(const Checkpoint& checkpoint, uint64_t synthetic_seed,
                                                      CUstream_st* stream);
+  // Uploads `host`, a description of weights over host memory that need not be the checkpoint's own
+  // (a tensor-parallel rank's shard, model/weight_shard.h); `checkpoint` supplies the synthetic specs
+  // of tensors without data.
+  static Result<std::unique_ptr<CudaWeights>> UploadHost(const Checkpoint& checkpoint, const LagunaWeights& host,
+                                                         uint64_t synthetic_seed, CUstream_st* stream);
 
   const LagunaWeights& refs() const { return refs_; }
   // Device arrays of E pointers to each expert's gate, up and down matrices (sparse layers): BF16

@@ -3,10 +3,9 @@
 // bit-identical on every rank and run to run: sums are taken in one fixed rank order.
 //
 // Built: InProcessGroup (ranks are threads of one process sharing memory: tests and the CPU
-// reference's --tp) and TcpCommunicator (ranks anywhere, over comm::TcpGroup's star). Not built yet:
-// an NCCL communicator (collectives enqueued on a CUDA stream and captured in the step's graph) and
-// the one-shot all-reduce over CUDA IPC peer memory for small messages; they implement this same
-// interface on device buffers (a stream argument joins then), with the same fixed-order sum.
+// reference's --tp) and TcpCommunicator (ranks anywhere, over comm::TcpGroup's star). The CUDA
+// backend's collectives on device buffers are comm/device_communicator.h (the same contract with a
+// stream: an in-process device group with this same rank-order sum, and NCCL).
 #pragma once
 
 #include <cstddef>

@@ -80,6 +80,8 @@ Result<NcclApi> LoadNcclFrom(const std::vector<std::string>& candidates) {
   sym(api.CommAbort, "ncclCommAbort", true);
   sym(api.GetErrorString, "ncclGetErrorString", true);
   sym(api.GetLastError, "ncclGetLastError", false);
+  sym(api.CommInitAll, "ncclCommInitAll", false);
+  sym(api.AllGather, "ncclAllGather", false);
   if (!missing.empty()) {
     ::dlclose(h);
     return Unavailable("{} lacks{}; NCCL 2.14 or newer is needed", api.library_path, missing);

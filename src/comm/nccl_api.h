@@ -42,6 +42,10 @@ struct NcclApi {
   decltype(&::ncclCommAbort) CommAbort = nullptr;
   decltype(&::ncclGetErrorString) GetErrorString = nullptr;
   decltype(&::ncclGetLastError) GetLastError = nullptr;  // may stay null on old NCCL
+  // The tensor-parallel device communicator's (comm/device_communicator.h): looked up, not required,
+  // so the probe keeps loading any NCCL it loaded before; CreateNcclGroup refuses when they are null.
+  decltype(&::ncclCommInitAll) CommInitAll = nullptr;
+  decltype(&::ncclAllGather) AllGather = nullptr;
 
   // "ncclAllReduce: unhandled system error (<last error>)" for messages.
   std::string Describe(ncclResult_t r, ncclComm_t comm) const;

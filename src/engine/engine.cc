@@ -5,6 +5,7 @@
 #include <deque>
 #include <functional>
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "base/rng.h"
@@ -12,6 +13,7 @@
 #include "backend/cpu_runner.h"
 #include "backend/cpu_tp_runner.h"
 #include "backend/cuda_runner.h"
+#include "backend/cuda_tp_runner.h"
 #include "model/backend_support.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
@@ -169,18 +171,6 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   return ScalesFromAmax(amax.first, amax.second, "calibration:builtin-v1-cuda-bf16");
 }
 
-namespace {
-
-Status TpOnCudaRefused(int32_t tp, const std::string& why) {
-  return Unimplemented(
-      "--tp {} on the CUDA backend ({}): tensor parallelism is built only on the CPU reference so far "
-      "(the NCCL and one-shot CUDA IPC communicators are not; docs/tensor-parallel.md); use --backend "
-      "cpu or --tp 1",
-      tp, why);
-}
-
-}  // namespace
-
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   auto engine = std::make_unique<Engine>();
   if (o.model_dir.empty() == o.shape.empty()) {
@@ -189,7 +179,6 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   if (o.kv_dtype == DType::kF16) return InvalidArgument("--kv-dtype must be f32, bf16 or fp8");
 
   if (o.tp < 1) return InvalidArgument("--tp must be at least 1 (got {})", o.tp);
-  if (o.backend == BackendKind::kCuda && o.tp > 1) return TpOnCudaRefused(o.tp, "requested");
   // Backend choice: auto takes CUDA where a GPU is usable, else the CPU reference.
   std::string why;
   const int gpus = cuda::DeviceCount(&why);
@@ -205,7 +194,6 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     engine->backend_choice_reason = "cpu: requested";
   }
-  if (chosen == BackendKind::kCuda && o.tp > 1) return TpOnCudaRefused(o.tp, engine->backend_choice_reason);
   if (chosen == BackendKind::kCpu && !o.skip_ops.empty()) {
     return InvalidArgument("--skip-ops is a CUDA timing experiment; the CPU backend ({}) has no such switch",
                            engine->backend_choice_reason);
@@ -231,7 +219,9 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
     const Fp8Options* fp8 = o.shape_fp8 ? &*o.shape_fp8 : nullptr;
-    if (chosen == BackendKind::kCuda) {
+    if (chosen == BackendKind::kCuda && o.tp == 1) {
+      // Generated on the device. Tensor parallelism shards host weights, so --tp N takes the host
+      // synthetic checkpoint below (the same formula, model/synthetic.h).
       DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeShapeOnlyCheckpoint(cfg, fp8));
       engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
     } else {
@@ -288,7 +278,15 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
                       KvCache::Create(MakeKvSpec(cfg, effective.kv_dtype, o.page_size, o.max_seq_len,
                                                  o.max_sequences, co.max_rows)));
   engine->kv = std::make_unique<KvCache>(std::move(kv));
-  if (chosen == BackendKind::kCuda) {
+  if (chosen == BackendKind::kCuda && o.tp > 1) {
+    DL_ASSIGN_OR_RETURN(auto runner, CudaTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
+                                                          co, o.tp, o.embedding));
+    engine->backend_choice_reason +=
+        fmt::format("; tensor parallel {} (ranks on GPUs [{}], {} communicator{}, embedding {})", o.tp,
+                    fmt::join(runner->devices(), ", "), runner->transport(),
+                    runner->transport() == "nccl" ? "" : ", eager forwards", EmbeddingModeName(o.embedding));
+    engine->runner = std::move(runner);
+  } else if (chosen == BackendKind::kCuda) {
     DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),
                                                         std::move(scales), co));
     engine->runner = std::move(runner);

@@ -55,7 +55,8 @@ struct EngineOptions {
   std::vector<std::string> skip_ops;  // CUDA timing experiments only (CudaRunnerOptions::skip_ops)
   kernels::Tuning tuning;             // CUDA kernel tuning (--tune name=value), printed with results
   // Tensor parallelism (docs/tensor-parallel.md): ranks, and how the embedding is held. The CPU
-  // reference runs tp ranks as threads of this process; the CUDA backend refuses tp > 1 (not built).
+  // reference and the CUDA backend run tp ranks as threads of this process (CUDA: rank r on GPU
+  // r % visible GPUs; backend/cuda_tp_runner.h).
   int32_t tp = 1;
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
 };

@@ -64,7 +64,7 @@ class LagunaOps {
   virtual Status SelectTokens() = 0;
   // Sums `what` over the tensor-parallel ranks in a fixed rank order, so every rank gets the same
   // bits, run to run. A backend holding the whole model on one rank has nothing to reduce: the
-  // default is that no-op (the CUDA backend refuses tp > 1 until it has a communicator).
+  // default is that no-op.
   virtual Status AllReduce(PartialSum what) {
     (void)what;
     return Status::Ok();

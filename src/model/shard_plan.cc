@@ -79,6 +79,23 @@ Result<TensorParallelPlan> MakeTensorParallelPlan(const ModelConfig& c, int tp, 
   return plan;
 }
 
+ModelConfig RankModelConfig(const ModelConfig& c, const TensorParallelPlan& plan, int rank) {
+  ModelConfig r = c;
+  if (plan.tp_size == 1) return r;
+  const RankShard& rs = plan.ranks[static_cast<size_t>(rank)];
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerShard& ls = rs.layers[static_cast<size_t>(l)];
+    r.num_attention_heads_per_layer[static_cast<size_t>(l)] = ls.q_heads.size;
+    r.num_key_value_heads = ls.kv_heads.size;  // the same in every layer (MakeTensorParallelPlan)
+  }
+  r.num_attention_heads = c.num_attention_heads / plan.tp_size;
+  // The plan's widths, whichever layers use them.
+  r.intermediate_size = SplitEvenly(c.intermediate_size, plan.tp_size, rank).size;
+  r.moe_intermediate_size = SplitEvenly(c.moe_intermediate_size, plan.tp_size, rank).size;
+  r.shared_expert_intermediate_size = SplitEvenly(c.shared_expert_intermediate_size, plan.tp_size, rank).size;
+  return r;
+}
+
 RankReadBytes ReadBytesPerForward(const ModelConfig& c, const TensorParallelPlan& plan, int rank,
                                   double distinct_experts, int64_t bytes) {
   const RankShard& rs = plan.ranks[rank];

@@ -73,6 +73,13 @@ struct TensorParallelPlan {
 // head count (neither K % tp nor tp % K is 0).
 Result<TensorParallelPlan> MakeTensorParallelPlan(const ModelConfig& config, int tp_size, EmbeddingMode embedding);
 
+// The model as rank `rank` of `plan` sees it: per-layer query heads, KV heads, the dense, expert and
+// shared-expert widths cut to the rank's slices. The vocabulary stays whole (the rank's LM head rows
+// are its part of it; token ids, the embedding and the gathered logits are global). A backend that
+// sizes its kernels and buffers from a ModelConfig (the CUDA runner) runs a rank from this. The
+// slices of one dimension are the same in every layer of a kind (SplitEvenly of the same width).
+ModelConfig RankModelConfig(const ModelConfig& config, const TensorParallelPlan& plan, int rank);
+
 // Weight bytes one rank reads in one decode forward at `bytes_per_weight`, when each sparse layer
 // touches `distinct_experts_per_layer` routed experts (top-k at batch 1, ExpectedDistinctExperts
 // beyond), every weight read once per forward; the doc compares MoE sharding by width and by expert

@@ -170,6 +170,47 @@ TEST(TensorParallelPlanTest, WidthsAndVocabularyThatDoNotDivideAreSplitUnevenly)
   EXPECT_EQ(p->ranks[2].layers[0].kv_heads, (Slice{1, 1}));
 }
 
+// The rank's model (what the CUDA runner sizes its kernels and buffers from) is the plan's slices:
+// per-layer query heads, the KV heads held, every width; vocabulary and everything else unchanged.
+TEST(TensorParallelPlanTest, RankModelConfigIsThePlansSlices) {
+  ModelConfig c = Shape("tiny");
+  c.intermediate_size = 97;
+  c.moe_intermediate_size = 33;
+  c.shared_expert_intermediate_size = 2;
+  for (int tp : {1, 2, 4}) {
+    auto p = MakeTensorParallelPlan(c, tp, EmbeddingMode::kReplicated);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    int64_t dense = 0, expert = 0, shared = 0;
+    for (int r = 0; r < tp; ++r) {
+      const ModelConfig rc = RankModelConfig(c, *p, r);
+      const RankShard& rs = p->ranks[r];
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+        EXPECT_EQ(rc.heads(l), rs.layers[l].q_heads.size) << "tp " << tp << " rank " << r << " layer " << l;
+        EXPECT_EQ(rc.heads(l) * tp, c.heads(l));
+        EXPECT_EQ(rc.num_key_value_heads, rs.layers[l].kv_heads.size);
+        EXPECT_EQ(rc.gate_width(l), rs.layers[l].gate_rows.size);
+        if (c.is_sparse(l)) {
+          EXPECT_EQ(rc.moe_intermediate_size, rs.layers[l].expert_ff.size);
+          EXPECT_EQ(rc.shared_expert_intermediate_size, rs.layers[l].shared_ff.size);
+        } else {
+          EXPECT_EQ(rc.intermediate_size, rs.layers[l].dense_ff.size);
+        }
+      }
+      dense += rc.intermediate_size;
+      expert += rc.moe_intermediate_size;
+      shared += rc.shared_expert_intermediate_size;
+      EXPECT_EQ(rc.vocab_size, c.vocab_size);
+      EXPECT_EQ(rc.hidden_size, c.hidden_size);
+      EXPECT_EQ(rc.head_dim, c.head_dim);
+      EXPECT_EQ(rc.num_experts, c.num_experts);
+      EXPECT_EQ(rc.num_hidden_layers, c.num_hidden_layers);
+    }
+    EXPECT_EQ(dense, c.intermediate_size) << "tp " << tp;
+    EXPECT_EQ(expert, c.moe_intermediate_size) << "tp " << tp;
+    EXPECT_EQ(shared, c.shared_expert_intermediate_size) << "tp " << tp;
+  }
+}
+
 TEST(TensorParallelPlanTest, PerElementGateRowsFollowTheHeads) {
   ModelConfig c = Shape("tiny");
   c.gating = GatingKind::kPerElement;

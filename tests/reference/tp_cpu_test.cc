@@ -326,11 +326,17 @@ TEST(TpCpuTest, RefusalsAreClear) {
   e = LoadEngine(o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("--tp must be at least 1"), std::string::npos);
-  o.tp = 2;
+  // The CUDA backend takes --tp (backend/cuda_tp_runner.h); its own refusals name what is wrong: no
+  // usable GPU here (CI), or on a GPU machine a shard its kernels cannot run (tiny's shared expert
+  // of 16 over 4 ranks is 4 wide).
+  o.tp = 4;
   o.backend = BackendKind::kCuda;
   e = LoadEngine(o);
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("--tp 2 on the CUDA backend"), std::string::npos) << e.status().message();
+  const std::string why = e.status().message();
+  EXPECT_TRUE(why.find("no usable GPU") != std::string::npos ||
+              why.find("shared_expert_intermediate_size is 4") != std::string::npos)
+      << why;
 }
 
 }  // namespace

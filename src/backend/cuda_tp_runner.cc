@@ -1,0 +1,275 @@
+#include "backend/cuda_tp_runner.h"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "comm/nccl_api.h"
+#include "cuda/device.h"
+#include "model/backend_support.h"
+
+namespace dl {
+
+const char* CudaTpTransportName(CudaTpTransport t) {
+  switch (t) {
+    case CudaTpTransport::kAuto: return "auto";
+    case CudaTpTransport::kDeviceInProcess: return "device-in-process";
+    case CudaTpTransport::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+std::vector<int> TpRankDevices(int tp, int gpus) {
+  std::vector<int> d;
+  for (int r = 0; r < tp; ++r) d.push_back(gpus > 0 ? r % gpus : 0);
+  return d;
+}
+
+Status CheckCudaTensorParallel(const Checkpoint& ck, const TensorParallelPlan& plan) {
+  const ModelConfig& c = ck.config();
+  const int tp = plan.tp_size;
+  if (plan.embedding == EmbeddingMode::kVocabParallel) {
+    return Unimplemented("--embedding vocab-parallel on the CUDA backend is not built yet (the lookup of a rank's "
+                         "rows); use --embedding replicated");
+  }
+  if (ck.weights().embed.data == nullptr) {
+    return InvalidArgument("CUDA tensor parallelism shards the host weights; this checkpoint is shape-only (weights "
+                           "generated on one device): give a checkpoint or host synthetic weights");
+  }
+  for (int r = 0; r < tp; ++r) {
+    const RankShard& rs = plan.ranks[r];
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const LayerShard& ls = rs.layers[l];
+      // The kernels take no empty matrix: a width smaller than tp leaves some rank none of it.
+      const bool sparse = c.is_sparse(l);
+      const char* empty = !sparse && ls.dense_ff.size == 0  ? "intermediate_size"
+                          : sparse && ls.expert_ff.size == 0 ? "moe_intermediate_size"
+                          : sparse && ls.shared_ff.size == 0 ? "shared_expert_intermediate_size"
+                                                             : nullptr;
+      if (empty != nullptr) {
+        return InvalidArgument("tensor parallel {} on the CUDA backend: layer {}'s {} leaves rank {} an empty "
+                               "slice (the CPU reference runs it)",
+                               tp, l, empty, r);
+      }
+    }
+    if (rs.lm_head_vocab.size == 0) {
+      return InvalidArgument("tensor parallel {} on the CUDA backend: the vocabulary of {} leaves rank {} no rows", tp,
+                             c.vocab_size, r);
+    }
+  }
+  for (int r = 0; r < tp; ++r) {
+    DL_RETURN_IF_ERROR(CheckCudaShapeSupport(RankModelConfig(c, plan, r))
+                           .WithContext(fmt::format("tensor parallel {}: rank {}'s slices", tp, r)));
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                           KvScales scales, const CudaRunnerOptions& base, int tp,
+                                                           EmbeddingMode embedding, CudaTpTransport transport, int gpus,
+                                                           double timeout_s) {
+  const ModelConfig& c = checkpoint.config();
+  DL_ASSIGN_OR_RETURN(TensorParallelPlan plan, MakeTensorParallelPlan(c, tp, embedding));
+  // What the shards need, before any GPU work.
+  DL_RETURN_IF_ERROR(CheckCudaTensorParallel(checkpoint, plan));
+  std::string why;
+  const int visible = cuda::DeviceCount(&why);
+  if (visible == 0) return Unavailable("--backend cuda --tp {}: no usable GPU ({})", tp, why);
+  if (gpus <= 0 || gpus > visible) gpus = visible;
+  std::unique_ptr<CudaTpRunner> runner(new CudaTpRunner());
+  runner->plan_ = std::move(plan);
+  runner->kv_spec_ = kv;
+  runner->num_layers_ = c.num_hidden_layers;
+  runner->vocab_size_ = c.vocab_size;
+  runner->devices_ = TpRankDevices(tp, gpus);
+  const bool own_gpus = std::set<int>(runner->devices_.begin(), runner->devices_.end()).size() ==
+                        runner->devices_.size();
+  if (transport == CudaTpTransport::kAuto) {
+    transport = own_gpus && tp > 1 && comm::BuiltWithNccl() && comm::FindNcclLibrary(comm::DefaultNcclLibraryCandidates()).ok()
+                    ? CudaTpTransport::kNccl
+                    : CudaTpTransport::kDeviceInProcess;
+  }
+  if (transport == CudaTpTransport::kNccl) {
+    DL_ASSIGN_OR_RETURN(runner->owned_, comm::CreateNcclGroup(runner->devices_));
+    for (auto& p : runner->owned_) runner->comms_.push_back(p.get());
+  } else {
+    // Staging for the largest collective: the [max_rows, d] BF16 all-reduce, or one rank's
+    // [max_outputs, largest vocabulary slice] BF16 logits block of the all-gather.
+    int64_t vocab_stride = 0;
+    for (const RankShard& r : runner->plan_.ranks) vocab_stride = std::max(vocab_stride, r.lm_head_vocab.size);
+    const size_t capacity = std::max<size_t>(static_cast<size_t>(std::max(1, base.max_rows)) * c.hidden_size * 2,
+                                             static_cast<size_t>(std::max(1, base.max_outputs)) * vocab_stride * 2);
+    DL_ASSIGN_OR_RETURN(runner->in_process_, comm::DeviceGroup::CreateInProcess(runner->devices_, capacity, timeout_s));
+    for (int r = 0; r < tp; ++r) runner->comms_.push_back(&runner->in_process_->rank(r));
+  }
+  for (int r = 0; r < tp; ++r) {
+    CudaRunnerOptions o = base;
+    o.device = runner->devices_[r];
+    auto rank = CudaRunner::CreateRank(checkpoint, kv, scales, o, runner->plan_, r, runner->comms_[r]);
+    if (!rank.ok()) return rank.status().WithContext(fmt::format("tensor-parallel rank {} on GPU {}", r, o.device));
+    runner->ranks_.push_back(std::move(rank).value());
+  }
+  runner->statuses_.resize(tp);
+  runner->injected_.resize(tp);
+  for (int r = 1; r < tp; ++r) runner->workers_.emplace_back(&CudaTpRunner::WorkerLoop, runner.get(), r);
+  return runner;
+}
+
+CudaTpRunner::~CudaTpRunner() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  step_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+  // A forward still in flight must finish before the ranks' buffers go.
+  if (in_flight_) {
+    for (auto& r : ranks_) {
+      ForwardResult discarded;
+      (void)r->Wait(&discarded);
+    }
+  }
+}
+
+void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) {
+  std::lock_guard<std::mutex> lk(mu_);
+  injected_[rank] = std::move(error);
+}
+
+Status CudaTpRunner::LaunchRank(int r, const ForwardBatch& batch) {
+  Status st;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    st = std::exchange(injected_[r], Status::Ok());
+  }
+  if (st.ok()) st = ranks_[r]->Launch(batch);
+  // A failed rank must not leave the others waiting in a collective it will never join.
+  if (!st.ok()) comms_[r]->Abort(st);
+  return st;
+}
+
+void CudaTpRunner::WorkerLoop(int r) {
+  uint64_t seen = 0;
+  for (;;) {
+    const ForwardBatch* batch = nullptr;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      step_cv_.wait(lk, [&] { return stop_ || step_ != seen; });
+      if (stop_) return;
+      seen = step_;
+      batch = step_batch_;
+    }
+    Status st = LaunchRank(r, *batch);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      statuses_[r] = std::move(st);
+      ++done_;
+    }
+    done_cv_.notify_all();
+  }
+}
+
+Status CudaTpRunner::Launch(const ForwardBatch& batch) {
+  if (in_flight_) return FailedPrecondition("a forward is already in flight");
+  if (!broken_.ok()) return broken_;
+  if (observer_ != nullptr) {
+    return FailedPrecondition("KV observation (calibration) runs on one rank, not under tensor parallelism");
+  }
+  // What a request can get wrong is checked here, before any rank starts (the ranks' own checks are
+  // the same, on the same batch): every rank then takes the same path, and only a real failure
+  // aborts the group.
+  DL_RETURN_IF_ERROR(batch.Validate(vocab_size_, kv_spec_.page_size));
+  if (!batch.hidden_taps.empty()) {
+    return Unimplemented("hidden-state taps on the CUDA backend under tensor parallelism (asked for {})",
+                         batch.hidden_taps.size());
+  }
+  if (batch.num_rows() > max_rows() || static_cast<int32_t>(batch.outputs.size()) > max_outputs()) {
+    return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
+                           batch.outputs.size(), max_rows(), max_outputs());
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    step_batch_ = &batch;  // the step's plan, handed to every rank
+    done_ = 0;
+    ++step_;
+  }
+  step_cv_.notify_all();
+  Status st0 = LaunchRank(0, batch);
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] { return done_ == plan_.tp_size - 1; });
+  statuses_[0] = std::move(st0);
+  std::string failures;
+  for (int r = 0; r < plan_.tp_size; ++r) {
+    if (!statuses_[r].ok()) {
+      failures += fmt::format("{}rank {}: {}", failures.empty() ? "" : "; ", r, statuses_[r].ToString());
+    }
+  }
+  if (failures.empty()) {
+    in_flight_ = true;
+    return Status::Ok();
+  }
+  // Ranks whose launch went through still have work on their streams: finish it before failing.
+  for (int r = 0; r < plan_.tp_size; ++r) {
+    if (!statuses_[r].ok()) continue;
+    ForwardResult discarded;
+    (void)ranks_[r]->Wait(&discarded);
+  }
+  broken_ = Status(StatusCode::kUnavailable,
+                   fmt::format("tensor-parallel group of {} ended: {}", plan_.tp_size, failures));
+  return broken_;
+}
+
+Status CudaTpRunner::Wait(ForwardResult* result) {
+  if (!in_flight_) return FailedPrecondition("no forward in flight");
+  in_flight_ = false;
+  // Every rank's stream drains (ranks 1.. first, so rank 0's device is current afterwards); rank 0's
+  // result is the step's: the tokens every rank chose from the same gathered logits.
+  Status st;
+  for (int r = plan_.tp_size - 1; r >= 1; --r) {
+    ForwardResult discarded;
+    Status s = ranks_[r]->Wait(&discarded);
+    if (!s.ok() && st.ok()) st = s.WithContext(fmt::format("tensor-parallel rank {}", r));
+  }
+  Status s0 = ranks_[0]->Wait(result);
+  if (!s0.ok() && st.ok()) st = s0.WithContext("tensor-parallel rank 0");
+  if (!st.ok()) {
+    broken_ = Status(StatusCode::kUnavailable,
+                     fmt::format("tensor-parallel group of {} ended: {}", plan_.tp_size, st.ToString()));
+    return broken_;
+  }
+  return Status::Ok();
+}
+
+std::vector<int64_t> CudaTpRunner::collectives_last_forward() const {
+  std::vector<int64_t> v;
+  for (const auto& r : ranks_) v.push_back(r->collectives_last_forward());
+  return v;
+}
+
+nlohmann::json CudaTpRunner::Describe() const {
+  nlohmann::json d = ranks_[0]->Describe();
+  d.erase("tensor_parallel_rank");
+  nlohmann::json ranks = nlohmann::json::array(), topology = nlohmann::json::array();
+  for (int r = 0; r < plan_.tp_size; ++r) {
+    const nlohmann::json rd = ranks_[r]->Describe();
+    ranks.push_back({{"rank", r},
+                     {"device", devices_[r]},
+                     {"collectives_last_forward", ranks_[r]->collectives_last_forward()},
+                     {"kv_heads", plan_.ranks[r].layers.empty() ? 0 : plan_.ranks[r].layers[0].kv_heads.size},
+                     {"kv_scales", ranks_[r]->kv_scales().ToJson()},
+                     {"lm_head_vocab", {plan_.ranks[r].lm_head_vocab.begin, plan_.ranks[r].lm_head_vocab.end()}}});
+    for (const auto& t : rd["topology"]) topology.push_back(t);
+  }
+  d["topology"] = topology;
+  d["tensor_parallel"] = {{"size", plan_.tp_size},
+                          {"embedding", EmbeddingModeName(plan_.embedding)},
+                          {"transport", comms_[0]->transport()},
+                          {"graphs", comms_[0]->capturable() && d.value("graph", false)},
+                          {"moe_sharding", "by intermediate width"},
+                          {"all_reduces_per_forward", plan_.AllReducesPerForward(num_layers_)},
+                          {"ranks", ranks}};
+  return d;
+}
+
+}  // namespace dl

@@ -1,0 +1,106 @@
+// Tensor parallelism on the CUDA backend: tp ranks, each a CudaRunner holding only its shard of the
+// weights (model/shard_plan.h) and its KV heads on its GPU, running the one Laguna forward and
+// combining partial sums through a comm::DeviceCommunicator. The mirror of CpuTpRunner: rank 0 is the
+// ModelRunner the engine and scheduler talk to, each Launch hands the step's plan (the ForwardBatch,
+// with its sequences' block tables) to the other ranks, which are threads of this process.
+//
+// Rank r runs on GPU r % gpus: with more ranks than visible GPUs, ranks share GPUs round-robin (each
+// with its own stream, weights and workspace). The communicator: NCCL when every rank has a GPU of its
+// own and NCCL loads (collectives inside the ranks' CUDA graphs), else the in-process device
+// communicator (any ranks on any GPUs; the rank-order FP32 sum; forwards run eagerly). A rank whose
+// forward fails aborts the group, and every later step is refused with the error
+// (docs/tensor-parallel.md).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend/cuda_runner.h"
+#include "comm/device_communicator.h"
+#include "model/shard_plan.h"
+
+namespace dl {
+
+enum class CudaTpTransport : uint8_t {
+  kAuto,             // NCCL when every rank has its own GPU and NCCL loads, else kDeviceInProcess
+  kDeviceInProcess,  // comm::DeviceGroup::CreateInProcess
+  kNccl,             // comm::CreateNcclGroup (one rank per GPU)
+};
+const char* CudaTpTransportName(CudaTpTransport t);  // "auto", "device-in-process", "nccl"
+
+// Rank r's GPU when `tp` ranks share `gpus` visible GPUs: r % gpus.
+std::vector<int> TpRankDevices(int tp, int gpus);
+
+// Whether the CUDA backend can run `checkpoint` split by `plan` (no GPU needed): every rank's widths
+// suit the kernels (multiples of 8, none empty), the embedding is replicated, and the weights are on
+// the host and unquantised (the shards are cut from them). Errors name the rank and what is wrong.
+Status CheckCudaTensorParallel(const Checkpoint& checkpoint, const TensorParallelPlan& plan);
+
+class CudaTpRunner final : public ModelRunner {
+ public:
+  // `checkpoint` must outlive the runner and hold host weights (BF16/F32; not shape-only, not FP8).
+  // `base` applies to every rank (its `device` is replaced by the rank's). `gpus`: how many GPUs the
+  // ranks may use (0: every visible one). `collective_timeout_s` bounds the in-process communicator's
+  // host wait for another rank.
+  static Result<std::unique_ptr<CudaTpRunner>> Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
+                                                      KvScales scales, const CudaRunnerOptions& base, int tp_size,
+                                                      EmbeddingMode embedding,
+                                                      CudaTpTransport transport = CudaTpTransport::kAuto,
+                                                      int gpus = 0, double collective_timeout_s = 600.0);
+  ~CudaTpRunner() override;
+
+  std::string backend_name() const override { return "cuda"; }
+  const KvCacheSpec& kv_spec() const override { return kv_spec_; }
+  const KvScales& kv_scales() const override { return ranks_[0]->kv_scales(); }
+  int32_t max_rows() const override { return ranks_[0]->max_rows(); }
+  int32_t max_outputs() const override { return ranks_[0]->max_outputs(); }
+  Status Launch(const ForwardBatch& batch) override;
+  Status Wait(ForwardResult* result) override;
+  // KV observation (calibration) runs on one unsharded rank (engine.h); refused here, as on the CPU.
+  void set_kv_observer(KvObserver* observer) override { observer_ = observer; }
+  nlohmann::json Describe() const override;
+
+  const TensorParallelPlan& plan() const { return plan_; }
+  const std::vector<int>& devices() const { return devices_; }
+  std::string transport() const { return comms_[0]->transport(); }
+  // Collectives each rank issued in its last forward, by rank.
+  std::vector<int64_t> collectives_last_forward() const;
+  // Test hook: rank `rank`'s next forward fails with `error` before it starts (the other ranks then
+  // wait in their first collective until the group is aborted).
+  void FailNextForwardOnRank(int rank, Status error);
+
+ private:
+  CudaTpRunner() = default;
+  void WorkerLoop(int rank);
+  Status LaunchRank(int rank, const ForwardBatch& batch);
+
+  TensorParallelPlan plan_;
+  KvCacheSpec kv_spec_;
+  int64_t num_layers_ = 0, vocab_size_ = 0;
+  std::vector<int> devices_;
+  std::shared_ptr<comm::DeviceGroup> in_process_;                   // kDeviceInProcess
+  std::vector<std::unique_ptr<comm::DeviceCommunicator>> owned_;   // kNccl
+  std::vector<comm::DeviceCommunicator*> comms_;                   // [tp]
+  std::vector<std::unique_ptr<CudaRunner>> ranks_;                 // [tp]
+  KvObserver* observer_ = nullptr;
+
+  // Step hand-off to the worker threads (ranks 1..tp-1): each enqueues its forward concurrently with
+  // the others (the in-process communicator's ranks meet at every collective while enqueuing).
+  std::mutex mu_;
+  std::condition_variable step_cv_, done_cv_;
+  uint64_t step_ = 0;
+  const ForwardBatch* step_batch_ = nullptr;
+  int done_ = 0;
+  bool stop_ = false;
+  std::vector<Status> statuses_;  // [tp], of the current step's launches
+  std::vector<Status> injected_;  // [tp], FailNextForwardOnRank
+  std::vector<std::thread> workers_;
+
+  bool in_flight_ = false;
+  Status broken_;  // set once a forward failed on some rank: the group is gone
+};
+
+}  // namespace dl
