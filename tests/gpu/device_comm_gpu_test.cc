@@ -27,6 +27,10 @@ namespace {
 
 // Values whose FP32 sums round differently in different orders: mixed magnitudes and signs.
 float ValueAt(int rank, int64_t i, uint64_t seed) {
+  // Every 97th element cancels: 2^24, 1, -2^24 on ranks 0, 1, 2 (exact in BF16). In rank order the 1
+  // is lost ((2^24 + 1) rounds to 2^24 in FP32, sum 0); in reverse order it survives (sum 1), so an
+  // order other than the ranks' shows even after the BF16 rounding of the result.
+  if (i % 97 == 0) return rank == 0 ? 16777216.0f : rank == 1 ? 1.0f : rank == 2 ? -16777216.0f : 0.0f;
   const int64_t k = (i + rank) % 3;  // the ranks' magnitudes differ per element
   const float scale = k == 0 ? 1e4f : (k == 1 ? 1.0f : 1e-3f);
   return scale * NormalAt(seed + static_cast<uint64_t>(rank) * 7919, static_cast<uint64_t>(i));
