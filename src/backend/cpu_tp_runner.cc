@@ -58,58 +58,20 @@ Result<std::unique_ptr<CpuTpRunner>> CpuTpRunner::Create(const Checkpoint& check
     DL_ASSIGN_OR_RETURN(auto rank, CpuRunner::CreateRank(checkpoint, kv, scales, runner->plan_, r, runner->comms_[r]));
     runner->ranks_.push_back(std::move(rank));
   }
-  runner->statuses_.resize(tp);
-  runner->injected_.resize(tp);
-  for (int r = 1; r < tp; ++r) runner->workers_.emplace_back(&CpuTpRunner::WorkerLoop, runner.get(), r);
+  runner->threads_ = std::make_unique<RankThreads>(tp);
   return runner;
 }
 
-CpuTpRunner::~CpuTpRunner() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-  }
-  step_cv_.notify_all();
-  for (auto& t : workers_) t.join();
-}
+CpuTpRunner::~CpuTpRunner() = default;
 
-void CpuTpRunner::FailNextForwardOnRank(int rank, Status error) {
-  std::lock_guard<std::mutex> lk(mu_);
-  injected_[rank] = std::move(error);
-}
+void CpuTpRunner::FailNextForwardOnRank(int rank, Status error) { threads_->InjectFailure(rank, std::move(error)); }
 
 Status CpuTpRunner::RunRank(int r, const ForwardBatch& batch, ForwardResult* result) {
-  Status st;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    st = std::exchange(injected_[r], Status::Ok());
-  }
+  Status st = threads_->TakeInjected(r);
   if (st.ok()) st = ranks_[r]->Forward(batch, result);
   // A failed rank must not leave the others waiting in a collective it will never join.
   if (!st.ok()) comms_[r]->Abort(st);
   return st;
-}
-
-void CpuTpRunner::WorkerLoop(int r) {
-  uint64_t seen = 0;
-  for (;;) {
-    const ForwardBatch* batch = nullptr;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      step_cv_.wait(lk, [&] { return stop_ || step_ != seen; });
-      if (stop_) return;
-      seen = step_;
-      batch = step_batch_;
-    }
-    ForwardResult discarded;  // rank 0's result is the step's
-    Status st = RunRank(r, *batch, &discarded);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      statuses_[r] = std::move(st);
-      ++done_;
-    }
-    done_cv_.notify_all();
-  }
 }
 
 Status CpuTpRunner::Launch(const ForwardBatch& batch) {
@@ -127,23 +89,12 @@ Status CpuTpRunner::Launch(const ForwardBatch& batch) {
     }
   }
   in_flight_ = true;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    step_batch_ = &batch;  // the step's plan, handed to every rank
-    done_ = 0;
-    ++step_;
-  }
-  step_cv_.notify_all();
   result_ = ForwardResult{};
-  Status st0 = RunRank(0, batch, &result_);
-  std::unique_lock<std::mutex> lk(mu_);
-  done_cv_.wait(lk, [&] { return done_ == plan_.tp_size - 1; });
-  statuses_[0] = std::move(st0);
-  std::string failures;
-  for (int r = 0; r < plan_.tp_size; ++r) {
-    if (!statuses_[r].ok()) failures += fmt::format("{}rank {}: {}", failures.empty() ? "" : "; ", r,
-                                                    statuses_[r].ToString());
-  }
+  const std::vector<Status> statuses = threads_->Run([&](int r) {
+    ForwardResult discarded;  // rank 0's result is the step's
+    return RunRank(r, batch, r == 0 ? &result_ : &discarded);
+  });
+  const std::string failures = RankThreads::DescribeFailures(statuses);
   status_ = Status::Ok();
   if (!failures.empty()) {
     broken_ = Status(StatusCode::kUnavailable,

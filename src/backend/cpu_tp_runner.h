@@ -8,13 +8,11 @@
 // refuses every later step with the error (docs/tensor-parallel.md).
 #pragma once
 
-#include <condition_variable>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "backend/cpu_runner.h"
+#include "backend/rank_threads.h"
 #include "comm/communicator.h"
 #include "model/shard_plan.h"
 
@@ -53,7 +51,6 @@ class CpuTpRunner final : public ModelRunner {
 
  private:
   CpuTpRunner() = default;
-  void WorkerLoop(int rank);
   Status RunRank(int rank, const ForwardBatch& batch, ForwardResult* result);
 
   TensorParallelPlan plan_;
@@ -66,16 +63,7 @@ class CpuTpRunner final : public ModelRunner {
   std::vector<std::unique_ptr<CpuRunner>> ranks_;          // [tp]
   KvObserver* observer_ = nullptr;
 
-  // Step hand-off to the worker threads (ranks 1..tp-1).
-  std::mutex mu_;
-  std::condition_variable step_cv_, done_cv_;
-  uint64_t step_ = 0;
-  const ForwardBatch* step_batch_ = nullptr;
-  int done_ = 0;
-  bool stop_ = false;
-  std::vector<Status> statuses_;       // [tp], of the current step
-  std::vector<Status> injected_;       // [tp], FailNextForwardOnRank
-  std::vector<std::thread> workers_;
+  std::unique_ptr<RankThreads> threads_;  // ranks 1..tp-1 on their own threads; last, so it goes first
 
   bool in_flight_ = false;
   Status broken_;  // set once a forward failed on some rank: the group is gone

@@ -110,19 +110,12 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
     if (!rank.ok()) return rank.status().WithContext(fmt::format("tensor-parallel rank {} on GPU {}", r, o.device));
     runner->ranks_.push_back(std::move(rank).value());
   }
-  runner->statuses_.resize(tp);
-  runner->injected_.resize(tp);
-  for (int r = 1; r < tp; ++r) runner->workers_.emplace_back(&CudaTpRunner::WorkerLoop, runner.get(), r);
+  runner->threads_ = std::make_unique<RankThreads>(tp);
   return runner;
 }
 
 CudaTpRunner::~CudaTpRunner() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-  }
-  step_cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  threads_.reset();
   // A forward still in flight must finish before the ranks' buffers go.
   if (in_flight_) {
     for (auto& r : ranks_) {
@@ -132,42 +125,14 @@ CudaTpRunner::~CudaTpRunner() {
   }
 }
 
-void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) {
-  std::lock_guard<std::mutex> lk(mu_);
-  injected_[rank] = std::move(error);
-}
+void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) { threads_->InjectFailure(rank, std::move(error)); }
 
 Status CudaTpRunner::LaunchRank(int r, const ForwardBatch& batch) {
-  Status st;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    st = std::exchange(injected_[r], Status::Ok());
-  }
+  Status st = threads_->TakeInjected(r);
   if (st.ok()) st = ranks_[r]->Launch(batch);
   // A failed rank must not leave the others waiting in a collective it will never join.
   if (!st.ok()) comms_[r]->Abort(st);
   return st;
-}
-
-void CudaTpRunner::WorkerLoop(int r) {
-  uint64_t seen = 0;
-  for (;;) {
-    const ForwardBatch* batch = nullptr;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      step_cv_.wait(lk, [&] { return stop_ || step_ != seen; });
-      if (stop_) return;
-      seen = step_;
-      batch = step_batch_;
-    }
-    Status st = LaunchRank(r, *batch);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      statuses_[r] = std::move(st);
-      ++done_;
-    }
-    done_cv_.notify_all();
-  }
 }
 
 Status CudaTpRunner::Launch(const ForwardBatch& batch) {
@@ -188,30 +153,15 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
     return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
                            batch.outputs.size(), max_rows(), max_outputs());
   }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    step_batch_ = &batch;  // the step's plan, handed to every rank
-    done_ = 0;
-    ++step_;
-  }
-  step_cv_.notify_all();
-  Status st0 = LaunchRank(0, batch);
-  std::unique_lock<std::mutex> lk(mu_);
-  done_cv_.wait(lk, [&] { return done_ == plan_.tp_size - 1; });
-  statuses_[0] = std::move(st0);
-  std::string failures;
-  for (int r = 0; r < plan_.tp_size; ++r) {
-    if (!statuses_[r].ok()) {
-      failures += fmt::format("{}rank {}: {}", failures.empty() ? "" : "; ", r, statuses_[r].ToString());
-    }
-  }
+  std::vector<Status> statuses = threads_->Run([&](int r) { return LaunchRank(r, batch); });
+  const std::string failures = RankThreads::DescribeFailures(statuses);
   if (failures.empty()) {
     in_flight_ = true;
     return Status::Ok();
   }
   // Ranks whose launch went through still have work on their streams: finish it before failing.
   for (int r = 0; r < plan_.tp_size; ++r) {
-    if (!statuses_[r].ok()) continue;
+    if (!statuses[r].ok()) continue;
     ForwardResult discarded;
     (void)ranks_[r]->Wait(&discarded);
   }

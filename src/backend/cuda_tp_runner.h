@@ -12,13 +12,11 @@
 // (docs/tensor-parallel.md).
 #pragma once
 
-#include <condition_variable>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "backend/cuda_runner.h"
+#include "backend/rank_threads.h"
 #include "comm/device_communicator.h"
 #include "model/shard_plan.h"
 
@@ -74,7 +72,6 @@ class CudaTpRunner final : public ModelRunner {
 
  private:
   CudaTpRunner() = default;
-  void WorkerLoop(int rank);
   Status LaunchRank(int rank, const ForwardBatch& batch);
 
   TensorParallelPlan plan_;
@@ -87,17 +84,9 @@ class CudaTpRunner final : public ModelRunner {
   std::vector<std::unique_ptr<CudaRunner>> ranks_;                 // [tp]
   KvObserver* observer_ = nullptr;
 
-  // Step hand-off to the worker threads (ranks 1..tp-1): each enqueues its forward concurrently with
-  // the others (the in-process communicator's ranks meet at every collective while enqueuing).
-  std::mutex mu_;
-  std::condition_variable step_cv_, done_cv_;
-  uint64_t step_ = 0;
-  const ForwardBatch* step_batch_ = nullptr;
-  int done_ = 0;
-  bool stop_ = false;
-  std::vector<Status> statuses_;  // [tp], of the current step's launches
-  std::vector<Status> injected_;  // [tp], FailNextForwardOnRank
-  std::vector<std::thread> workers_;
+  // Ranks 1..tp-1 on their own threads: each enqueues its forward concurrently with the others (the
+  // in-process communicator's ranks meet at every collective while enqueuing).
+  std::unique_ptr<RankThreads> threads_;
 
   bool in_flight_ = false;
   Status broken_;  // set once a forward failed on some rank: the group is gone
