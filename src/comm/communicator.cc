@@ -1,12 +1,11 @@
 #include "comm/communicator.h"
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 
 #include <fmt/format.h>
+
+#include "comm/rank_barrier.h"
 
 namespace dl::comm {
 
@@ -79,75 +78,29 @@ class InProcessRank final : public Communicator {
 class InProcessGroupImpl final : public InProcessGroup {
  public:
   InProcessGroupImpl(int size, double timeout_s)
-      : size_(size), timeout_s_(timeout_s), inputs_(size), input_bytes_(size), arrived_(size, false) {
+      : size_(size), barrier_(size, timeout_s, "tensor-parallel group"), inputs_(size), input_bytes_(size) {
     for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<InProcessRank>(this, r));
   }
   Communicator& rank(int r) override { return *ranks_[r]; }
   int size() const override { return size_; }
 
+  // Each rank writes only its own slot, before the barrier that lets the others read it.
   void Post(int r, const void* data, size_t bytes) {
-    std::lock_guard<std::mutex> lk(mu_);
     inputs_[r] = data;
     input_bytes_[r] = bytes;
   }
   const void* input(int r) const { return inputs_[r]; }
   size_t input_bytes(int r) const { return input_bytes_[r]; }
 
-  Status Barrier(int r, const char* what) {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (aborted_) return abort_reason_;
-    const uint64_t gen = generation_;
-    arrived_[r] = true;
-    if (++arrived_count_ == size_) {
-      arrived_count_ = 0;
-      std::fill(arrived_.begin(), arrived_.end(), false);
-      ++generation_;
-      cv_.notify_all();
-      return Status::Ok();
-    }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(timeout_s_));
-    const bool done = cv_.wait_until(lk, deadline, [&] { return generation_ != gen || aborted_; });
-    if (generation_ != gen) return Status::Ok();
-    if (!done && !aborted_) {
-      std::string missing;
-      for (int q = 0; q < size_; ++q) {
-        if (!arrived_[q]) missing += (missing.empty() ? "" : ",") + std::to_string(q);
-      }
-      AbortLocked(Status(StatusCode::kDeadlineExceeded,
-                         fmt::format("tensor-parallel group: rank {} waited {} s in {} for rank(s) {}", r,
-                                     timeout_s_, what, missing)));
-    }
-    return abort_reason_;
-  }
-
-  void Abort(int r, const Status& reason) {
-    std::lock_guard<std::mutex> lk(mu_);
-    const Status why = reason.ok() ? Status(StatusCode::kCancelled, "aborted") : reason;
-    AbortLocked(why.WithContext(fmt::format("tensor-parallel group aborted by rank {}", r)));
-  }
+  Status Barrier(int r, const char* what) { return barrier_.Arrive(r, what); }
+  void Abort(int r, const Status& reason) { barrier_.Abort(r, reason); }
 
  private:
-  void AbortLocked(Status reason) {
-    if (aborted_) return;
-    aborted_ = true;
-    abort_reason_ = std::move(reason);
-    cv_.notify_all();
-  }
-
   const int size_;
-  const double timeout_s_;
   std::vector<std::unique_ptr<InProcessRank>> ranks_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  RankBarrier barrier_;
   std::vector<const void*> inputs_;
   std::vector<size_t> input_bytes_;
-  std::vector<bool> arrived_;
-  int arrived_count_ = 0;
-  uint64_t generation_ = 0;
-  bool aborted_ = false;
-  Status abort_reason_;
 };
 
 int InProcessRank::size() const { return group_->size(); }

@@ -1,15 +1,13 @@
 #include "comm/device_communicator.h"
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <set>
 
 #include <fmt/format.h>
 
 #include "base/dtype.h"
 #include "comm/nccl_api.h"
+#include "comm/rank_barrier.h"
 
 #if defined(DECODELAB_HAVE_CUDA)
 #include <cuda_runtime.h>
@@ -100,7 +98,7 @@ class InProcessDeviceRank final : public DeviceCommunicator {
 class InProcessDeviceGroup final : public DeviceGroup {
  public:
   InProcessDeviceGroup(int size, double timeout_s)
-      : size_(size), timeout_s_(timeout_s), arrived_(size, false), bytes_(size, 0) {}
+      : size_(size), barrier_(size, timeout_s, "tensor-parallel device group"), bytes_(size, 0) {}
   Status Init(const std::vector<int>& devices, size_t capacity) {
     for (int r = 0; r < size_; ++r) {
       ranks_.push_back(std::make_unique<InProcessDeviceRank>(this, r, devices[r]));
@@ -114,67 +112,24 @@ class InProcessDeviceGroup final : public DeviceGroup {
 
   // Every rank arrives with the bytes it posts; all must agree.
   Status Meet(int r, size_t bytes, const char* what) {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (aborted_) return abort_reason_;
-    const uint64_t gen = generation_;
-    arrived_[r] = true;
-    bytes_[r] = bytes;
-    if (++arrived_count_ == size_) {
-      arrived_count_ = 0;
-      std::fill(arrived_.begin(), arrived_.end(), false);
-      agreed_ = Status::Ok();
-      for (int q = 1; q < size_ && agreed_.ok(); ++q) {
+    bytes_[r] = bytes;  // this rank's slot, read by the last arrival under the barrier's lock
+    return barrier_.Arrive(r, what, [&]() -> Status {
+      for (int q = 1; q < size_; ++q) {
         if (bytes_[q] != bytes_[0]) {
-          agreed_ = InvalidArgument("device {}: rank 0 gives {} bytes, rank {} gives {}", what, bytes_[0], q, bytes_[q]);
+          return InvalidArgument("device {}: rank 0 gives {} bytes, rank {} gives {}", what, bytes_[0], q, bytes_[q]);
         }
       }
-      ++generation_;
-      cv_.notify_all();
-      return agreed_;
-    }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(timeout_s_));
-    const bool done = cv_.wait_until(lk, deadline, [&] { return generation_ != gen || aborted_; });
-    if (generation_ != gen) return agreed_;
-    if (!done && !aborted_) {
-      std::string missing;
-      for (int q = 0; q < size_; ++q) {
-        if (!arrived_[q]) missing += (missing.empty() ? "" : ",") + std::to_string(q);
-      }
-      AbortLocked(Status(StatusCode::kDeadlineExceeded,
-                         fmt::format("tensor-parallel device group: rank {} waited {} s in {} for rank(s) {}", r,
-                                     timeout_s_, what, missing)));
-    }
-    return abort_reason_;
+      return Status::Ok();
+    });
   }
 
-  void Abort(int r, const Status& reason) {
-    std::lock_guard<std::mutex> lk(mu_);
-    const Status why = reason.ok() ? Status(StatusCode::kCancelled, "aborted") : reason;
-    AbortLocked(why.WithContext(fmt::format("tensor-parallel device group aborted by rank {}", r)));
-  }
+  void Abort(int r, const Status& reason) { barrier_.Abort(r, reason); }
 
  private:
-  void AbortLocked(Status reason) {
-    if (aborted_) return;
-    aborted_ = true;
-    abort_reason_ = std::move(reason);
-    cv_.notify_all();
-  }
-
   const int size_;
-  const double timeout_s_;
   std::vector<std::unique_ptr<InProcessDeviceRank>> ranks_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<bool> arrived_;
+  RankBarrier barrier_;
   std::vector<size_t> bytes_;
-  int arrived_count_ = 0;
-  uint64_t generation_ = 0;
-  Status agreed_;
-  bool aborted_ = false;
-  Status abort_reason_;
 };
 
 int InProcessDeviceRank::size() const { return group_->size(); }
