@@ -68,4 +68,13 @@ Result<std::string> ReadRegularFile(const std::string& path, size_t max_bytes) {
   return out;
 }
 
+Result<nlohmann::json> ReadJsonFile(const std::string& path, size_t max_bytes) {
+  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, max_bytes));
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    return InvalidArgument("{}: not valid JSON: {}", path, e.what());
+  }
+}
+
 }  // namespace dl

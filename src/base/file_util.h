@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "base/status.h"
 
 namespace dl {
@@ -18,5 +20,7 @@ inline constexpr size_t kMaxTokenizerFileBytes = 512u << 20;  // tokenizer.json
 // The contents of `path`: NotFound when it does not exist, InvalidArgument when it is not a regular
 // file or is larger than `max_bytes` (the message names the path and the limit).
 Result<std::string> ReadRegularFile(const std::string& path, size_t max_bytes);
+// ReadRegularFile, parsed as JSON: InvalidArgument "<path>: not valid JSON: <why>" when it is not.
+Result<nlohmann::json> ReadJsonFile(const std::string& path, size_t max_bytes);
 
 }  // namespace dl

@@ -40,6 +40,22 @@ TEST_F(FileUtilTest, ReadsRegularFilesWithinTheLimit) {
   EXPECT_NE(proc->find("VmRSS"), std::string::npos);
 }
 
+TEST_F(FileUtilTest, ReadJsonFileParsesOrNamesThePath) {
+  const std::string good = dir_ + "/good.json", bad = dir_ + "/bad.json";
+  std::ofstream(good) << "{\"x\": [1, 2]}";
+  std::ofstream(bad) << "{\"x\": ";
+  auto j = ReadJsonFile(good, 100);
+  ASSERT_TRUE(j.ok()) << j.status().message();
+  EXPECT_EQ((*j)["x"][1], 2);
+  auto broken = ReadJsonFile(bad, 100);
+  EXPECT_EQ(broken.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(broken.status().message().find(bad + ": not valid JSON"), std::string::npos) << broken.status().message();
+  // The bounds of ReadRegularFile hold: a FIFO (a generation_config.json used to be read without any).
+  ASSERT_EQ(mkfifo((dir_ + "/fifo.json").c_str(), 0600), 0);
+  EXPECT_EQ(ReadJsonFile(dir_ + "/fifo.json", 100).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadJsonFile(dir_ + "/nope.json", 100).status().code(), StatusCode::kNotFound);
+}
+
 TEST_F(FileUtilTest, RefusesDevicesFifosDirectoriesAndLargeFiles) {
   auto missing = ReadRegularFile(dir_ + "/nope.json", 100);
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);

@@ -51,14 +51,9 @@ bool KvScales::BitwiseEqual(const KvScales& o) const {
 }
 
 Result<KvScales> ReadKvScalesFile(const std::string& path, int num_layers) {
-  auto text = ReadRegularFile(path, kMaxJsonSidecarBytes);
-  if (!text.ok()) return text.status().WithContext("KV scales file");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(*text);
-  } catch (const std::exception& e) {
-    return InvalidArgument("KV scales file {} is not valid JSON: {}", path, e.what());
-  }
+  auto parsed = ReadJsonFile(path, kMaxJsonSidecarBytes);
+  if (!parsed.ok()) return parsed.status().WithContext("KV scales file");
+  const nlohmann::json& j = *parsed;
   if (!j.is_object() || j.value("format", "") != "decodelab-kv-scales") {
     return InvalidArgument("{} is not a decodelab KV scales file (\"format\" must be "
                            "\"decodelab-kv-scales\")", path);

@@ -504,13 +504,7 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
 }
 
 Result<ModelConfig> ModelConfig::FromFile(const std::string& path) {
-  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, kMaxConfigFileBytes));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const std::exception& e) {
-    return InvalidArgument("{}: not valid JSON: {}", path, e.what());
-  }
+  DL_ASSIGN_OR_RETURN(const json j, ReadJsonFile(path, kMaxConfigFileBytes));
   auto r = FromJson(j);
   if (!r.ok()) return r.status().WithContext(path);
   // generation_config.json beside it: its eos ids stop generation too (Laguna's adds 24,

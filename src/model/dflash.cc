@@ -348,13 +348,7 @@ Result<DflashConfig> DflashConfig::FromJson(const json& j) {
 }
 
 Result<DflashConfig> DflashConfig::FromFile(const std::string& path) {
-  DL_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, kMaxDflashConfigBytes));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const std::exception& e) {
-    return InvalidArgument("{}: not valid JSON: {}", path, e.what());
-  }
+  DL_ASSIGN_OR_RETURN(const json j, ReadJsonFile(path, kMaxDflashConfigBytes));
   auto r = FromJson(j);
   if (!r.ok()) return r.status().WithContext(path);
   return r;

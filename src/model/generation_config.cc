@@ -1,10 +1,10 @@
 #include "model/generation_config.h"
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
+
+#include "base/file_util.h"
 
 namespace dl {
 namespace {
@@ -113,16 +113,9 @@ Result<GenerationConfig> GenerationConfig::FromJson(const json& j) {
 }
 
 Result<GenerationConfig> GenerationConfig::FromFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot open {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(ss.str());
-  } catch (const std::exception& e) {
-    return InvalidArgument("{}: not valid JSON: {}", path, e.what());
-  }
+  // Bounded like every loader's read: a model directory is input too (a FIFO or /dev/zero here must
+  // not hang or exhaust memory).
+  DL_ASSIGN_OR_RETURN(const json j, ReadJsonFile(path, kMaxJsonSidecarBytes));
   auto r = FromJson(j);
   if (!r.ok()) return r.status().WithContext(path);
   return r;
