@@ -230,6 +230,20 @@ struct Req {
   SamplingParams sampling;
 };
 
+// Four requests of 50 tokens each (repetitive and random prompts alternating): more than a KV pool
+// for one full-length sequence holds, so steps run short of pages.
+std::vector<Req> ShortOfPagesRequests() {
+  std::vector<Req> reqs;
+  for (int i = 0; i < 4; ++i) {
+    Req r;
+    r.prompt = i % 2 ? RepetitivePrompt(30 + 5 * i, i) : Prompt(25 + 6 * i, i);
+    r.sampling.max_tokens = 50;
+    r.sampling.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  return reqs;
+}
+
 std::vector<Collected> RunScheduler(Engine& engine, const std::vector<Req>& reqs, int32_t max_batch,
                                     std::shared_ptr<const Drafter> drafter, int32_t k, SchedulerStats* stats) {
   SchedulerOptions so;
@@ -365,14 +379,7 @@ TEST(SpeculativeSchedulerTest, EqualsPlainDecodingInABatchWithEveryDrafter) {
 // pages, drafts shrink instead of failing, and every output still equals plain decoding's.
 TEST(SpeculativeSchedulerTest, ShortOfPagesDraftsShrinkAndOutputsStayExact) {
   auto engine = TinyEngine(16, 1, 128);
-  std::vector<Req> reqs;
-  for (int i = 0; i < 4; ++i) {
-    Req r;
-    r.prompt = i % 2 ? RepetitivePrompt(30 + 5 * i, i) : Prompt(25 + 6 * i, i);
-    r.sampling.max_tokens = 50;
-    r.sampling.ignore_eos = true;
-    reqs.push_back(r);
-  }
+  const std::vector<Req> reqs = ShortOfPagesRequests();
   const auto plain = RunScheduler(*engine, reqs, 4, nullptr, 0, nullptr);
   TruthTable truth;
   for (size_t i = 0; i < reqs.size(); ++i) truth.Add(reqs[i].prompt, plain[i].tokens);
@@ -743,14 +750,7 @@ TEST(SpeculativeDflashTest, ShortOfPagesPreemptionRestartsTheDrafterState) {
   const std::string path = WriteTinyDrafter(dir, "poolside", false);
   auto engine = TinyEngine(16, 1, 128);
   ASSERT_NE(engine, nullptr);
-  std::vector<Req> reqs;
-  for (int i = 0; i < 4; ++i) {
-    Req r;
-    r.prompt = i % 2 ? RepetitivePrompt(30 + 5 * i, i) : Prompt(25 + 6 * i, i);
-    r.sampling.max_tokens = 50;
-    r.sampling.ignore_eos = true;
-    reqs.push_back(r);
-  }
+  const std::vector<Req> reqs = ShortOfPagesRequests();
   const auto plain = RunScheduler(*engine, reqs, 4, nullptr, 0, nullptr);
   auto drafter = DflashDrafter::Create(path, *engine->checkpoint, 7);
   ASSERT_TRUE(drafter.ok());

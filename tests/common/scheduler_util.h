@@ -3,7 +3,9 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -62,6 +64,47 @@ inline std::vector<Collected> SubmitAndDrain(Scheduler& sched, std::vector<Gener
   }
   std::vector<Collected> out;
   for (auto& st : states) out.push_back(Drain(*st));
+  return out;
+}
+
+
+// 0, 1, ..., n - 1.
+inline std::vector<size_t> AllIndices(size_t n) {
+  std::vector<size_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
+// Requests for prompts[i], i in `which`: `max_tokens` tokens, end-of-sequence ignored, 2 logprobs;
+// greedy for even i, seeded sampling for odd i (temperature 0.8, top-k 50, seed 100 + i). The mixed
+// batch the GPU speculative and tensor-parallel tests compare runs with.
+inline std::vector<GenerationRequest> MixedSamplingRequests(const std::vector<std::vector<int32_t>>& prompts,
+                                                            const std::vector<size_t>& which, int32_t max_tokens) {
+  std::vector<GenerationRequest> requests;
+  for (size_t i : which) {
+    GenerationRequest& r = requests.emplace_back();
+    r.prompt = prompts[i];
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.ignore_eos = true;
+    r.sampling.logprobs = 2;
+    if (i % 2 == 1) {
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_k = 50;
+      r.sampling.seed = 100 + i;
+    }
+  }
+  return requests;
+}
+
+// SubmitAndDrain's outputs as (token, logprob) per event, per request in submission order.
+inline std::vector<std::vector<std::pair<int32_t, float>>> SubmitAndDrainLogprobs(Scheduler& sched,
+                                                                                   std::vector<GenerationRequest> requests) {
+  std::vector<std::vector<std::pair<int32_t, float>>> out;
+  for (const Collected& c : SubmitAndDrain(sched, std::move(requests))) {
+    std::vector<std::pair<int32_t, float>> events;
+    for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
+    out.push_back(std::move(events));
+  }
   return out;
 }
 

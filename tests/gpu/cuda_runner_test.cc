@@ -41,6 +41,27 @@ std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, boo
   return LoadGoldenModel(dir, BackendKind::kCuda, kv, page, allow_fallback);
 }
 
+// The prompts as one mixed greedy/sampled batch (MixedSamplingRequests, 20 tokens each) through a
+// scheduler (prefill chunks of 64, 128 rows per step) whose drafter proposes k tokens (nullptr, 0:
+// plain decoding): (token, logprob) of every event, per request.
+std::vector<std::vector<std::pair<int32_t, float>>> RunMixedBatch(Engine& engine,
+                                                                   const std::vector<std::vector<int32_t>>& prompts,
+                                                                   int32_t batch, std::shared_ptr<const Drafter> drafter,
+                                                                   int32_t k) {
+  SchedulerOptions so;
+  so.max_batch = batch;
+  so.prefill_chunk = 64;
+  so.max_tokens_per_step = 128;
+  so.drafter = std::move(drafter);
+  so.num_draft_tokens = k;
+  Scheduler sched(engine, so);
+  sched.Start();
+  auto out = testing_scheduler::SubmitAndDrainLogprobs(
+      sched, testing_scheduler::MixedSamplingRequests(prompts, testing_scheduler::AllIndices(prompts.size()), 20));
+  sched.Stop();
+  return out;
+}
+
 // Teacher forcing along transformers' BF16 greedy tokens. tiny has presets; the other two configs' head
 // groups are not in the default preset set, so they run the generic kernel, which must then be reported
 // as a fallback.
@@ -480,35 +501,7 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
       }
       // In a scheduler batch: greedy and seeded sampling with logprobs.
       auto run_batch = [&](std::shared_ptr<const Drafter> drafter, int32_t k) {
-        SchedulerOptions so;
-        so.max_batch = batch;
-        so.prefill_chunk = 64;
-        so.max_tokens_per_step = 128;
-        so.drafter = std::move(drafter);
-        so.num_draft_tokens = k;
-        Scheduler sched(engine, so);
-        sched.Start();
-        std::vector<GenerationRequest> requests;
-        for (size_t i = 0; i < prompts.size(); ++i) {
-          GenerationRequest& r = requests.emplace_back();
-          r.prompt = prompts[i];
-          r.sampling.max_tokens = 20;
-          r.sampling.ignore_eos = true;
-          r.sampling.logprobs = 2;
-          if (i % 2 == 1) {
-            r.sampling.temperature = 0.8f;
-            r.sampling.top_k = 50;
-            r.sampling.seed = 100 + i;
-          }
-        }
-        std::vector<std::vector<std::pair<int32_t, float>>> out;
-        for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
-          std::vector<std::pair<int32_t, float>> events;
-          for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
-          out.push_back(std::move(events));
-        }
-        sched.Stop();
-        return out;
+        return RunMixedBatch(engine, prompts, batch, std::move(drafter), k);
       };
       const auto want = run_batch(nullptr, 0);
       TruthTable sampled_truth;
@@ -600,35 +593,7 @@ TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
       }
     }
     auto run_batch = [&](std::shared_ptr<const Drafter> d, int32_t k) {
-      SchedulerOptions so;
-      so.max_batch = batch;
-      so.prefill_chunk = 64;
-      so.max_tokens_per_step = 128;
-      so.drafter = std::move(d);
-      so.num_draft_tokens = k;
-      Scheduler sched(engine, so);
-      sched.Start();
-      std::vector<GenerationRequest> requests;
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        GenerationRequest& r = requests.emplace_back();
-        r.prompt = prompts[i];
-        r.sampling.max_tokens = 20;
-        r.sampling.ignore_eos = true;
-        r.sampling.logprobs = 2;
-        if (i % 2 == 1) {
-          r.sampling.temperature = 0.8f;
-          r.sampling.top_k = 50;
-          r.sampling.seed = 100 + i;
-        }
-      }
-      std::vector<std::vector<std::pair<int32_t, float>>> out;
-      for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
-        std::vector<std::pair<int32_t, float>> events;
-        for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
-        out.push_back(std::move(events));
-      }
-      sched.Stop();
-      return out;
+      return RunMixedBatch(engine, prompts, batch, std::move(d), k);
     };
     const auto want = run_batch(nullptr, 0);
     EXPECT_EQ(run_batch(*drafter, 7), want);

@@ -184,25 +184,8 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuGiveEachSequenceItsOwnResultsInABatch) {
     so.max_tokens_per_step = 64;
     Scheduler sched(engine, so);
     sched.Start();
-    std::vector<GenerationRequest> requests;
-    for (size_t i : which) {
-      GenerationRequest& r = requests.emplace_back();
-      r.prompt = prompts[i];
-      r.sampling.max_tokens = 12;
-      r.sampling.ignore_eos = true;
-      r.sampling.logprobs = 2;
-      if (i % 2 == 1) {
-        r.sampling.temperature = 0.8f;
-        r.sampling.top_k = 50;
-        r.sampling.seed = 100 + i;
-      }
-    }
-    std::vector<std::vector<std::pair<int32_t, float>>> out;
-    for (const testing_scheduler::Collected& c : testing_scheduler::SubmitAndDrain(sched, std::move(requests))) {
-      std::vector<std::pair<int32_t, float>> events;
-      for (const TokenEvent& e : c.events) events.emplace_back(e.token, e.logprob);
-      out.push_back(std::move(events));
-    }
+    auto out = testing_scheduler::SubmitAndDrainLogprobs(
+        sched, testing_scheduler::MixedSamplingRequests(prompts, which, 12));
     sched.Stop();
     return out;
   };
