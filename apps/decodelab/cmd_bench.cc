@@ -72,6 +72,29 @@ int WriteJsonOut(const std::string& path, const nlohmann::json& j) {
   return 0;
 }
 
+// The settings every bench result carries (which model, weights, cache and launch mode ran); each
+// mode adds its own.
+nlohmann::json CommonSettings(const BenchFlags& f, const Engine& engine) {
+  const KvCacheSpec& kv = engine.kv->spec();
+  const auto& fp8 = engine.options.shape_fp8;
+  return {{"model", f.engine.model_dir},
+          {"shape", f.engine.shape},
+          {"num_layers", engine.config().num_hidden_layers},
+          {"shape_dtype", f.engine.shape_dtype},
+          {"fp8_layout", fp8 ? std::string(Fp8LayoutName(fp8->layout)) : ""},
+          {"seed", f.engine.seed},
+          {"kv_dtype", std::string(DTypeName(kv.dtype))},
+          {"page_size", kv.page_size},
+          {"prefill_chunk", engine.options.prefill_chunk},
+          {"graph", !f.no_graph}};
+}
+
+// The first line of every mode's report: the build and where it ran.
+void PrintBenchHeader(const char* mode, const nlohmann::json& gpu) {
+  std::printf("decodelab bench%s  commit %s  %s\n", mode, BuildCommit().c_str(),
+              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+}
+
 // One run: `concurrency` requests at once through a fresh scheduler.
 struct RunResult {
   std::vector<double> itl_ms;   // inter-token gaps of every request
@@ -217,8 +240,7 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
     return Status::Ok();
   };
   nlohmann::json points = nlohmann::json::array();
-  std::printf("decodelab bench --verify-cost  commit %s  %s\n", BuildCommit().c_str(),
-              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+  PrintBenchHeader(" --verify-cost", gpu);
   std::printf("  model %s, %lld layers, kv %s, context %d, %s time, median of %d forwards\n",
               f.engine.model_dir.empty() ? ("shape " + f.engine.shape).c_str() : f.engine.model_dir.c_str(),
               static_cast<long long>(engine.config().num_hidden_layers),
@@ -289,26 +311,22 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
                       {"fallback", describe.value("fallback", false)},
                       {"commit", BuildCommit()},
                       {"gpu", gpu},
-                      {"settings",
-                       {{"model", f.engine.model_dir},
-                        {"shape", f.engine.shape},
-                        {"num_layers", engine.config().num_hidden_layers},
-                        {"kv_dtype", std::string(DTypeName(kv.spec().dtype))},
-                        {"page_size", kv.spec().page_size},
-                        {"graph", !f.no_graph}}}};
+                      {"settings", CommonSettings(f, engine)}};
   return WriteJsonOut(f.json_out, j);
 }
 
-// Achieved prefill arithmetic: `tokens` prompt tokens of `prompt_len` each (one sequence per
+// Achieved prefill arithmetic: `prompts` prompts of `prompt_len` tokens each (one sequence per
 // prompt), prefilled in `ms`, against CountPrefillFlops and the measured BF16 peak (0: not measured).
 struct PrefillRate {
+  PrefillFlops flops;  // of one prompt
   double tok_s = 0, tflops = 0, pct_of_peak = 0;
 };
 PrefillRate PrefillRateOf(const ModelConfig& cfg, int prompt_len, int prompts, double ms, double peak_tflops) {
   PrefillRate r;
+  r.flops = CountPrefillFlops(cfg, prompt_len);
   if (ms <= 0) return r;
   r.tok_s = static_cast<double>(prompt_len) * prompts / (ms * 1e-3);
-  r.tflops = CountPrefillFlops(cfg, prompt_len).total() * prompts / (ms * 1e-3) / 1e12;
+  r.tflops = r.flops.total() * prompts / (ms * 1e-3) / 1e12;
   r.pct_of_peak = peak_tflops > 0 ? 100.0 * r.tflops / peak_tflops : 0.0;
   return r;
 }
@@ -319,8 +337,7 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
                     double peak_tflops) {
   const ModelConfig& cfg = engine.config();
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("decodelab bench --prefill-sweep  commit %s  %s\n", BuildCommit().c_str(),
-              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+  PrintBenchHeader(" --prefill-sweep", gpu);
   std::printf("  %lld layers, kv %s page %d, prefill chunk %d, %d runs per length, BF16 peak %.0f TFLOP/s%s\n",
               static_cast<long long>(cfg.num_hidden_layers), std::string(DTypeName(engine.kv->spec().dtype)).c_str(),
               engine.kv->spec().page_size, engine.options.prefill_chunk, f.repeat, peak_tflops,
@@ -339,12 +356,11 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
     }
     const double ms = lab::Median(ttft);
     const PrefillRate r = PrefillRateOf(cfg, len, 1, ms, peak_tflops);
-    const PrefillFlops flops = CountPrefillFlops(cfg, len);
     std::printf("  %8d %12.2f %12.2f %14.0f %12.4g %7.1f%%\n", len, ms, *std::min_element(ttft.begin(), ttft.end()),
                 r.tok_s, r.tflops, r.pct_of_peak);
     rows.push_back({{"prompt_len", len}, {"prefill_ms_median", ms}, {"ttft_ms", ttft}, {"prefill_tok_s", r.tok_s},
                     {"prefill_tflops", r.tflops}, {"prefill_pct_of_bf16_peak", r.pct_of_peak},
-                    {"prefill_flops", flops.total()}, {"prefill_flops_attention", flops.attention}});
+                    {"prefill_flops", r.flops.total()}, {"prefill_flops_attention", r.flops.attention}});
   }
   const nlohmann::json describe = engine.runner->Describe();
   nlohmann::json j = {{"prefill_sweep", rows},
@@ -354,15 +370,8 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
                       {"backend", describe},
                       {"commit", BuildCommit()},
                       {"gpu", gpu},
-                      {"settings",
-                       {{"model", f.engine.model_dir},
-                        {"shape", f.engine.shape},
-                        {"num_layers", cfg.num_hidden_layers},
-                        {"kv_dtype", std::string(DTypeName(engine.kv->spec().dtype))},
-                        {"page_size", engine.kv->spec().page_size},
-                        {"prefill_chunk", engine.options.prefill_chunk},
-                        {"repeat", f.repeat},
-                        {"graph", !f.no_graph}}}};
+                      {"settings", CommonSettings(f, engine)}};
+  j["settings"]["repeat"] = f.repeat;
   if (describe.value("fallback", false)) std::printf("  ** FALLBACK: not a speed result **\n");
   if (!gpu.is_null()) std::printf("  tuning       %s\n", kernels::TuningString(engine.options.tuning).c_str());
   return WriteJsonOut(f.json_out, j);
@@ -588,27 +597,16 @@ int RunBench(const BenchFlags& f) {
       {"gpu", gpu},
       {"driver", cuda::DriverVersionString()},
       {"runtime", cuda::RuntimeVersionString()},
-      {"settings",
-       {{"model", f.engine.model_dir},
-        {"shape", f.engine.shape},
-        {"num_layers", cfg.num_hidden_layers},
-        {"shape_dtype", f.engine.shape_dtype},
-        {"fp8_layout", opts->shape_fp8 ? std::string(Fp8LayoutName(opts->shape_fp8->layout)) : ""},
-        {"seed", f.engine.seed},
-        {"prompt_len", prompt_len},
-        {"prompt_file", f.prompt_file},
-        {"gen_len", f.gen_len},
-        {"repeat", f.repeat},
-        {"kv_dtype", std::string(DTypeName((*engine)->kv->spec().dtype))},
-        {"page_size", (*engine)->kv->spec().page_size},
-        {"prefill_chunk", opts->prefill_chunk},
-        {"graph", !f.no_graph},
-        {"dependent_launch", describe.value("dependent_launch", false)},
-        {"concurrency", f.concurrency},
-        {"max_num_batched_tokens", so.max_tokens_per_step},
-        {"ignore_eos", true}}}};
-  std::printf("decodelab bench  commit %s  %s\n", BuildCommit().c_str(),
-              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+      {"settings", CommonSettings(f, **engine)}};
+  j["settings"].update({{"prompt_len", prompt_len},
+                        {"prompt_file", f.prompt_file},
+                        {"gen_len", f.gen_len},
+                        {"repeat", f.repeat},
+                        {"dependent_launch", describe.value("dependent_launch", false)},
+                        {"concurrency", f.concurrency},
+                        {"max_num_batched_tokens", so.max_tokens_per_step},
+                        {"ignore_eos", true}});
+  PrintBenchHeader("", gpu);
   std::printf("  model        %s, %lld layers, kv %s page %d, prompt %d, gen %d, concurrency %d, %d runs%s\n",
               f.engine.model_dir.empty() ? ("shape " + f.engine.shape).c_str() : f.engine.model_dir.c_str(),
               static_cast<long long>(cfg.num_hidden_layers),
