@@ -25,17 +25,12 @@
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
 #include "tests/common/temp_dir.h"
+#include "tests/gpu/gpu_skip.h"
 
 namespace dl {
 namespace {
 
 using namespace testing_golden;
-
-#define SKIP_WITHOUT_GPU()                                                    \
-  do {                                                                        \
-    std::string why;                                                          \
-    if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no usable GPU: " << why; \
-  } while (0)
 
 std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, bool allow_fallback) {
   return LoadGoldenModel(dir, BackendKind::kCuda, kv, page, allow_fallback);

@@ -25,17 +25,12 @@
 #include "engine/scheduler.h"
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
+#include "tests/gpu/gpu_skip.h"
 
 namespace dl {
 namespace {
 
 using namespace testing_golden;
-
-#define SKIP_WITHOUT_GPU()                                                      \
-  do {                                                                          \
-    std::string why;                                                            \
-    if (cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no usable GPU: " << why; \
-  } while (0)
 
 // Four BF16 steps of logits in [8, 16) (these models' top logits): well above the rounding that
 // separates the TP=2 and TP=1 products. Against the FP32 CPU, whose distance from any BF16 pipeline

@@ -15,15 +15,10 @@
 #include "comm/device_communicator.h"
 #include "cuda/buffer.h"
 #include "cuda/device.h"
+#include "tests/gpu/gpu_skip.h"
 
 namespace dl::comm {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                           \
-  do {                                                                               \
-    std::string why;                                                                 \
-    if (dl::cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why; \
-  } while (0)
 
 // Values whose FP32 sums round differently in different orders: mixed magnitudes and signs.
 float ValueAt(int rank, int64_t i, uint64_t seed) {

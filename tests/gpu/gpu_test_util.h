@@ -21,12 +21,7 @@
 #include "cuda/device.h"
 #include "kernels/common.h"
 #include "kernels/ops.h"
-
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    std::string why;                                                        \
-    if (dl::cuda::DeviceCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why; \
-  } while (0)
+#include "tests/gpu/gpu_skip.h"
 
 #define ASSERT_OK(expr)                                          \
   do {                                                           \
