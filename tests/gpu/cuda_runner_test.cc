@@ -233,6 +233,23 @@ KvScales TestKvScales(int32_t layers) {
   return scales;
 }
 
+// An engine over a synthetic BF16 checkpoint of `cfg` (seed 17: the same weights every call), a
+// cache of `kv` in 32-token pages for `sequences` sequences, and a CUDA runner built with `co`
+// (max_seq_len 1024, as the engine's).
+Result<std::unique_ptr<Engine>> SyntheticCudaEngine(const ModelConfig& cfg, DType kv, int32_t sequences,
+                                                    CudaRunnerOptions co) {
+  auto engine = std::make_unique<Engine>();
+  DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeSyntheticCheckpoint(cfg, 17, DType::kBF16));
+  engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
+  const KvCacheSpec spec = TestKvSpec(engine->checkpoint->config(), kv, 32, sequences);
+  DL_ASSIGN_OR_RETURN(KvCache cache, KvCache::Create(spec));
+  engine->kv = std::make_unique<KvCache>(std::move(cache));
+  co.max_seq_len = 1024;
+  DL_ASSIGN_OR_RETURN(engine->runner, CudaRunner::Create(*engine->checkpoint, spec, TestKvScales(spec.num_layers), co));
+  engine->options.max_seq_len = 1024;
+  return engine;
+}
+
 Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
              const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {}) {
   const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
@@ -442,23 +459,13 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
   for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
     for (bool graph : {true, false}) {
       SCOPED_TRACE(testing::Message() << DTypeName(kv) << (graph ? " graphs" : " eager"));
-      Engine engine;
-      auto fresh = MakeSyntheticCheckpoint(SmallXs2Geometry(), 17, DType::kBF16);  // the same weights
-      ASSERT_TRUE(fresh.ok());
-      engine.checkpoint = std::make_unique<Checkpoint>(std::move(*fresh));
-      const KvCacheSpec spec = TestKvSpec(engine.checkpoint->config(), kv, 32, batch);
-      auto kvc = KvCache::Create(spec);
-      ASSERT_TRUE(kvc.ok());
-      engine.kv = std::make_unique<KvCache>(std::move(*kvc));
       CudaRunnerOptions co;
-      co.max_seq_len = 1024;
       co.max_rows = 128;
       co.max_outputs = batch * (1 + k_max);
       co.use_graph = graph;
-      auto runner = CudaRunner::Create(*engine.checkpoint, spec, TestKvScales(spec.num_layers), co);
-      ASSERT_TRUE(runner.ok()) << runner.status().ToString();
-      engine.runner = std::move(*runner);
-      engine.options.max_seq_len = 1024;
+      auto made = SyntheticCudaEngine(SmallXs2Geometry(), kv, batch, co);  // the same weights every time
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      Engine& engine = **made;
       // Alone: every step's logits.
       TruthTable truth;
       std::vector<GenerateResult> plain;
@@ -540,23 +547,13 @@ TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
   const int32_t k_max = 7, batch = static_cast<int32_t>(prompts.size());
   for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
     SCOPED_TRACE(DTypeName(kv));
-    Engine engine;
-    auto ck = MakeSyntheticCheckpoint(cfg, 17, DType::kBF16);
-    ASSERT_TRUE(ck.ok());
-    engine.checkpoint = std::make_unique<Checkpoint>(std::move(*ck));
-    const KvCacheSpec spec = TestKvSpec(engine.checkpoint->config(), kv, 32, batch);
-    auto kvc = KvCache::Create(spec);
-    ASSERT_TRUE(kvc.ok());
-    engine.kv = std::make_unique<KvCache>(std::move(*kvc));
     CudaRunnerOptions co;
-    co.max_seq_len = 1024;
     co.max_rows = 128;
     co.max_outputs = batch * (1 + k_max);
     co.max_taps = static_cast<int32_t>(wo.config.num_taps());
-    auto runner = CudaRunner::Create(*engine.checkpoint, spec, TestKvScales(spec.num_layers), co);
-    ASSERT_TRUE(runner.ok()) << runner.status().ToString();
-    engine.runner = std::move(*runner);
-    engine.options.max_seq_len = 1024;
+    auto made = SyntheticCudaEngine(cfg, kv, batch, co);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    Engine& engine = **made;
     auto drafter = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, k_max);
     ASSERT_TRUE(drafter.ok()) << drafter.status().ToString();
     GenerateOptions g;
