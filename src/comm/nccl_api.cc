@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "base/dynamic_library.h"
+
 namespace dl::comm {
 
 std::vector<std::string> DefaultNcclLibraryCandidates() {
@@ -20,28 +22,21 @@ std::vector<std::string> DefaultNcclLibraryCandidates() {
 
 namespace {
 
-// dlopen the first candidate that loads; on failure the error lists every attempt.
-Result<std::pair<void*, std::string>> OpenFirst(const std::vector<std::string>& candidates) {
-  std::string tried;
-  for (const std::string& path : candidates) {
-    dlerror();
-    void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (h != nullptr) return std::make_pair(h, path);
-    const char* why = dlerror();
-    tried += fmt::format("\n  {}: {}", path, why ? why : "unknown dlopen error");
+Result<OpenedLibrary> OpenNccl(const std::vector<std::string>& candidates) {
+  auto opened = OpenFirstLibrary(candidates);
+  if (!opened.ok()) {
+    return Unavailable("cannot load NCCL (libnccl.so.2); install NCCL or set DECODELAB_NCCL_LIBRARY to its path. {}",
+                       opened.status().message());
   }
-  return Unavailable(
-      "cannot load NCCL (libnccl.so.2); install NCCL or set DECODELAB_NCCL_LIBRARY to its path. "
-      "Tried:{}",
-      tried);
+  return opened;
 }
 
 }  // namespace
 
 Result<std::string> FindNcclLibrary(const std::vector<std::string>& candidates) {
-  DL_ASSIGN_OR_RETURN(auto opened, OpenFirst(candidates));
+  DL_ASSIGN_OR_RETURN(OpenedLibrary opened, OpenNccl(candidates));
   // Keep it open: closing NCCL can run its destructors before a later real load.
-  return opened.second;
+  return opened.path;
 }
 
 #if defined(DECODELAB_HAVE_NCCL_H)
@@ -61,15 +56,12 @@ std::string NcclApi::Describe(ncclResult_t r, ncclComm_t comm) const {
 }
 
 Result<NcclApi> LoadNcclFrom(const std::vector<std::string>& candidates) {
-  DL_ASSIGN_OR_RETURN(auto opened, OpenFirst(candidates));
-  void* h = opened.first;
+  DL_ASSIGN_OR_RETURN(OpenedLibrary opened, OpenNccl(candidates));
+  void* h = opened.handle;
   NcclApi api;
-  api.library_path = opened.second;
+  api.library_path = opened.path;
   std::string missing;
-  auto sym = [&](auto& fn, const char* name, bool required) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(h, name));
-    if (fn == nullptr && required) missing += fmt::format(" {}", name);
-  };
+  auto sym = [&](auto& fn, const char* name, bool required) { ResolveSymbol(h, fn, name, required, &missing); };
   sym(api.GetVersion, "ncclGetVersion", true);
   sym(api.GetUniqueId, "ncclGetUniqueId", true);
   sym(api.CommInitRankConfig, "ncclCommInitRankConfig", true);

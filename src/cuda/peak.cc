@@ -8,8 +8,8 @@
 
 #if defined(DECODELAB_HAVE_CUDA)
 #include <cublasLt.h>
-#include <dlfcn.h>
 
+#include "base/dynamic_library.h"
 #include "base/rng.h"
 #include "cuda/memory.h"
 #endif
@@ -35,22 +35,14 @@ struct LtApi {
 };
 
 Result<LtApi> LoadLt() {
-  std::string tried;
-  void* h = nullptr;
-  for (const char* path : {"libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.13", "libcublasLt.so"}) {
-    dlerror();
-    h = ::dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h != nullptr) break;
-    const char* why = dlerror();
-    tried += fmt::format("\n  {}: {}", path, why ? why : "unknown dlopen error");
+  auto opened =
+      OpenFirstLibrary({"libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.13", "libcublasLt.so"});
+  if (!opened.ok()) {
+    return Unavailable("cannot load cuBLASLt for the BF16 peak measurement. {}", opened.status().message());
   }
-  if (h == nullptr) return Unavailable("cannot load cuBLASLt for the BF16 peak measurement. Tried:{}", tried);
   LtApi api;
   std::string missing;
-  auto sym = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(h, name));
-    if (fn == nullptr) missing += fmt::format(" {}", name);
-  };
+  auto sym = [&](auto& fn, const char* name) { ResolveSymbol(opened->handle, fn, name, true, &missing); };
   sym(api.Create, "cublasLtCreate");
   sym(api.Destroy, "cublasLtDestroy");
   sym(api.DescCreate, "cublasLtMatmulDescCreate");
@@ -62,7 +54,7 @@ Result<LtApi> LoadLt() {
   sym(api.PrefDestroy, "cublasLtMatmulPreferenceDestroy");
   sym(api.Heuristic, "cublasLtMatmulAlgoGetHeuristic");
   sym(api.Matmul, "cublasLtMatmul");
-  if (!missing.empty()) return Unavailable("cuBLASLt lacks{}", missing);
+  if (!missing.empty()) return Unavailable("{} lacks{}", opened->path, missing);
   return api;  // the library stays open for the process
 }
 
