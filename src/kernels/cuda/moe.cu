@@ -1370,6 +1370,12 @@ inline Status MoeFp8Setup(const MoeParams& p, MoeFp8Maps* m) {
 // MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks too: functions of the
 // shapes only. The h, routed and shared buffers and every rounding are the CUDA-core grouped path's.
 constexpr int kMoeMmaWarps = 8;
+// Chunks of each weight row a lane loads before using any (MmaSliceDots' U; the order, and so the
+// bits, do not depend on it): 8 for one token column, 4 for more, 2 with two resident blocks per SM.
+template <int NT, int kMinBlocks>
+constexpr int MoeMmaChunksInFlight() {
+  return NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
+}
 
 inline int MoeMmaGateUpSplit(int d, int ffn) { return MmaKSplitFor(ffn, d); }
 inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
@@ -1495,7 +1501,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaGateUpKer
       PairOf(a, g, gr, i, t, slot);
     }
   };
-  constexpr int U = NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
+  constexpr int U = MoeMmaChunksInFlight<NT, kMinBlocks>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
@@ -1575,7 +1581,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaDownKerne
       PairOf(a, g, gr, i, t, slot);
     }
   };
-  constexpr int U = NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
+  constexpr int U = MoeMmaChunksInFlight<NT, kMinBlocks>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * (kMoeMmaWarps / ks) + warp / ks) * 16;
