@@ -7,58 +7,26 @@
 #include <sstream>
 
 #include "base/file_util.h"
+#include "model/json_read.h"
 
 namespace dl {
 namespace {
 
 using nlohmann::json;
 
-std::string Show(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
 // Typed readers: a missing key keeps *out (the transformers 5.17.0 default); a present key of the
-// wrong type is an error naming the key.
-//
-// Integers are range-checked where they are read: every size, count and id is used as a 32-bit int
-// downstream (kernels, the KV cache, the lab), so a value outside [lo, hi] is an error naming the
-// key instead of being wrapped (sliding_window 2^32 + 8 used to become 8).
-constexpr int64_t kInt32Max = 2147483647;
-
-Status CheckedInt(const json& v, const std::string& key, int64_t lo, int64_t hi, int64_t* out) {
-  int64_t x = 0;
-  if (v.is_number_unsigned()) {
-    const uint64_t u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(hi)) {
-      return InvalidArgument("key '{}' is {}, outside [{}, {}]", key, u, lo, hi);
-    }
-    x = static_cast<int64_t>(u);
-  } else if (v.is_number_integer()) {
-    x = v.get<int64_t>();
-  } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
-             std::fabs(v.get<double>()) < 9e15) {
-    x = static_cast<int64_t>(v.get<double>());
-  } else {
-    return InvalidArgument("key '{}' must be an integer, got {}", key, Show(v));
-  }
-  if (x < lo || x > hi) return InvalidArgument("key '{}' is {}, outside [{}, {}]", key, x, lo, hi);
-  *out = x;
-  return Status::Ok();
-}
-
+// wrong type is an error naming the key. Integers are range-checked where they are read (JsonInt).
 Status ReadInt(const json& j, const char* key, int64_t* out, int64_t lo = 0,
-               int64_t hi = kInt32Max) {
+               int64_t hi = kJsonInt32Max) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::Ok();
-  return CheckedInt(*it, key, lo, hi, out);
+  return JsonInt(*it, key, lo, hi, out);
 }
 
 Status ReadDouble(const json& j, const char* key, double* out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::Ok();
-  if (!it->is_number()) return InvalidArgument("key '{}' must be a number, got {}", key, Show(*it));
+  if (!it->is_number()) return InvalidArgument("key '{}' must be a number, got {}", key, ShowJson(*it));
   *out = it->get<double>();
   return Status::Ok();
 }
@@ -66,7 +34,7 @@ Status ReadDouble(const json& j, const char* key, double* out) {
 Status ReadBool(const json& j, const char* key, bool* out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::Ok();
-  if (!it->is_boolean()) return InvalidArgument("key '{}' must be true or false, got {}", key, Show(*it));
+  if (!it->is_boolean()) return InvalidArgument("key '{}' must be true or false, got {}", key, ShowJson(*it));
   *out = it->get<bool>();
   return Status::Ok();
 }
@@ -74,7 +42,7 @@ Status ReadBool(const json& j, const char* key, bool* out) {
 Status ReadString(const json& j, const char* key, std::string* out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::Ok();
-  if (!it->is_string()) return InvalidArgument("key '{}' must be a string, got {}", key, Show(*it));
+  if (!it->is_string()) return InvalidArgument("key '{}' must be a string, got {}", key, ShowJson(*it));
   *out = it->get<std::string>();
   return Status::Ok();
 }
@@ -94,7 +62,7 @@ double YarnMscale(double scale, double m) {
 Status ParseRopeEntry(const json& e, const std::string& type, int64_t max_pos, RopeParams* p,
                       bool* has_partial) {
   auto ctx = [&](const Status& s) { return s.WithContext("rope_parameters." + type); };
-  if (!e.is_object()) return InvalidArgument("rope_parameters.{} must be an object, got {}", type, Show(e));
+  if (!e.is_object()) return InvalidArgument("rope_parameters.{} must be an object, got {}", type, ShowJson(e));
   std::string rope_type = "default";
   if (e.contains("rope_type")) {
     DL_RETURN_IF_ERROR(ctx(ReadString(e, "rope_type", &rope_type)));
@@ -246,17 +214,17 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
     if (it->is_number_integer()) {
       int64_t id = 0;
-      DL_RETURN_IF_ERROR(CheckedInt(*it, "eos_token_id", 0, kInt32Max, &id));
+      DL_RETURN_IF_ERROR(JsonInt(*it, "eos_token_id", 0, kJsonInt32Max, &id));
       c->eos_token_ids.push_back(id);
     } else if (it->is_array()) {
       for (const auto& v : *it) {
-        if (!v.is_number_integer()) return InvalidArgument("eos_token_id entries must be integers, got {}", Show(v));
+        if (!v.is_number_integer()) return InvalidArgument("eos_token_id entries must be integers, got {}", ShowJson(v));
         int64_t id = 0;
-        DL_RETURN_IF_ERROR(CheckedInt(v, "eos_token_id", 0, kInt32Max, &id));
+        DL_RETURN_IF_ERROR(JsonInt(v, "eos_token_id", 0, kJsonInt32Max, &id));
         c->eos_token_ids.push_back(id);
       }
     } else {
-      return InvalidArgument("eos_token_id must be an integer or a list, got {}", Show(*it));
+      return InvalidArgument("eos_token_id must be an integer or a list, got {}", ShowJson(*it));
     }
   }
 
@@ -272,17 +240,17 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   // Per-layer heads.
   c->num_attention_heads_per_layer.assign(L, c->num_attention_heads);
   if (auto it = j.find("num_attention_heads_per_layer"); it != j.end() && !it->is_null()) {
-    if (!it->is_array()) return InvalidArgument("num_attention_heads_per_layer must be a list, got {}", Show(*it));
+    if (!it->is_array()) return InvalidArgument("num_attention_heads_per_layer must be a list, got {}", ShowJson(*it));
     if (static_cast<int64_t>(it->size()) != L) {
       return InvalidArgument("num_attention_heads_per_layer has {} entries, num_hidden_layers is {}", it->size(), L);
     }
     for (int64_t l = 0; l < L; ++l) {
       const json& v = (*it)[l];
       if (!v.is_number_integer()) {
-        return InvalidArgument("num_attention_heads_per_layer[{}] must be a positive integer, got {}", l, Show(v));
+        return InvalidArgument("num_attention_heads_per_layer[{}] must be a positive integer, got {}", l, ShowJson(v));
       }
-      DL_RETURN_IF_ERROR(CheckedInt(v, fmt::format("num_attention_heads_per_layer[{}]", l), 1,
-                                    kInt32Max, &c->num_attention_heads_per_layer[l]));
+      DL_RETURN_IF_ERROR(JsonInt(v, fmt::format("num_attention_heads_per_layer[{}]", l), 1,
+                                    kJsonInt32Max, &c->num_attention_heads_per_layer[l]));
     }
   } else {
     c->warnings.push_back(fmt::format(
@@ -298,7 +266,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   // Layer types.
   c->layer_types.assign(L, LayerType::kFull);
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
-    if (!it->is_array()) return InvalidArgument("layer_types must be a list, got {}", Show(*it));
+    if (!it->is_array()) return InvalidArgument("layer_types must be a list, got {}", ShowJson(*it));
     if (static_cast<int64_t>(it->size()) != L) {
       return InvalidArgument("layer_types has {} entries, num_hidden_layers is {}", it->size(), L);
     }
@@ -310,7 +278,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
         c->layer_types[l] = LayerType::kSliding;
       } else {
         return InvalidArgument(
-            "layer_types[{}] is {}; only \"full_attention\" and \"sliding_attention\" are valid", l, Show(v));
+            "layer_types[{}] is {}; only \"full_attention\" and \"sliding_attention\" are valid", l, ShowJson(v));
       }
     }
   } else {
@@ -324,7 +292,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   c->mlp_layer_types.assign(L, MlpType::kSparse);
   c->mlp_layer_types[0] = MlpType::kDense;
   if (auto it = j.find("mlp_layer_types"); it != j.end() && !it->is_null()) {
-    if (!it->is_array()) return InvalidArgument("mlp_layer_types must be a list, got {}", Show(*it));
+    if (!it->is_array()) return InvalidArgument("mlp_layer_types must be a list, got {}", ShowJson(*it));
     if (static_cast<int64_t>(it->size()) != L) {
       return InvalidArgument("mlp_layer_types has {} entries, num_hidden_layers is {}", it->size(), L);
     }
@@ -335,7 +303,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
       } else if (v == "sparse") {
         c->mlp_layer_types[l] = MlpType::kSparse;
       } else {
-        return InvalidArgument("mlp_layer_types[{}] is {}; only \"dense\" and \"sparse\" are valid", l, Show(v));
+        return InvalidArgument("mlp_layer_types[{}] is {}; only \"dense\" and \"sparse\" are valid", l, ShowJson(v));
       }
     }
   } else {
@@ -365,7 +333,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
       return InvalidArgument(
           "gating is {}; valid values are true, \"per-head\" and \"per-element\" (transformers would "
           "silently use per-element gating for this value)",
-          Show(*it));
+          ShowJson(*it));
     }
   } else {
     c->gating = GatingKind::kPerHead;
@@ -380,7 +348,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
   c->rope_sliding.partial_rotary_factor = 1.0;
   if (auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
     const json& rp = *it;
-    if (!rp.is_object()) return InvalidArgument("rope_parameters must be an object, got {}", Show(rp));
+    if (!rp.is_object()) return InvalidArgument("rope_parameters must be an object, got {}", ShowJson(rp));
     if (rp.contains("rope_type") || rp.contains("rope_theta")) {
       return InvalidArgument(
           "rope_parameters is flat (has 'rope_type'/'rope_theta' at the top level); Laguna needs one "
@@ -403,7 +371,7 @@ Status FromJsonImpl(const json& j, ModelConfig* c) {
       } else if (e->is_object()) {
         return InvalidArgument("rope_parameters has an entry for unknown layer type '{}'", key);
       } else {
-        return InvalidArgument("rope_parameters has an unsupported top-level key '{}' = {}", key, Show(*e));
+        return InvalidArgument("rope_parameters has an unsupported top-level key '{}' = {}", key, ShowJson(*e));
       }
     }
     if (any_full && !have_full) return InvalidArgument("rope_parameters has no 'full_attention' entry");
@@ -470,11 +438,11 @@ Status CheckLegacyKeys(const json& j) {
         "running without this scaling would silently lose YaRN, and which layer types it applies to "
         "cannot be guessed. Move it into the rope_parameters entries (rope_type, factor, "
         "original_max_position_embeddings, ...) and remove 'rope_scaling'",
-        Show(*it));
+        ShowJson(*it));
   }
   if (auto it = j.find("moe_router_score_func"); it != j.end() && !it->is_null() && *it != "sigmoid") {
     return Unimplemented("moe_router_score_func {} is not supported (only \"sigmoid\", the Laguna router)",
-                         Show(*it));
+                         ShowJson(*it));
   }
   return Status::Ok();
 }
@@ -494,7 +462,7 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& j) {
     for (auto it = j.begin(); it != j.end(); ++it) {
       if (std::find(std::begin(kKnownKeys), std::end(kKnownKeys), it.key()) == std::end(kKnownKeys)) {
         c.warnings.push_back(fmt::format("unknown key '{}' = {} ignored (not a Laguna config key)",
-                                         it.key(), Show(*it)));
+                                         it.key(), ShowJson(*it)));
       }
     }
   } catch (const std::exception& e) {

@@ -10,6 +10,7 @@
 
 #include "base/dtype.h"
 #include "base/file_util.h"
+#include "model/json_read.h"
 #include "model/safetensors.h"
 #include "model/synthetic.h"
 
@@ -20,23 +21,6 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 constexpr size_t kMaxDflashConfigBytes = 4u << 20;
-constexpr int64_t kInt32Max = 2147483647;
-
-std::string Show(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
-Status ReadIntAt(const json& v, const std::string& key, int64_t lo, int64_t hi, int64_t* out) {
-  if (!v.is_number_integer() && !(v.is_number_float() && std::floor(v.get<double>()) == v.get<double>())) {
-    return InvalidArgument("key '{}' must be an integer, got {}", key, Show(v));
-  }
-  const int64_t x = v.is_number_float() ? static_cast<int64_t>(v.get<double>()) : v.get<int64_t>();
-  if (x < lo || x > hi) return InvalidArgument("key '{}' is {}, outside [{}, {}]", key, x, lo, hi);
-  *out = x;
-  return Status::Ok();
-}
 
 // The keys of one JSON object, consumed as they are read; whatever is left is unknown.
 class Keys {
@@ -49,28 +33,28 @@ class Keys {
     auto it = j_.find(key);
     return it == j_.end() || it->is_null() ? nullptr : &*it;
   }
-  Status Int(const std::string& key, int64_t* out, int64_t lo = 0, int64_t hi = kInt32Max) {
+  Status Int(const std::string& key, int64_t* out, int64_t lo = 0, int64_t hi = kJsonInt32Max) {
     const json* v = Get(key);
-    return v ? ReadIntAt(*v, where_ + key, lo, hi, out) : Status::Ok();
+    return v ? JsonInt(*v, where_ + key, lo, hi, out) : Status::Ok();
   }
   Status Double(const std::string& key, double* out) {
     const json* v = Get(key);
     if (!v) return Status::Ok();
-    if (!v->is_number()) return InvalidArgument("key '{}{}' must be a number, got {}", where_, key, Show(*v));
+    if (!v->is_number()) return InvalidArgument("key '{}{}' must be a number, got {}", where_, key, ShowJson(*v));
     *out = v->get<double>();
     return Status::Ok();
   }
   Status Bool(const std::string& key, std::optional<bool>* out) {
     const json* v = Get(key);
     if (!v) return Status::Ok();
-    if (!v->is_boolean()) return InvalidArgument("key '{}{}' must be true or false, got {}", where_, key, Show(*v));
+    if (!v->is_boolean()) return InvalidArgument("key '{}{}' must be true or false, got {}", where_, key, ShowJson(*v));
     *out = v->get<bool>();
     return Status::Ok();
   }
   Status String(const std::string& key, std::string* out) {
     const json* v = Get(key);
     if (!v) return Status::Ok();
-    if (!v->is_string()) return InvalidArgument("key '{}{}' must be a string, got {}", where_, key, Show(*v));
+    if (!v->is_string()) return InvalidArgument("key '{}{}' must be a string, got {}", where_, key, ShowJson(*v));
     *out = v->get<std::string>();
     return Status::Ok();
   }
@@ -91,11 +75,11 @@ class Keys {
 };
 
 Status ReadIds(const json& v, const std::string& key, std::vector<int64_t>* out) {
-  if (!v.is_array()) return InvalidArgument("key '{}' must be a list of integers, got {}", key, Show(v));
+  if (!v.is_array()) return InvalidArgument("key '{}' must be a list of integers, got {}", key, ShowJson(v));
   out->clear();
   for (const json& e : v) {
     int64_t x = 0;
-    DL_RETURN_IF_ERROR(ReadIntAt(e, key, 0, kInt32Max, &x));
+    DL_RETURN_IF_ERROR(JsonInt(e, key, 0, kJsonInt32Max, &x));
     out->push_back(x);
   }
   return Status::Ok();
@@ -113,7 +97,7 @@ Status ParseImpl(const json& j, DflashConfig* c) {
   const json* arch = k.Get("architectures");
   if (!arch || !arch->is_array() || arch->size() != 1 || !(*arch)[0].is_string()) {
     return InvalidArgument("DFlash config: 'architectures' must be a list of one name (DFlashDraftModel or "
-                           "DFlashLagunaForCausalLM), got {}", arch ? Show(*arch) : "nothing");
+                           "DFlashLagunaForCausalLM), got {}", arch ? ShowJson(*arch) : "nothing");
   }
   const std::string a = (*arch)[0].get<std::string>();
   if (a == "DFlashDraftModel") {
@@ -167,7 +151,7 @@ Status ParseImpl(const json& j, DflashConfig* c) {
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     const json* rp = k.Get(key);
     if (!rp) continue;
-    if (!rp->is_object()) return InvalidArgument("DFlash config: '{}' must be an object, got {}", key, Show(*rp));
+    if (!rp->is_object()) return InvalidArgument("DFlash config: '{}' must be an object, got {}", key, ShowJson(*rp));
     Keys r(*rp, std::string(key) + ".");
     std::string type = "default";
     DL_RETURN_IF_ERROR(r.String("rope_type", &type));
@@ -200,7 +184,7 @@ Status ParseImpl(const json& j, DflashConfig* c) {
   if (const json* lt = k.Get("layer_types")) {
     if (!lt->is_array() || static_cast<int64_t>(lt->size()) != c->num_hidden_layers) {
       return InvalidArgument("DFlash config: 'layer_types' must list {} layer types, got {}", c->num_hidden_layers,
-                             Show(*lt));
+                             ShowJson(*lt));
     }
     for (const json& t : *lt) {
       if (t == "full_attention") {
@@ -209,7 +193,7 @@ Status ParseImpl(const json& j, DflashConfig* c) {
         c->layer_types.push_back(LayerType::kSliding);
       } else {
         return InvalidArgument("DFlash config: layer_types entry {} is neither full_attention nor sliding_attention",
-                               Show(t));
+                               ShowJson(t));
       }
     }
   } else if (use_sliding.value_or(false)) {
@@ -253,7 +237,7 @@ Status ParseImpl(const json& j, DflashConfig* c) {
     have_ids = true;
   }
   if (const json* dc = k.Get("dflash_config")) {
-    if (!dc->is_object()) return InvalidArgument("DFlash config: 'dflash_config' must be an object, got {}", Show(*dc));
+    if (!dc->is_object()) return InvalidArgument("DFlash config: 'dflash_config' must be an object, got {}", ShowJson(*dc));
     Keys d(*dc, "dflash_config.");
     DL_RETURN_IF_ERROR(d.Int("block_size", &c->block_size));
     DL_RETURN_IF_ERROR(d.Int("num_target_layers", &c->num_target_layers));

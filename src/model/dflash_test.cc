@@ -4,6 +4,8 @@
 #include <fstream>
 
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors.h"
@@ -124,6 +126,16 @@ TEST(DflashConfigTest, RejectsUnknownAndUnsupportedKeysByName) {
   j = LagunaXsConfig();
   j["dflash_config"].erase("mask_token_id");
   EXPECT_FALSE(DflashConfig::FromJson(j).ok());
+
+  // Integers as config.json's loader reads them: refused outside 32 bits, never wrapped or cast from
+  // a float too large for an integer.
+  for (const json& huge : {json(std::numeric_limits<uint64_t>::max()), json(1e300)}) {
+    j = LagunaXsConfig();
+    j["dflash_config"]["block_size"] = huge;
+    c = DflashConfig::FromJson(j);
+    ASSERT_FALSE(c.ok()) << huge.dump();
+    EXPECT_NE(c.status().message().find("block_size"), std::string::npos) << c.status().message();
+  }
 }
 
 TEST(DflashConfigTest, ToJsonRoundTrips) {
