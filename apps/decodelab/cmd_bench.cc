@@ -185,7 +185,7 @@ int RunVerifyCost(Engine& engine, const BenchFlags& f, const nlohmann::json& gpu
       Status st = kv.Reserve(seqs[b], static_cast<int32_t>(n));
       ForwardResult r;
       if (st.ok()) {
-        batch.AddSequence(seqs[b], std::span<const int32_t>(prompt).subspan(i, n));
+        batch.AddSequence(seqs[b], std::span<const int32_t>(prompt).subspan(i, n), static_cast<int32_t>(prompt.size()));
         st = runner.Forward(batch, &r);
       }
       if (st.ok()) st = kv.Commit(seqs[b], static_cast<int32_t>(n));

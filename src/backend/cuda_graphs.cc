@@ -19,7 +19,8 @@ int32_t BatchBucket(int32_t n, int32_t cap) {
 }
 
 std::string GraphKey::Name() const {
-  return fmt::format("{}/{}x{}{}", ForwardModeName(mode), rows, outputs, argmax_only ? "+argmax" : "");
+  return fmt::format("{}/{}x{}{}{}", ForwardModeName(mode), rows, outputs, argmax_only ? "+argmax" : "",
+                     mma ? "+mma" : "");
 }
 
 Result<GraphCache::Entry*> GraphCache::GetOrCapture(const GraphKey& key, cudaStream_t s,

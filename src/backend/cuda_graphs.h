@@ -31,10 +31,11 @@ struct GraphKey {
   int32_t rows = 1;
   int32_t outputs = 1;
   bool argmax_only = false;  // one greedy row without adjustments: the multi-block argmax kernel
+  bool mma = false;          // every row on the tensor-core product (Tuning::prompt_mma, mma_products)
   bool operator<(const GraphKey& o) const {
-    return std::tie(mode, rows, outputs, argmax_only) < std::tie(o.mode, o.rows, o.outputs, o.argmax_only);
+    return std::tie(mode, rows, outputs, argmax_only, mma) < std::tie(o.mode, o.rows, o.outputs, o.argmax_only, o.mma);
   }
-  std::string Name() const;  // "decode/8x8", "prefill/512x9+argmax"
+  std::string Name() const;  // "decode/8x8", "prefill/512x9+argmax", "prefill/512x1+mma"
 };
 
 class GraphCache {

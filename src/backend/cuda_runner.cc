@@ -85,6 +85,15 @@ struct CudaRunner::Impl final : LagunaOps {
 
   // The forward being recorded: rows and outputs of the launch (bucketed when graphed).
   int32_t T = 0, R = 0;
+  // Consecutive rows (of the T rows, or of the R output rows) on one product: `mma` set = the
+  // tensor-core product (Tuning::mma_products, or a prompt row with Tuning::prompt_mma). The
+  // linear layers and experts run once per run; one run in the common cases (a prompt chunk alone,
+  // decode rows alone), more in a step that mixes them. Padding rows join the last run.
+  struct RowRun {
+    int32_t begin = 0, count = 0;
+    bool mma = false;
+  };
+  std::vector<RowRun> row_runs, out_runs;
   bool argmax_only = false;
   int cur = 0;  // which residual buffer holds the stream
   struct {
@@ -241,17 +250,38 @@ Status CudaRunner::Impl::Stage(const ForwardBatch& b, GraphKey* key, bool* graph
                              sq.kv->length() + sq.num_rows, opt.max_seq_len);
     }
   }
-  *graphed = opt.use_graph && b.hidden_taps.empty();
+  const std::vector<int32_t> positions = b.Positions();
+  // Each row's product: its class (prompt or generated, BatchSequence::prompt_length) decides, so a
+  // row gets the same product whatever else is in the batch and however its prompt was chunked.
+  std::vector<char> row_mma(static_cast<size_t>(rows), opt.tuning.mma_products ? 1 : 0);
+  if (!opt.tuning.mma_products && opt.tuning.prompt_mma) {
+    for (const BatchSequence& sq : b.seqs) {
+      for (int32_t i = sq.first_row; i < sq.first_row + sq.num_rows; ++i) row_mma[i] = positions[i] < sq.prompt_length;
+    }
+  }
+  auto make_runs = [](std::vector<RowRun>& runs, int32_t n, int32_t padded, auto&& mma_of) {
+    runs.clear();
+    for (int32_t i = 0; i < n; ++i) {
+      const bool m = mma_of(i);
+      if (runs.empty() || runs.back().mma != m) runs.push_back({i, 0, m});
+      ++runs.back().count;
+    }
+    if (!runs.empty()) runs.back().count += padded - n;
+  };
+  // A step mixing the products runs eagerly: its run boundaries change from step to step.
+  const bool one_product = std::adjacent_find(row_mma.begin(), row_mma.end(), std::not_equal_to<>()) == row_mma.end();
+  *graphed = opt.use_graph && b.hidden_taps.empty() && one_product;
   T = *graphed ? BatchBucket(rows, z.max_rows) : rows;
   R = outs == 0 ? 0 : (*graphed ? BatchBucket(outs, z.max_outputs) : outs);
+  make_runs(row_runs, rows, T, [&](int32_t i) { return row_mma[i] != 0; });
+  make_runs(out_runs, outs, R, [&](int32_t r) { return row_mma[b.outputs[r].row] != 0; });
   argmax_only = outs == 1 && R == 1 && b.outputs[0].sampling.greedy() && b.outputs[0].sampling.adjustments.empty();
-  *key = GraphKey{b.mode, T, R, argmax_only};
+  *key = GraphKey{b.mode, T, R, argmax_only, row_mma[0] != 0};
 
   int32_t* ids = ws.host(ws.ids);
   int32_t* pos = ws.host(ws.positions);
   int32_t* seq = ws.host(ws.token_seq);
   int32_t* hist = ws.host(ws.history);
-  const std::vector<int32_t> positions = b.Positions();
   for (int32_t s = 0; s < seqs; ++s) {
     const BatchSequence& sq = b.seqs[s];
     for (int32_t i = sq.first_row; i < sq.first_row + sq.num_rows; ++i) {
@@ -358,12 +388,14 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   const bool qkvg = out == Act::kQkvg, o_proj = in == Act::kAttention;
   const bool mlp = out == Act::kGateUp || in == Act::kHidden;
   const int rows = in == Act::kOutputNormed ? R : T;
+  const std::vector<RowRun>& runs = in == Act::kOutputNormed ? out_runs : row_runs;
+  if (runs.empty()) return FlushNorm();  // no output rows
   kernels::FusedInputNorm norm;
   // The dense MLP's gate/up takes the norm before it (the measured policy: only the norm before the
   // MLP is folded, and only at batch 1 where the streaming kernel takes it); everything else runs it.
   // The tensor-core product takes no fused norm.
   if (pending.weight != nullptr && out == Act::kGateUp && rows == 1 && opt.skip_ops.empty() && w.parts.size() == 1 &&
-      !opt.tuning.mma_products) {
+      !runs.front().mma) {
     norm = TakeFusedNorm(nullptr);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -373,39 +405,41 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
   const int64_t total_out = w.out();
   int64_t row0 = 0;
   for (const WeightRef& W : w.parts) {
-    kernels::GemvParams p;
-    p.norm = norm;
     const bool fp8 = IsFp8(W);
-    if (fp8) {
-      p.w_fp8 = Fp8Of(W);
-    } else {
-      p.w = Data(W);
+    for (const RowRun& run : runs) {
+      kernels::GemvParams p;
+      p.norm = norm;
+      if (fp8) {
+        p.w_fp8 = Fp8Of(W);
+      } else {
+        p.w = Data(W);
+      }
+      p.out = static_cast<int>(W.rows());
+      p.in = static_cast<int>(W.cols());
+      p.x = Buffer(in) + static_cast<int64_t>(run.begin) * p.in;
+      p.y = Buffer(out) + static_cast<int64_t>(run.begin) * total_out + row0;
+      p.y_stride = total_out;
+      if (out == Act::kLogits && tp_size > 1) {  // the rank's vocabulary slice, gathered in SelectTokens
+        p.y = local_logits.as<bf16>() + static_cast<int64_t>(run.begin) * vocab_stride + row0;
+        p.y_stride = vocab_stride;
+      }
+      p.num_tokens = run.count;
+      p.streaming.ring_kb = tu.stream_ring_kb;
+      p.streaming.stage_kb = tu.stream_stage_kb;
+      p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
+      // The run's product (RowRun): the tensor-core product (ops.h 5b) gives a row the same bits for
+      // every row count, so the CUDA-core kernels' streaming and batched variants do not apply. The
+      // product is BF16-only: FP8 weights keep the FP8 kernels for every row.
+      p.mma = run.mma && !fp8;
+      p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
+      p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
+                       (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
+                            : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
+      p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (run.count <= 8 ? 2 : 4);
+      p.batch_tokens = tu.batch_gemv_tokens;
+      p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
+      DL_RETURN_IF_ERROR(kernels::Gemv(p, s()).WithContext(W.name));
     }
-    p.x = Buffer(in);
-    p.y = Buffer(out) + row0;
-    p.out = static_cast<int>(W.rows());
-    p.in = static_cast<int>(W.cols());
-    p.y_stride = total_out;
-    if (out == Act::kLogits && tp_size > 1) {  // the rank's vocabulary slice, gathered in SelectTokens
-      p.y = local_logits.as<bf16>() + row0;
-      p.y_stride = vocab_stride;
-    }
-    p.num_tokens = rows;
-    p.streaming.ring_kb = tu.stream_ring_kb;
-    p.streaming.stage_kb = tu.stream_stage_kb;
-    p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
-    // mma_products: every row count on the tensor-core product (ops.h 5b), so a row's bits do not
-    // depend on the batch; the CUDA-core kernels' streaming and batched variants do not apply. The
-    // product is BF16-only: FP8 weights keep the FP8 kernels.
-    p.mma = tu.mma_products && !fp8;
-    p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
-    p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
-                     (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
-                          : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
-    p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (rows <= 8 ? 2 : 4);
-    p.batch_tokens = tu.batch_gemv_tokens;
-    p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));
-    DL_RETURN_IF_ERROR(kernels::Gemv(p, s()).WithContext(W.name));
     row0 += W.rows();
   }
   return Status::Ok();
@@ -503,8 +537,9 @@ Status CudaRunner::Impl::SiluMul() {
 Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   kernels::MoeParams mp;
   // The router takes the norm before it (every block recomputes its token's row) and writes u2 for
-  // the expert kernels.
-  if (pending.weight != nullptr && opt.skip_ops.empty()) {
+  // the expert kernels; with several runs the norm runs on its own first (the same bits:
+  // norm_block.cuh), and each run's experts read its rows of u2.
+  if (pending.weight != nullptr && opt.skip_ops.empty() && row_runs.size() == 1) {
     mp.norm = TakeFusedNorm(ws.normed);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -552,13 +587,24 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.counter = ws.moe_counter;
   mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
   mp.router_rows_min_tokens = opt.tuning.moe_router_rows_min_tokens;
-  // The experts on the tensor-core product at every row count; the product is BF16-only, so FP8
-  // experts keep the FP8 kernels.
-  mp.mma = opt.tuning.mma_products && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
   mp.mma_blocks_per_sm = opt.tuning.moe_mma_blocks_per_sm;
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
-  return kernels::Moe(mp, s()).WithContext(fmt::format("layer {}", l));
+  const int64_t d = cfg.hidden_size, k = cfg.num_experts_per_tok;
+  for (const RowRun& run : row_runs) {
+    kernels::MoeParams rp = mp;
+    rp.x = ws.normed + run.begin * d;
+    rp.y = ws.delta + run.begin * d;
+    rp.topk_ids = ws.topk_ids + run.begin * k;
+    rp.topk_weights = ws.topk_weights + run.begin * k;
+    rp.counter = ws.moe_counter + run.begin;
+    rp.num_tokens = run.count;
+    // The run's product (RowRun); the tensor-core product is BF16-only, so FP8 experts keep the FP8
+    // kernels.
+    rp.mma = run.mma && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
+    DL_RETURN_IF_ERROR(kernels::Moe(rp, s()).WithContext(fmt::format("layer {}", l)));
+  }
+  return Status::Ok();
 }
 
 Status CudaRunner::Impl::TapHidden(int32_t tap) {

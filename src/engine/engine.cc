@@ -121,7 +121,7 @@ Status RunCalibrationPrompts(const ModelConfig& c, KvCache& kv, ModelRunner& run
     DL_RETURN_IF_ERROR(kv.Reserve(seq, static_cast<int32_t>(p.size())));
     ForwardBatch batch;
     batch.mode = ForwardMode::kPrefill;
-    batch.AddSequence(seq, p);
+    batch.AddSequence(seq, p, static_cast<int32_t>(p.size()));
     ForwardResult result;
     Status st = runner.Forward(batch, &result);
     DL_RETURN_IF_ERROR(kv.Release(seq));
@@ -153,12 +153,15 @@ Result<KvScales> CalibrateKvScales(const Checkpoint& checkpoint) {
   return ScalesFromAmax(observer.k_, observer.v_, "calibration:builtin-v1");
 }
 
-Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const CudaRunnerOptions& base) {
+Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const CudaRunnerOptions& base,
+                                         int32_t page_size) {
   // The same prompts through a temporary BF16 cache; the scales come from the cached (post-norm,
   // post-RoPE, BF16-rounded) K and V. The runner is freed before the real one is built, so the
-  // weights are never on the device twice.
+  // weights are never on the device twice. The cache takes the engine's page size: the attention
+  // presets are built per page size, and the one the engine runs with is the one known to exist
+  // (S 2.1's G 9 sliding layers have only page-32 presets; a fixed page 16 found none).
   const ModelConfig& c = checkpoint.config();
-  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kBF16, 16, 128, 1, 128)));
+  DL_ASSIGN_OR_RETURN(KvCache kv, KvCache::Create(MakeKvSpec(c, DType::kBF16, page_size, 128, 1, 128)));
   CudaRunnerOptions co = base;
   co.skip_ops.clear();  // calibration runs the whole model whatever the bench leaves out
   co.max_seq_len = 128;
@@ -263,7 +266,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
       scales = *from_checkpoint;
     } else if (chosen == BackendKind::kCuda) {
       spdlog::info("calibrating FP8 KV scales over the built-in prompt set (cuda, bf16 cache)");
-      DL_ASSIGN_OR_RETURN(scales, CalibrateKvScalesOnCuda(*engine->checkpoint, co));
+      DL_ASSIGN_OR_RETURN(scales, CalibrateKvScalesOnCuda(*engine->checkpoint, co, o.page_size));
     } else {
       spdlog::info("calibrating FP8 KV scales over the built-in prompt set");
       DL_ASSIGN_OR_RETURN(scales, CalibrateKvScales(*engine->checkpoint));
@@ -342,7 +345,7 @@ Result<GenerateResult> GenerateGreedy(Engine& engine, std::span<const int32_t> p
     DL_RETURN_IF_ERROR(kv.Reserve(seq, n));
     ForwardBatch batch;
     batch.mode = mode;
-    batch.AddSequence(seq, rows);
+    batch.AddSequence(seq, rows, static_cast<int32_t>(prompt.size()));
     batch.hidden_taps = taps;
     for (int32_t i = n - outputs; i < n; ++i) batch.AddOutput(i).want_logits = true;
     ForwardResult result;

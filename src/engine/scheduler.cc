@@ -503,7 +503,7 @@ void Scheduler::Step() {
         // logit processors over the same generated tokens, as plain decoding would give it.
         std::vector<int32_t> rows = {s.tokens.back()};
         rows.insert(rows.end(), s.drafts.begin(), s.drafts.end());
-        const int32_t first = batch.AddSequence(s.kv, rows);
+        const int32_t first = batch.AddSequence(s.kv, rows, static_cast<int32_t>(s.req.prompt.size()));
         s.first_row = first;
         const SamplingParams& p = s.req.sampling;
         const size_t prompt_len = s.req.prompt.size();
@@ -523,8 +523,9 @@ void Scheduler::Step() {
         budget -= n;
         continue;
       }
-      const int32_t first = batch.AddSequence(
-          s.kv, std::span<const int32_t>(s.tokens.data() + s.computed(), static_cast<size_t>(n)));
+      const int32_t first =
+          batch.AddSequence(s.kv, std::span<const int32_t>(s.tokens.data() + s.computed(), static_cast<size_t>(n)),
+                            static_cast<int32_t>(s.req.prompt.size()));
       s.first_row = first;
       if (s.computed() + n == static_cast<int32_t>(s.tokens.size())) {
         OutputRequest& out = batch.AddOutput(first + n - 1);

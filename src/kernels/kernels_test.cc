@@ -234,7 +234,12 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   ASSERT_TRUE(SetTuning(&t, "mma_tiled_min_tokens=16").ok());
   EXPECT_EQ(t.mma_tiled_min_tokens, 16);
   EXPECT_EQ(SetTuning(&t, "mma_tiled_min_tokens=0").code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(TuningString(t).find("mma_products=1 mma_tiled_min_tokens=16"), std::string::npos);
+  EXPECT_NE(TuningString(t).find("mma_products=1 prompt_mma=1 mma_tiled_min_tokens=16"), std::string::npos);
+  // Prompt rows on the tensor-core product: on by default, 0 or 1.
+  EXPECT_TRUE(Tuning{}.prompt_mma);
+  ASSERT_TRUE(SetTuning(&t, "prompt_mma=0").ok());
+  EXPECT_FALSE(t.prompt_mma);
+  EXPECT_EQ(SetTuning(&t, "prompt_mma=2").code(), StatusCode::kInvalidArgument);
   // The multi-row router's threshold: 16 by default, 0 (never) up to the token limit of a launch.
   EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 128);
   ASSERT_TRUE(SetTuning(&t, "moe_router_rows_min_tokens=0").ok());

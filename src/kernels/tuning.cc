@@ -31,6 +31,7 @@ constexpr Setting kSettings[] = {
     {"batch_gemv_rows", "batched GEMV: output rows per warp (1, 2 or 4; 0 = by token count)", 0, 4, false, &Tuning::batch_gemv_rows, nullptr},
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
     {"mma_products", "linear layers on the tensor-core product at every row count (other bits than 0, the same for every batch)", 0, 1, true, nullptr, &Tuning::mma_products},
+    {"prompt_mma", "prompt rows on the tensor-core product, generated rows on mma_products' choice (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_mma},
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
     {"moe_mma_blocks_per_sm", "MMA experts at T > 16: resident blocks per SM (1 or 2; same bits)", 1, 2, false, &Tuning::moe_mma_blocks_per_sm, nullptr},
 };

@@ -62,6 +62,12 @@ struct Tuning {
   // instead of the CUDA-core GEMVs: other bits than off (another summation order), the same bits for
   // every batch and chunking. Off until measured on the device (docs/performance.md, issue 17).
   bool mma_products = false;
+  // Prompt rows (a request's own prompt tokens: BatchSequence::prompt_length) on the tensor-core
+  // product, generated rows (decode, verify, and generated tokens recomputed after a preemption) on
+  // the product mma_products picks. A row's class is a property of its token, never of the batch or
+  // chunk, so every promise holds per class; a prompt row no longer equals a decode row at the same
+  // position bit for bit (docs/exactness.md, "Prompt rows and generated rows").
+  bool prompt_mma = true;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
   // The MMA experts' list kernels (T > 16) with 1 or 2 resident blocks per SM (same bits); 2 took

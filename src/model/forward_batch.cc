@@ -13,10 +13,10 @@ const char* ForwardModeName(ForwardMode m) {
   return "?";
 }
 
-int32_t ForwardBatch::AddSequence(const SequenceKv& kv, std::span<const int32_t> rows) {
+int32_t ForwardBatch::AddSequence(const SequenceKv& kv, std::span<const int32_t> rows, int32_t prompt_length) {
   const int32_t first = num_rows();
   tokens.insert(tokens.end(), rows.begin(), rows.end());
-  seqs.push_back({&kv, first, static_cast<int32_t>(rows.size())});
+  seqs.push_back({&kv, first, static_cast<int32_t>(rows.size()), prompt_length});
   return first;
 }
 
@@ -42,6 +42,7 @@ Status ForwardBatch::Validate(int64_t vocab_size, int32_t page_size) const {
     if (s.kv == nullptr || s.num_rows < 1 || s.first_row != next) {
       return InvalidArgument("batch sequence {}: rows must be non-empty, consecutive and in order", i);
     }
+    if (s.prompt_length < 0) return InvalidArgument("batch sequence {}: negative prompt length {}", i, s.prompt_length);
     next += s.num_rows;
     const int32_t last = s.kv->length() + s.num_rows - 1;
     bool any = false;

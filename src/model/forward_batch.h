@@ -42,6 +42,12 @@ struct BatchSequence {
   const SequenceKv* kv = nullptr;  // must stay unchanged until the forward's Wait returns
   int32_t first_row = 0;
   int32_t num_rows = 0;
+  // The request's prompt length: a row at a position below it is a prompt row (one of the request's
+  // own prompt tokens), any other row a generated row (decode, verify, or a generated token
+  // recomputed after a preemption). The class is a property of the token, so it does not depend on
+  // the batch or the chunking; the CUDA backend may compute the two classes with different products
+  // (Tuning::prompt_mma, docs/exactness.md). 0: every row is a generated row.
+  int32_t prompt_length = 0;
 };
 
 struct ForwardBatch {
@@ -54,8 +60,9 @@ struct ForwardBatch {
   std::vector<int32_t> hidden_taps;
 
   int32_t num_rows() const { return static_cast<int32_t>(tokens.size()); }
-  // Appends a sequence's rows; returns the index of its first row.
-  int32_t AddSequence(const SequenceKv& kv, std::span<const int32_t> rows);
+  // Appends a sequence's rows (BatchSequence::prompt_length: the request's prompt length); returns the
+  // index of its first row.
+  int32_t AddSequence(const SequenceKv& kv, std::span<const int32_t> rows, int32_t prompt_length = 0);
   // Asks for outputs at `row`.
   OutputRequest& AddOutput(int32_t row);
   // The position of every row (kv->length() + its index within its sequence).

@@ -36,6 +36,7 @@ inline RowSampling SamplingFor(size_t i, int32_t step) {
 
 struct SchedSeq {
   std::vector<int32_t> context;  // prompt + generated
+  int32_t prompt_length = 0;     // BatchSequence::prompt_length: the rows' class (prompt or generated)
   SequenceKv kv;
   SeqTrace trace;
   int arrival = 0;
@@ -51,7 +52,7 @@ inline Status Step(Engine& e, std::vector<SchedSeq>& seqs, const std::vector<std
     SchedSeq& s = seqs[i];
     DL_RETURN_IF_ERROR(e.kv->Reserve(s.kv, n));
     const int32_t first = b.AddSequence(
-        s.kv, std::span<const int32_t>(s.context.data() + s.kv.length(), static_cast<size_t>(n)));
+        s.kv, std::span<const int32_t>(s.context.data() + s.kv.length(), static_cast<size_t>(n)), s.prompt_length);
     if (s.kv.length() + n == static_cast<int32_t>(s.context.size())) {
       OutputRequest& o = b.AddOutput(first + n - 1);
       o.sampling = SamplingFor(i, static_cast<int32_t>(s.trace.tokens.size()));
@@ -83,6 +84,7 @@ inline Result<SeqTrace> RunAlone(Engine& e, const std::vector<int32_t>& prompt, 
   std::vector<SchedSeq> seqs(index + 1);
   SchedSeq& s = seqs[index];
   s.context = prompt;
+  s.prompt_length = static_cast<int32_t>(prompt.size());
   while (!s.done) {
     const int32_t remaining = static_cast<int32_t>(s.context.size()) - s.kv.length();
     DL_RETURN_IF_ERROR(Step(e, seqs, {{index, std::min(remaining, chunk)}}, steps));
@@ -98,6 +100,7 @@ inline Result<std::vector<SeqTrace>> RunRandomSchedule(Engine& e, const std::vec
   std::vector<SchedSeq> seqs(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     seqs[i].context = prompts[i];
+    seqs[i].prompt_length = static_cast<int32_t>(prompts[i].size());
     seqs[i].arrival = static_cast<int>(rng() % 12);
   }
   for (int step = 0; step < 100000; ++step) {

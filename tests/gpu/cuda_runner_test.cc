@@ -206,7 +206,8 @@ ModelConfig SmallXs2Geometry() {
 
 struct Transcript {
   std::vector<int32_t> tokens;
-  std::vector<float> last_logits;
+  std::vector<float> last_logits;   // the last prompt row's
+  std::vector<float> final_logits;  // the last generated row's
 };
 
 // A KV cache for `sequences` sequences of up to 1,024 tokens (every page of both groups), and fixed
@@ -250,8 +251,13 @@ Result<std::unique_ptr<Engine>> SyntheticCudaEngine(const ModelConfig& cfg, DTyp
   return engine;
 }
 
+// Prefill `prompt` in chunks of `chunk` rows, then `steps` greedy decode rows. recompute_after > 0:
+// after that many decode steps the sequence's cache is dropped and recomputed from the prompt and
+// the tokens generated so far, as the scheduler does after a preemption (the generated tokens stay
+// generated rows: BatchSequence::prompt_length is the prompt's), and decoding goes on.
 Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk, bool graph,
-             const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {}) {
+                    const std::vector<int32_t>& prompt, int32_t steps, const kernels::Tuning& tuning = {},
+                    int32_t recompute_after = 0) {
   const KvCacheSpec spec = TestKvSpec(ck.config(), kv, page, 1);
   auto kvc = KvCache::Create(spec);
   EXPECT_TRUE(kvc.ok());
@@ -272,7 +278,7 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
   auto forward = [&](std::span<const int32_t> t, bool output) {
     EXPECT_TRUE(kvc->Reserve(seq, static_cast<int32_t>(t.size())).ok());
     ForwardBatch b;
-    b.AddSequence(seq, t);
+    b.AddSequence(seq, t, static_cast<int32_t>(prompt.size()));
     if (output) b.AddOutput(static_cast<int32_t>(t.size()) - 1).want_logits = true;
     ForwardResult r;
     Status st = (*runner)->Forward(b, &r);
@@ -292,8 +298,20 @@ Transcript Generate(const Checkpoint& ck, DType kv, int32_t page, int32_t chunk,
     const int32_t tok = ArgmaxWithMargin(logits).first;
     EXPECT_EQ(token, tok) << "the device's greedy token is the argmax of the logits it returns";
     run.tokens.push_back(tok);
+    if (recompute_after > 0 && s + 1 == recompute_after) {
+      EXPECT_TRUE(kvc->Release(seq).ok());
+      seq = SequenceKv{};
+      std::vector<int32_t> context = prompt;
+      context.insert(context.end(), run.tokens.begin(), run.tokens.end());
+      for (size_t i = 0; i < context.size(); i += chunk) {
+        const size_t n = std::min<size_t>(chunk, context.size() - i);
+        forward(std::span<const int32_t>(context).subspan(i, n), i + n == context.size());
+      }
+      continue;
+    }
     forward(std::span<const int32_t>(&tok, 1), true);
   }
+  run.final_logits = logits;
   return run;
 }
 
@@ -438,6 +456,58 @@ TEST(CudaRunnerTest, MmaProductsKeepBatchChunkAndPageInvariance) {
                 reference.tokens.size());
   }
   CheckBatchInvariantUnderRandomSchedules(mma);
+}
+
+// Prompt rows on the tensor-core product, generated rows on the CUDA-core one (the default
+// Tuning::prompt_mma with mma_products off; docs/exactness.md, "Prompt rows and generated rows").
+// A row's class is its token's (prompt or generated), so: prompt chunkings (512, 300, 100, 37, 1 row at
+// a time), page sizes and graphs change no token and no logit bit; a cache recomputed after a
+// preemption (the generated tokens re-run as generated rows inside prefill chunks, beside prompt
+// rows) gives the uninterrupted run's tokens and logits bit for bit; batch invariance holds under
+// random schedules that mix prompt chunks and decode rows in one step; and the logits track the
+// all-CUDA-core run (prompt_mma=0) within the products' BF16-level difference.
+TEST(CudaRunnerTest, PromptRowsOnTheTensorCoreProductKeepEveryInvariance) {
+  SKIP_WITHOUT_GPU();
+  const kernels::Tuning def;
+  ASSERT_TRUE(def.prompt_mma && !def.mma_products) << "the test is about the default";
+  auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 11, DType::kBF16);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const auto prompt = LongPrompt(600, ck->config().vocab_size);
+  for (DType kv : {DType::kBF16, DType::kF8E4M3}) {
+    SCOPED_TRACE(DTypeName(kv));
+    const Transcript reference = Generate(*ck, kv, 32, 512, true, prompt, 24, def);
+    for (auto [page, chunk, graph] : {std::tuple{32, 100, true}, std::tuple{16, 37, false}, std::tuple{64, 1, true},
+                                      std::tuple{32, 300, false}}) {
+      const Transcript r = Generate(*ck, kv, page, chunk, graph, prompt, 24, def);
+      EXPECT_EQ(r.tokens, reference.tokens) << "page " << page << " chunk " << chunk;
+      EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
+          << "page " << page << " chunk " << chunk << " graph " << graph;
+      EXPECT_EQ(0, std::memcmp(r.final_logits.data(), reference.final_logits.data(),
+                               reference.final_logits.size() * 4))
+          << "page " << page << " chunk " << chunk << " graph " << graph;
+    }
+    for (auto [after, chunk] : {std::pair{5, 512}, std::pair{11, 37}}) {
+      const Transcript r = Generate(*ck, kv, 32, chunk, true, prompt, 24, def, after);
+      EXPECT_EQ(r.tokens, reference.tokens) << "recomputed after " << after << " steps, chunk " << chunk;
+      EXPECT_EQ(0, std::memcmp(r.final_logits.data(), reference.final_logits.data(),
+                               reference.final_logits.size() * 4))
+          << "recomputed after " << after << " steps, chunk " << chunk;
+    }
+    kernels::Tuning cuda_cores;
+    cuda_cores.prompt_mma = false;
+    const Transcript all_cuda_cores = Generate(*ck, kv, 32, 512, true, prompt, 24, cuda_cores);
+    const double rel = RelL2(reference.last_logits, all_cuda_cores.last_logits);
+    EXPECT_LT(rel, 6e-2) << "the two products' last prompt logits (the MmaProducts test's bound)";
+    EXPECT_NE(0, std::memcmp(reference.last_logits.data(), all_cuda_cores.last_logits.data(),
+                             reference.last_logits.size() * 4))
+        << "prompt_mma should change the prompt rows' product";
+    std::printf("[prompt-mma] %s: last prompt logits %.3g rel L2 from the all-CUDA-core run's; the first %zu of %zu "
+                "greedy tokens equal\n",
+                std::string(DTypeName(kv)).c_str(), rel,
+                static_cast<size_t>(std::mismatch(reference.tokens.begin(), reference.tokens.end(),
+                                                  all_cuda_cores.tokens.begin()).first - reference.tokens.begin()),
+                reference.tokens.size());
+  }
 }
 
 // Speculative decoding on the GPU: a verify row computes bit-identically to the decode row at its

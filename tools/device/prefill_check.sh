@@ -2,21 +2,23 @@
 # Prefill work (issue 17) and everything it touches, in one device-machine call: build, the kernel GPU
 # tests (attention one-row/multi-row bit for bit on every built preset, the MoE router and MMA experts,
 # GEMV BF16 and FP8), the CUDA-backend tests, the attention prefill kernel bench, then bench:
-# --prefill-sweep at the defaults with --tune mma_products=1 (128, 1K, 8K), the batch-1 decode TPOT at
-# the defaults (mma off), and optionally S 2.1 with FP8 export weights on one GPU (TPOT).
+# --prefill-sweep at the defaults (prompt rows on the tensor-core product: 128, 1K, 8K), the batch-1
+# decode TPOT and TTFT at the defaults, optionally decode at a 32K context, and optionally S 2.1 with
+# FP8 export weights on one GPU (TPOT).
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
-#     bash tools/device/prefill_check.sh [--skip-tests] [--skip-runner] [--s21] [--sweep-32k]
+#     bash tools/device/prefill_check.sh [--skip-tests] [--skip-runner] [--s21] [--sweep-32k] [--decode-32k]
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 LOGS=/tmp/prefill_check; rm -rf "$LOGS"; mkdir -p "$LOGS" "$RESULTS"
 source tools/device/env.sh
-TESTS=1; RUNNER=1; S21=0; SWEEP32=0
+TESTS=1; RUNNER=1; S21=0; SWEEP32=0; DECODE32=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-tests) TESTS=0 ;;
     --skip-runner) RUNNER=0 ;;
     --s21) S21=1 ;;
     --sweep-32k) SWEEP32=1 ;;
+    --decode-32k) DECODE32=1 ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
   shift
@@ -51,10 +53,14 @@ fi
 timeout 120 ./build/tests/gpu/kernels_bench attn_prefill 2>&1 | grep -vE "^(copy|d2d|device|kernel  )" | tail -12
 B="build/bin/decodelab bench --shape xs2 --kv-dtype fp8 --page-size 32"
 lens=128,1024,8192; [ "$SWEEP32" = 1 ] && lens=$lens,32768
-timeout 300 $B --prefill-chunk 2048 --prefill-sweep $lens --repeat 1 --tune mma_products=1 \
+timeout 300 $B --prefill-chunk 2048 --prefill-sweep $lens --repeat 1 \
   --json-out "$RESULTS/prefill_sweep.json" 2> "$LOGS/sweep.err" | grep -vE "^  wrote"
 timeout 120 $B --prompt-len 1024 --gen-len 256 --repeat 1 --json-out "$RESULTS/tpot_xs2.json" 2> "$LOGS/tpot.err" |
   grep -E "TPOT|device step|TTFT|prefill  "
+if [ "$DECODE32" = 1 ]; then  # decode at a 32K context (issue 17: >= 55 % of that context's floor)
+  timeout 300 $B --prompt-len 32768 --gen-len 128 --max-seq-len 33024 --prefill-chunk 8192 --repeat 1 \
+    --json-out "$RESULTS/tpot_xs2_32k.json" 2> "$LOGS/tpot32k.err" | grep -E "TPOT|device step|TTFT|floor"
+fi
 stamp "benches"
 if [ "$S21" = 1 ]; then
   timeout 400 build/bin/decodelab bench --shape s21 --shape-dtype fp8 --fp8-layout export --kv-dtype fp8 --page-size 32 \
