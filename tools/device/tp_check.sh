@@ -91,7 +91,7 @@ print(f"  eager run: transport {et.get('transport')}, graphs {et.get('graphs')}"
 PY
 if [ "$BENCH" = 1 ]; then
   for tp in 1 2; do
-    timeout 300 $B bench --shape xs2 --num-layers "$LAYERS" --kv-dtype fp8 --page-size 32 --prompt-len 512 --gen-len 128 \
+    timeout 300 $B bench --shape xs2 --num-layers "$LAYERS" --kv-dtype bf16 --page-size 32 --prompt-len 512 --gen-len 128 \
       --repeat 1 --tp $tp --allow-fallback --json-out "$OUT/bench_tp$tp.json" > "$OUT/bench_tp$tp.log" 2>&1
     echo "bench --shape xs2 --num-layers $LAYERS --tp $tp rc=$?:"
     grep -E "^  (model|TPOT|device step|kernels)|error" "$OUT/bench_tp$tp.log" | head -6
