@@ -18,6 +18,7 @@
 #include "base/rng.h"
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
+#include "comm/rank_barrier.h"
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "tests/gpu/gpu_skip.h"
@@ -305,7 +306,8 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
   ASSERT_TRUE(group.value()->rank(0).capturable());
   const uint64_t seed = 900 + ranks;
   std::vector<int64_t> mismatches(ranks, 0), order_sensitive(ranks, 0);
-  const auto statuses = OnEveryRank(**group, [&](int r) -> Status {
+  RankBarrier captured(ranks, 60.0, "test ranks");
+  auto run = [&](int r) -> Status {
     DeviceCommunicator& comm = group.value()->rank(r);
     DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
     // One input buffer per all-reduce (so each is checked on its own), the gather's local and out.
@@ -328,6 +330,10 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
     cudaGraphExec_t exec = nullptr;
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return Internal("instantiate");
     cudaGraphDestroy(graph);
+    // Every rank has captured and instantiated before any replays (as CudaTpRunner does): a rank
+    // still setting up must not need the device while a peer's kernel spins. From here on the ranks
+    // never meet on the host.
+    DL_RETURN_IF_ERROR(captured.Arrive(r, "captured"));
     std::vector<uint8_t> host, mine(gather_bytes), all(gather_bytes * ranks);
     for (int k = 0; k < replays && st.ok(); ++k) {
       for (size_t b = 0; b < counts.size(); ++b) {
@@ -361,6 +367,11 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
       }
     }
     cudaGraphExecDestroy(exec);
+    return st;
+  };
+  const auto statuses = OnEveryRank(**group, [&](int r) {
+    Status st = run(r);
+    if (!st.ok()) captured.Abort(r, st);  // no peer waits at the test's meeting for a failed rank
     return st;
   });
   for (int r = 0; r < ranks; ++r) {
