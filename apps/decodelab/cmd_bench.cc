@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/decodelab/bench_common.h"
 #include "apps/decodelab/commands.h"
 #include "engine/dflash_drafter.h"
 #include "apps/decodelab/engine_flags.h"
@@ -33,6 +34,23 @@
 #include "model/shapes.h"
 
 namespace dl::app {
+
+// --json-out: the results as indented JSON (nothing without a path); the exit code.
+int WriteJsonOut(const std::string& path, const nlohmann::json& j) {
+  if (path.empty()) return 0;
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out) return ReportError(DataLoss("cannot write {}", path));
+  std::printf("  wrote %s\n", path.c_str());
+  return 0;
+}
+
+// The first line of every mode's report: the build and where it ran.
+void PrintBenchHeader(const char* mode, const nlohmann::json& gpu) {
+  std::printf("decodelab bench%s  commit %s  %s\n", mode, BuildCommit().c_str(),
+              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
+}
+
 namespace {
 
 struct BenchFlags {
@@ -62,16 +80,6 @@ std::vector<int32_t> BenchPrompt(int n, int64_t vocab, int salt) {
   return p;
 }
 
-// --json-out: the results as indented JSON (nothing without a path); the exit code.
-int WriteJsonOut(const std::string& path, const nlohmann::json& j) {
-  if (path.empty()) return 0;
-  std::ofstream out(path);
-  out << j.dump(2) << "\n";
-  if (!out) return ReportError(DataLoss("cannot write {}", path));
-  std::printf("  wrote %s\n", path.c_str());
-  return 0;
-}
-
 // The settings every bench result carries (which model, weights, cache and launch mode ran); each
 // mode adds its own.
 nlohmann::json CommonSettings(const BenchFlags& f, const Engine& engine) {
@@ -87,12 +95,6 @@ nlohmann::json CommonSettings(const BenchFlags& f, const Engine& engine) {
           {"page_size", kv.page_size},
           {"prefill_chunk", engine.options.prefill_chunk},
           {"graph", !f.no_graph}};
-}
-
-// The first line of every mode's report: the build and where it ran.
-void PrintBenchHeader(const char* mode, const nlohmann::json& gpu) {
-  std::printf("decodelab bench%s  commit %s  %s\n", mode, BuildCommit().c_str(),
-              gpu.is_null() ? "cpu" : gpu["name"].get<std::string>().c_str());
 }
 
 // One run: `concurrency` requests at once through a fresh scheduler.
@@ -861,8 +863,10 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
       ->default_val(20)
       ->check(CLI::Range(1, 10000));
   AddBenchServeCommand(cmd, ctx);
+  AddBenchCommCommand(cmd, ctx);
   cmd->callback([flags, &ctx, cmd] {
-    if (cmd->get_subcommand("serve")->parsed()) return;  // `bench serve` ran instead
+    // `bench serve` or `bench comm` ran instead
+    if (cmd->get_subcommand("serve")->parsed() || cmd->get_subcommand("comm")->parsed()) return;
     ctx.exit_code = RunBench(*flags);
   });
 }

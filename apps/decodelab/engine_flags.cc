@@ -54,8 +54,14 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--tp", tp,
                   "Tensor-parallel ranks, threads of this process. CUDA: rank r runs on GPU r % (visible "
                   "GPUs), so a tp above the GPU count shares GPUs round-robin; NCCL when every rank has its "
-                  "own GPU, else the in-process device communicator (eager forwards). docs/tensor-parallel.md")
+                  "own GPU, else the one-shot device communicator (--tp-transport). docs/tensor-parallel.md")
       ->default_val(1);
+  cmd->add_option("--tp-transport", tp_transport,
+                  "CUDA tensor parallelism's communicator: auto (nccl when every rank has its own GPU and NCCL "
+                  "loads, else device-oneshot), device-oneshot (rank-order sum, inside the CUDA graphs), "
+                  "device-in-process (the same sum through host meetings; eager forwards) or nccl")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "device-oneshot", "device-in-process", "nccl"}));
   cmd->add_option("--embedding", embedding,
                   "How tensor-parallel ranks hold the embedding: replicated (whole table on every rank, "
                   "no collective) or vocab-parallel (a slice per rank, one all-reduce)")
@@ -179,6 +185,7 @@ Result<EngineOptions> EngineFlags::ToOptions() const {
   if (tp < 1) return InvalidArgument("--tp must be at least 1 (got {})", tp);
   o.tp = tp;
   DL_ASSIGN_OR_RETURN(o.embedding, ParseEmbeddingMode(embedding));
+  o.tp_transport = tp_transport;
   return o;
 }
 
@@ -193,7 +200,7 @@ std::vector<std::string> EngineFlags::ToArgs() const {
                      "--max-seq-len", std::to_string(max_seq_len), "--prefill-chunk", std::to_string(prefill_chunk)});
   if (!kv_scales.empty()) a.insert(a.end(), {"--kv-scales", kv_scales});
   for (const std::string& t : tune) a.insert(a.end(), {"--tune", t});
-  if (tp != 1) a.insert(a.end(), {"--tp", std::to_string(tp), "--embedding", embedding});
+  if (tp != 1) a.insert(a.end(), {"--tp", std::to_string(tp), "--embedding", embedding, "--tp-transport", tp_transport});
   return a;
 }
 

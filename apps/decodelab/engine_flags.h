@@ -29,6 +29,7 @@ struct EngineFlags {
   std::vector<std::string> tune;  // --tune name=value (kernels/tuning.h)
   int tp = 1;                          // --tp (docs/tensor-parallel.md)
   std::string embedding = "replicated";  // --embedding vocab-parallel|replicated
+  std::string tp_transport = "auto";     // --tp-transport (CUDA)
 
   // Adds the flags; `with_kv` adds the cache options too.
   void Add(CLI::App* cmd, bool with_kv = true);

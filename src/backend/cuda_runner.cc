@@ -102,6 +102,9 @@ struct CudaRunner::Impl final : LagunaOps {
   } pending;  // an AddRmsNorm not yet run (folded into its consumer where that pays)
   // The launched forward (Launch to Wait).
   const ForwardBatch* launched = nullptr;
+  // The prepared forward (Prepare to Submit) and its graph (null: eager).
+  const ForwardBatch* prepared = nullptr;
+  GraphCache::Entry* prepared_entry = nullptr;
 
   explicit Impl(const ModelConfig& c) : cfg(c) {}
   cudaStream_t s() const { return stream.get(); }
@@ -224,6 +227,13 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
     int32_t* row = ws.host(ws.tables) + (static_cast<size_t>(g) * z.max_seqs + z.max_seqs - 1) * z.max_pages;
     std::fill(row, row + z.max_pages, -1);
     row[0] = kv.pages_in(static_cast<KvGroup>(g));
+  }
+  if (comm != nullptr && comm->capturable()) {
+    // A rank whose communicator spins on the device (one-shot, NCCL) launches these conversions
+    // after its graph, while a peer's graph may be waiting in a collective: load the kernel now, as
+    // under CUDA lazy loading a first launch may wait for the whole context. (The graphs' kernels are
+    // loaded when they are captured, which CudaTpRunner finishes on every rank before any replays.)
+    DL_RETURN_IF_ERROR(kernels::Bf16ToF32(ws.logits, ws.logits_f32, 1, s()));
   }
   DL_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return Status::Ok();
@@ -748,8 +758,14 @@ const std::vector<std::string>& CudaRunner::layer_presets() const { return impl_
 bool CudaRunner::fallback() const { return impl_->fallback; }
 
 Status CudaRunner::Launch(const ForwardBatch& batch) {
+  DL_RETURN_IF_ERROR(Prepare(batch));
+  return Submit();
+}
+
+Status CudaRunner::Prepare(const ForwardBatch& batch) {
   Impl& m = *impl_;
   if (m.launched != nullptr) return FailedPrecondition("a forward is already in flight");
+  m.prepared = nullptr;
   // A tensor-parallel rank launches from its group's thread: its device, not whatever that thread had.
   DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.opt.device));
   GraphKey key;
@@ -758,26 +774,38 @@ Status CudaRunner::Launch(const ForwardBatch& batch) {
   // The in-process device communicator meets the other ranks on the host at each collective, which a
   // captured graph cannot replay: such a rank runs eagerly (comm/device_communicator.h).
   if (m.comm != nullptr && !m.comm->capturable()) graphed = false;
+  m.prepared_entry = nullptr;
+  if (graphed) {
+    const int64_t before = m.comm != nullptr ? m.comm->collectives_issued() : 0;
+    DL_ASSIGN_OR_RETURN(m.prepared_entry, m.graphs.GetOrCapture(key, m.s(), [&] { return m.Record(batch); }));
+    if (key.rows == 1 && key.outputs == 1) m.decode_kernel_nodes = m.prepared_entry->kernel_nodes;
+    if (m.comm != nullptr) {
+      const int64_t captured = m.comm->collectives_issued() - before;
+      if (captured > 0) m.graph_collectives[key.Name()] = captured;  // 0: replayed, not captured now
+      m.collectives_last_forward = m.graph_collectives[key.Name()];
+    }
+  }
+  m.prepared = &batch;
+  return Status::Ok();
+}
+
+Status CudaRunner::Submit() {
+  Impl& m = *impl_;
+  if (m.prepared == nullptr) return FailedPrecondition("no prepared forward to submit");
+  const ForwardBatch& batch = *std::exchange(m.prepared, nullptr);
+  DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.opt.device));
   cudaStream_t s = m.s();
-  const int64_t collectives_before = m.comm != nullptr ? m.comm->collectives_issued() : 0;
   const bool decode1 = batch.num_rows() == 1 && batch.outputs.size() == 1;
   if (kernels::TimelineBuilt() && decode1 && m.comm == nullptr) {  // diagnostic builds: keep the stamps of the latest step only
     static const Status enabled = kernels::TimelineEnable(size_t{1} << 21);
     DL_RETURN_IF_ERROR(enabled);
     DL_RETURN_IF_ERROR(kernels::TimelineReset(s));
   }
-  if (graphed) {
-    DL_ASSIGN_OR_RETURN(GraphCache::Entry * entry,
-                        m.graphs.GetOrCapture(key, s, [&] { return m.Record(batch); }));
-    if (key.rows == 1 && key.outputs == 1) m.decode_kernel_nodes = entry->kernel_nodes;
-    if (m.comm != nullptr) {
-      const int64_t captured = m.comm->collectives_issued() - collectives_before;
-      if (captured > 0) m.graph_collectives[key.Name()] = captured;  // 0: replayed, not captured now
-      m.collectives_last_forward = m.graph_collectives[key.Name()];
-    }
+  if (m.prepared_entry != nullptr) {
     DL_RETURN_IF_ERROR(m.step_start.Record(s));
-    DL_RETURN_IF_ERROR(entry->exec.Launch(s));
+    DL_RETURN_IF_ERROR(m.prepared_entry->exec.Launch(s));
   } else {
+    const int64_t collectives_before = m.comm != nullptr ? m.comm->collectives_issued() : 0;
     DL_RETURN_IF_ERROR(m.step_start.Record(s));
     DL_RETURN_IF_ERROR(m.Record(batch));
     if (m.comm != nullptr) m.collectives_last_forward = m.comm->collectives_issued() - collectives_before;
@@ -813,6 +841,8 @@ Status CudaRunner::Wait(ForwardResult* result) {
   const ForwardBatch& batch = *std::exchange(m.launched, nullptr);
   DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.opt.device));
   DL_RETURN_IF_ERROR(m.stream.Synchronize());
+  // A one-shot collective that gave up its wait (group aborted, peer timed out) left wrong values.
+  if (m.comm != nullptr) DL_RETURN_IF_ERROR(m.comm->DeviceError());
   const int V = static_cast<int>(m.cfg.vocab_size);
   *result = ForwardResult{};
   DL_ASSIGN_OR_RETURN(float ms, cuda::Event::ElapsedMs(m.step_start, m.step_end));
@@ -875,7 +905,11 @@ nlohmann::json CudaRunner::Describe() const {
            {{{"rank", m.rank},
              {"kernel_nodes", nodes},
              {"collectives", m.collectives_last_forward},
-             {"signature", fmt::format("{}/{}", nodes, m.collectives_last_forward)}}}},
+             {"transport", m.comm != nullptr ? m.comm->transport() : "none"},
+             // Under tensor parallelism the communicator is part of what the graph is.
+             {"signature", m.comm != nullptr
+                               ? fmt::format("{}/{}/{}", nodes, m.collectives_last_forward, m.comm->transport())
+                               : fmt::format("{}/{}", nodes, m.collectives_last_forward)}}}},
           {"graphs", graphs},
           {"kv_dtype", std::string(DTypeName(m.kv.dtype))},
           {"page_size", m.kv.page_size},
@@ -924,6 +958,8 @@ const KvScales& CudaRunner::kv_scales() const { return kNoScales; }
 int32_t CudaRunner::max_rows() const { return 0; }
 int32_t CudaRunner::max_outputs() const { return 0; }
 Status CudaRunner::Launch(const ForwardBatch&) { return Unavailable("no CUDA backend in this build"); }
+Status CudaRunner::Prepare(const ForwardBatch&) { return Unavailable("no CUDA backend in this build"); }
+Status CudaRunner::Submit() { return Unavailable("no CUDA backend in this build"); }
 Status CudaRunner::Wait(ForwardResult*) { return Unavailable("no CUDA backend in this build"); }
 Result<std::pair<std::vector<float>, std::vector<float>>> CudaRunner::KvPoolAbsMax() {
   return Unavailable("no CUDA backend in this build");

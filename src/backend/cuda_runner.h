@@ -65,9 +65,18 @@ class CudaRunner : public ModelRunner {
   const KvScales& kv_scales() const override;
   int32_t max_rows() const override;
   int32_t max_outputs() const override;
-  Status Launch(const ForwardBatch& batch) override;
+  Status Launch(const ForwardBatch& batch) override;  // Prepare, then Submit
   Status Wait(ForwardResult* result) override;
   nlohmann::json Describe() const override;
+
+  // Launch in two steps, for tensor-parallel ranks whose collectives spin on the device (one-shot,
+  // NCCL): every rank captures its graph (Prepare) before any rank's graph runs (Submit), so that no
+  // rank loads or captures kernels while a peer's kernel waits for it. Prepare stages the inputs and
+  // captures the graph a new shape needs (the one-shot collectives meet on the host while being
+  // recorded); Submit launches the graph, or records the forward eagerly. `batch` must live until
+  // Wait.
+  Status Prepare(const ForwardBatch& batch);
+  Status Submit();
 
   // Per-layer max |x| over the K and V pools (BF16 caches only): FP8 scale calibration runs the
   // built-in prompts through a BF16 cache, then reads these.

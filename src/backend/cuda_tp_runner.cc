@@ -15,9 +15,18 @@ const char* CudaTpTransportName(CudaTpTransport t) {
   switch (t) {
     case CudaTpTransport::kAuto: return "auto";
     case CudaTpTransport::kDeviceInProcess: return "device-in-process";
+    case CudaTpTransport::kDeviceOneShot: return "device-oneshot";
     case CudaTpTransport::kNccl: return "nccl";
   }
   return "?";
+}
+
+Result<CudaTpTransport> ParseCudaTpTransport(std::string_view name) {
+  for (CudaTpTransport t : {CudaTpTransport::kAuto, CudaTpTransport::kDeviceInProcess, CudaTpTransport::kDeviceOneShot,
+                            CudaTpTransport::kNccl}) {
+    if (name == CudaTpTransportName(t)) return t;
+  }
+  return InvalidArgument("tensor-parallel transport '{}': auto, device-in-process, device-oneshot or nccl", name);
 }
 
 std::vector<int> TpRankDevices(int tp, int gpus) {
@@ -88,7 +97,7 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
   if (transport == CudaTpTransport::kAuto) {
     transport = own_gpus && tp > 1 && comm::BuiltWithNccl() && comm::FindNcclLibrary(comm::DefaultNcclLibraryCandidates()).ok()
                     ? CudaTpTransport::kNccl
-                    : CudaTpTransport::kDeviceInProcess;
+                    : CudaTpTransport::kDeviceOneShot;
   }
   if (transport == CudaTpTransport::kNccl) {
     DL_ASSIGN_OR_RETURN(runner->owned_, comm::CreateNcclGroup(runner->devices_));
@@ -100,7 +109,16 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
     for (const RankShard& r : runner->plan_.ranks) vocab_stride = std::max(vocab_stride, r.lm_head_vocab.size);
     const size_t capacity = std::max<size_t>(static_cast<size_t>(std::max(1, base.max_rows)) * c.hidden_size * 2,
                                              static_cast<size_t>(std::max(1, base.max_outputs)) * vocab_stride * 2);
-    DL_ASSIGN_OR_RETURN(runner->in_process_, comm::DeviceGroup::CreateInProcess(runner->devices_, capacity, timeout_s));
+    if (transport == CudaTpTransport::kDeviceOneShot) {
+      // One-shot slots as large as the largest collective: every forward's graph can hold its
+      // collectives.
+      comm::DeviceGroup::OneShotOptions oneshot;
+      oneshot.capacity_bytes = capacity;
+      DL_ASSIGN_OR_RETURN(runner->in_process_,
+                          comm::DeviceGroup::CreateOneShot(runner->devices_, capacity, oneshot, timeout_s));
+    } else {
+      DL_ASSIGN_OR_RETURN(runner->in_process_, comm::DeviceGroup::CreateInProcess(runner->devices_, capacity, timeout_s));
+    }
     for (int r = 0; r < tp; ++r) runner->comms_.push_back(&runner->in_process_->rank(r));
   }
   for (int r = 0; r < tp; ++r) {
@@ -111,6 +129,7 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
     runner->ranks_.push_back(std::move(rank).value());
   }
   runner->threads_ = std::make_unique<RankThreads>(tp);
+  runner->prepared_ = std::make_unique<comm::RankBarrier>(tp, timeout_s, "tensor-parallel ranks' graph capture");
   return runner;
 }
 
@@ -129,7 +148,14 @@ void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) { threads_->Inj
 
 Status CudaTpRunner::LaunchRank(int r, const ForwardBatch& batch) {
   Status st = threads_->TakeInjected(r);
-  if (st.ok()) st = ranks_[r]->Launch(batch);
+  if (st.ok()) st = ranks_[r]->Prepare(batch);
+  // No rank's graph runs before every rank has captured its own (CudaRunner::Prepare says why).
+  if (st.ok()) {
+    st = prepared_->Arrive(r, "prepare");
+  } else {
+    prepared_->Abort(r, st);
+  }
+  if (st.ok()) st = ranks_[r]->Submit();
   // A failed rank must not leave the others waiting in a collective it will never join.
   if (!st.ok()) comms_[r]->Abort(st);
   return st;
@@ -206,6 +232,7 @@ nlohmann::json CudaTpRunner::Describe() const {
     ranks.push_back({{"rank", r},
                      {"device", devices_[r]},
                      {"collectives_last_forward", ranks_[r]->collectives_last_forward()},
+                     {"decode_graph_kernel_nodes", ranks_[r]->kernel_nodes()},
                      {"kv_heads", plan_.ranks[r].layers.empty() ? 0 : plan_.ranks[r].layers[0].kv_heads.size},
                      {"kv_scales", ranks_[r]->kv_scales().ToJson()},
                      {"lm_head_vocab", {plan_.ranks[r].lm_head_vocab.begin, plan_.ranks[r].lm_head_vocab.end()}}});

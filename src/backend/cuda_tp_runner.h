@@ -6,28 +6,33 @@
 //
 // Rank r runs on GPU r % gpus: with more ranks than visible GPUs, ranks share GPUs round-robin (each
 // with its own stream, weights and workspace). The communicator: NCCL when every rank has a GPU of its
-// own and NCCL loads (collectives inside the ranks' CUDA graphs), else the in-process device
-// communicator (any ranks on any GPUs; the rank-order FP32 sum; forwards run eagerly). A rank whose
-// forward fails aborts the group, and every later step is refused with the error
-// (docs/tensor-parallel.md).
+// own and NCCL loads, else the one-shot device communicator (any ranks on any GPUs; the rank-order
+// FP32 sum); with either, each rank's forwards are CUDA graphs with the collectives inside. The
+// in-process device communicator (host meetings, eager forwards) on request. A rank whose forward
+// fails aborts the group, and every later step is refused with the error (docs/tensor-parallel.md).
 #pragma once
 
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "backend/cuda_runner.h"
 #include "backend/rank_threads.h"
 #include "comm/device_communicator.h"
+#include "comm/rank_barrier.h"
 #include "model/shard_plan.h"
 
 namespace dl {
 
 enum class CudaTpTransport : uint8_t {
-  kAuto,             // NCCL when every rank has its own GPU and NCCL loads, else kDeviceInProcess
-  kDeviceInProcess,  // comm::DeviceGroup::CreateInProcess
+  kAuto,             // NCCL when every rank has its own GPU and NCCL loads, else kDeviceOneShot
+  kDeviceInProcess,  // comm::DeviceGroup::CreateInProcess (not capturable: eager forwards)
+  kDeviceOneShot,    // comm::DeviceGroup::CreateOneShot
   kNccl,             // comm::CreateNcclGroup (one rank per GPU)
 };
-const char* CudaTpTransportName(CudaTpTransport t);  // "auto", "device-in-process", "nccl"
+// "auto", "device-in-process", "device-oneshot", "nccl"
+const char* CudaTpTransportName(CudaTpTransport t);
+Result<CudaTpTransport> ParseCudaTpTransport(std::string_view name);
 
 // Rank r's GPU when `tp` ranks share `gpus` visible GPUs: r % gpus.
 std::vector<int> TpRankDevices(int tp, int gpus);
@@ -87,6 +92,8 @@ class CudaTpRunner final : public ModelRunner {
   // Ranks 1..tp-1 on their own threads: each enqueues its forward concurrently with the others (the
   // in-process communicator's ranks meet at every collective while enqueuing).
   std::unique_ptr<RankThreads> threads_;
+  // Between every rank's CudaRunner::Prepare and any rank's Submit (cuda_runner.h says why).
+  std::unique_ptr<comm::RankBarrier> prepared_;
 
   bool in_flight_ = false;
   Status broken_;  // set once a forward failed on some rank: the group is gone

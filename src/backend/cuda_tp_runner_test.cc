@@ -30,6 +30,20 @@ TEST(CudaTpRunnerTest, RanksShareGpusRoundRobin) {
   EXPECT_EQ(TpRankDevices(1, 4), (std::vector<int>{0}));
 }
 
+// --tp-transport's names round-trip, and an unknown one is refused naming the choices.
+TEST(CudaTpRunnerTest, TransportNamesRoundTrip) {
+  for (CudaTpTransport t : {CudaTpTransport::kAuto, CudaTpTransport::kDeviceInProcess, CudaTpTransport::kDeviceOneShot,
+                            CudaTpTransport::kNccl}) {
+    auto back = ParseCudaTpTransport(CudaTpTransportName(t));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, t);
+  }
+  EXPECT_STREQ(CudaTpTransportName(CudaTpTransport::kDeviceOneShot), "device-oneshot");
+  auto bad = ParseCudaTpTransport("oneshot");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("device-oneshot"), std::string::npos) << bad.status().ToString();
+}
+
 TEST(CudaTpRunnerTest, ShardsTheKernelsCanRunAreAccepted) {
   const ModelConfig c = Tiny();
   auto ck = MakeSyntheticCheckpoint(c, 1, DType::kBF16, nullptr);

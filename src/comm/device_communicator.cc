@@ -1,6 +1,7 @@
 #include "comm/device_communicator.h"
 
 #include <algorithm>
+#include <functional>
 #include <set>
 
 #include <fmt/format.h>
@@ -15,6 +16,7 @@
 #include "comm/device_reduce.h"
 #include "cuda/buffer.h"
 #include "cuda/check.h"
+#include "cuda/memory.h"
 #endif
 
 namespace dl::comm {
@@ -50,11 +52,16 @@ class InProcessDeviceGroup;
 //
 // The meeting is on the host, at enqueue time: no thread waits for the GPU (the device-side order is
 // all events), but the ranks' threads must enqueue their forwards concurrently. It is also why this
-// group is not capturable: an event wait inside one rank's graph could not name another rank's
+// path is not capturable: an event wait inside one rank's graph could not name another rank's
 // record of the same step.
+//
+// A one-shot rank ("device-oneshot") takes that path outside stream capture; inside a capture each
+// collective is the one-shot kernel of comm/device_reduce.h over the rank's own slots, flags and
+// epochs, the ranks meeting on the host only while recording (the size check).
 class InProcessDeviceRank final : public DeviceCommunicator {
  public:
-  InProcessDeviceRank(InProcessDeviceGroup* group, int rank, int device) : group_(group), rank_(rank), device_(device) {}
+  InProcessDeviceRank(InProcessDeviceGroup* group, int rank, int device, bool oneshot)
+      : group_(group), rank_(rank), device_(device), oneshot_(oneshot) {}
   ~InProcessDeviceRank() override {
     for (auto* e : ready_) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -69,19 +76,49 @@ class InProcessDeviceRank final : public DeviceCommunicator {
     capacity_ = capacity;
     return Status::Ok();
   }
+  // The one-shot buffers on this rank's device: two slots of `capacity` (rounded up to 16 bytes),
+  // zeroed flags and epochs. The view's peer pointers are filled in by the group once every rank has
+  // its buffers.
+  Status InitOneShot(size_t capacity, int blocks) {
+    DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const size_t slot = std::max<size_t>(16, (capacity + 15) / 16 * 16);
+    DL_ASSIGN_OR_RETURN(os_slots_, cuda::DeviceBuffer::Create(2 * slot));
+    DL_ASSIGN_OR_RETURN(os_flags_,
+                        cuda::DeviceBuffer::Create(sizeof(uint64_t) * kMaxOneShotBlocks * kMaxOneShotRanks));
+    DL_ASSIGN_OR_RETURN(os_epochs_, cuda::DeviceBuffer::Create(sizeof(uint64_t) * kMaxOneShotBlocks));
+    DL_RETURN_IF_ERROR(os_flags_.Fill(0));
+    DL_RETURN_IF_ERROR(os_epochs_.Fill(0));
+    os_capacity_ = capacity;
+    view_.rank = rank_;
+    view_.blocks = blocks;
+    view_.capacity = slot;
+    view_.epochs = os_epochs_.as<uint64_t>();
+    return Status::Ok();
+  }
+  OneShotView& view() { return view_; }
+  void* oneshot_slots() const { return os_slots_.data(); }
+  uint64_t* oneshot_flags() const { return os_flags_.as<uint64_t>(); }
+
   int rank() const override { return rank_; }
   int size() const override;
   int device() const override { return device_; }
-  std::string transport() const override { return "device-in-process"; }
-  bool capturable() const override { return false; }
+  std::string transport() const override { return oneshot_ ? "device-oneshot" : "device-in-process"; }
+  bool capturable() const override { return oneshot_; }
   Status AllReduceSum(void* data, int64_t count, DeviceElem elem, CUstream_st* stream) override;
   Status AllGather(const void* local, size_t bytes, void* out, CUstream_st* stream) override;
   void Abort(const Status& reason) override;
+  Status DeviceError() const override;
 
   const void* staging(int slot) const { return staging_[slot].data(); }
   cudaEvent_t ready(int slot) const { return ready_[slot]; }
 
  private:
+  // Whether this call records a one-shot kernel: a one-shot rank whose stream is being captured.
+  Result<bool> RecordsOneShot(cudaStream_t stream) const;
+  // The one-shot call's host part while recording: count it, check the capacity, meet the others
+  // (agreeing on the size), then `launch`.
+  Status RecordOneShot(const char* what, size_t bytes, const std::function<Status()>& launch);
+
   // Steps 1 and 2 of a collective of `bytes` input bytes: returns the slot.
   Result<int> Post(const void* input, size_t bytes, const char* what, cudaStream_t stream);
   // Step 3's waits.
@@ -92,20 +129,49 @@ class InProcessDeviceRank final : public DeviceCommunicator {
   size_t capacity_ = 0;
   cuda::DeviceBuffer staging_[2];
   cudaEvent_t ready_[2] = {nullptr, nullptr};
-  uint64_t issued_ = 0;  // this rank's collectives so far (the same on every rank between meetings)
+  uint64_t issued_ = 0;  // this rank's eager collectives so far (the same on every rank between meetings)
+  // One-shot (oneshot_ only).
+  const bool oneshot_;
+  size_t os_capacity_ = 0;
+  cuda::DeviceBuffer os_slots_, os_flags_, os_epochs_;
+  OneShotView view_;
 };
 
 class InProcessDeviceGroup final : public DeviceGroup {
  public:
   InProcessDeviceGroup(int size, double timeout_s)
-      : size_(size), barrier_(size, timeout_s, "tensor-parallel device group"), bytes_(size, 0) {}
-  Status Init(const std::vector<int>& devices, size_t capacity) {
+      : size_(size), timeout_s_(timeout_s), barrier_(size, timeout_s, "tensor-parallel device group"), bytes_(size, 0) {}
+  // `oneshot`: null for the device-in-process group.
+  Status Init(const std::vector<int>& devices, size_t capacity, const OneShotOptions* oneshot) {
     for (int r = 0; r < size_; ++r) {
-      ranks_.push_back(std::make_unique<InProcessDeviceRank>(this, r, devices[r]));
-      DL_RETURN_IF_ERROR(ranks_.back()->Init(capacity).WithContext(fmt::format("rank {} on device {}", r, devices[r])));
+      ranks_.push_back(std::make_unique<InProcessDeviceRank>(this, r, devices[r], oneshot != nullptr));
+      const std::string where = fmt::format("rank {} on device {}", r, devices[r]);
+      DL_RETURN_IF_ERROR(ranks_.back()->Init(capacity).WithContext(where));
+      if (oneshot != nullptr) {
+        DL_RETURN_IF_ERROR(ranks_.back()->InitOneShot(oneshot->capacity_bytes, oneshot->blocks).WithContext(where));
+      }
+    }
+    if (oneshot == nullptr) return Status::Ok();
+    // [0]: the group's abort word; [1 + r]: rank r's error word. Pinned host memory is mapped into
+    // every device at the same address (unified addressing).
+    DL_ASSIGN_OR_RETURN(words_, cuda::PinnedBuffer::Allocate(sizeof(uint32_t) * (1 + size_)));
+    for (int i = 0; i <= size_; ++i) words_.as<uint32_t>()[i] = 0;
+    for (int r = 0; r < size_; ++r) {
+      OneShotView& v = ranks_[r]->view();
+      v.size = size_;
+      for (int q = 0; q < size_; ++q) {
+        v.slots[q] = ranks_[q]->oneshot_slots();
+        v.flags[q] = ranks_[q]->oneshot_flags();
+      }
+      v.abort = words_.as<uint32_t>();
+      v.error = words_.as<uint32_t>() + 1 + r;
+      v.timeout_ns = static_cast<uint64_t>(std::min(timeout_s_, 1e9) * 1e9);
     }
     return Status::Ok();
   }
+  // The device-side outcome of rank r's one-shot waits (0 none, 1 aborted, 2 timed out).
+  uint32_t device_error(int r) const { return words_.bytes() == 0 ? 0u : *(volatile uint32_t*)(words_.as<uint32_t>() + 1 + r); }
+  double timeout_s() const { return timeout_s_; }
   DeviceCommunicator& rank(int r) override { return *ranks_[r]; }
   InProcessDeviceRank& device_rank(int r) { return *ranks_[r]; }
   int size() const override { return size_; }
@@ -123,10 +189,16 @@ class InProcessDeviceGroup final : public DeviceGroup {
     });
   }
 
-  void Abort(int r, const Status& reason) { barrier_.Abort(r, reason); }
+  void Abort(int r, const Status& reason) {
+    // Spinning one-shot kernels (already launched graphs) leave at their next look at the word.
+    if (words_.bytes() > 0) *(volatile uint32_t*)words_.as<uint32_t>() = 1;
+    barrier_.Abort(r, reason);
+  }
 
  private:
   const int size_;
+  const double timeout_s_;
+  cuda::PinnedBuffer words_;
   std::vector<std::unique_ptr<InProcessDeviceRank>> ranks_;
   RankBarrier barrier_;
   std::vector<size_t> bytes_;
@@ -160,8 +232,48 @@ Status InProcessDeviceRank::WaitForOthers(int slot, cudaStream_t stream) {
   return Status::Ok();
 }
 
+Result<bool> InProcessDeviceRank::RecordsOneShot(cudaStream_t stream) const {
+  if (!oneshot_) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  DL_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+Status InProcessDeviceRank::RecordOneShot(const char* what, size_t bytes, const std::function<Status()>& launch) {
+  ++collectives_issued_;
+  if (bytes > os_capacity_) {
+    Status st = InvalidArgument(
+        "device {} of {} bytes inside a CUDA graph capture exceeds the one-shot capacity of {} bytes (a graph "
+        "cannot hold the host-meeting path: run it eagerly, or create the group with a larger one-shot capacity)",
+        what, bytes, os_capacity_);
+    Abort(st);  // the other ranks would otherwise wait for this one at the meeting
+    return st;
+  }
+  DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  DL_RETURN_IF_ERROR(group_->Meet(rank_, bytes, what));
+  return launch();
+}
+
+Status InProcessDeviceRank::DeviceError() const {
+  switch (group_->device_error(rank_)) {
+    case 0: return Status::Ok();
+    case 1:
+      return Status(StatusCode::kCancelled,
+                    fmt::format("rank {}'s one-shot collective left its wait because the device group was aborted",
+                                rank_));
+    default:
+      return Status(StatusCode::kDeadlineExceeded,
+                    fmt::format("rank {} waited more than {} s in a one-shot collective for a peer that never came",
+                                rank_, group_->timeout_s()));
+  }
+}
+
 Status InProcessDeviceRank::AllReduceSum(void* data, int64_t count, DeviceElem elem, CUstream_st* stream) {
   const size_t bytes = static_cast<size_t>(count) * DeviceElemBytes(elem);
+  DL_ASSIGN_OR_RETURN(const bool oneshot, RecordsOneShot(stream));
+  if (oneshot) {
+    return RecordOneShot("all-reduce", bytes, [&] { return LaunchOneShotAllReduce(view_, data, count, elem, stream); });
+  }
   DL_ASSIGN_OR_RETURN(const int slot, Post(data, bytes, "all-reduce", stream));
   DL_RETURN_IF_ERROR(WaitForOthers(slot, stream));
   if (count == 0) return Status::Ok();
@@ -171,6 +283,10 @@ Status InProcessDeviceRank::AllReduceSum(void* data, int64_t count, DeviceElem e
 }
 
 Status InProcessDeviceRank::AllGather(const void* local, size_t bytes, void* out, CUstream_st* stream) {
+  DL_ASSIGN_OR_RETURN(const bool oneshot, RecordsOneShot(stream));
+  if (oneshot) {
+    return RecordOneShot("all-gather", bytes, [&] { return LaunchOneShotAllGather(view_, local, bytes, out, stream); });
+  }
   DL_ASSIGN_OR_RETURN(const int slot, Post(local, bytes, "all-gather", stream));
   DL_RETURN_IF_ERROR(WaitForOthers(slot, stream));
   if (bytes == 0) return Status::Ok();
@@ -215,8 +331,10 @@ Status EnablePeerAccess(const std::vector<int>& devices) {
 
 }  // namespace
 
-Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateInProcess(const std::vector<int>& devices,
-                                                                 size_t capacity_bytes, double timeout_s) {
+namespace {
+
+Result<std::shared_ptr<DeviceGroup>> CreateGroup(const std::vector<int>& devices, size_t capacity_bytes,
+                                                 const DeviceGroup::OneShotOptions* oneshot, double timeout_s) {
   if (devices.empty()) return InvalidArgument("a device group needs at least one rank");
   if (devices.size() > kMaxReduceRanks) {
     return InvalidArgument("a device group of {} ranks exceeds the {} the rank-order sum takes", devices.size(),
@@ -230,15 +348,44 @@ Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateInProcess(const std::vec
   int previous = 0;
   DL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
   DL_RETURN_IF_ERROR(EnablePeerAccess(devices));
+  if (oneshot != nullptr) {
+    for (int d : std::set<int>(devices.begin(), devices.end())) {
+      DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(d));
+      DL_RETURN_IF_ERROR(PreloadOneShotKernels().WithContext(fmt::format("device {}", d)));
+    }
+  }
   auto group = std::make_shared<InProcessDeviceGroup>(static_cast<int>(devices.size()), timeout_s);
-  DL_RETURN_IF_ERROR(group->Init(devices, capacity_bytes));
+  DL_RETURN_IF_ERROR(group->Init(devices, capacity_bytes, oneshot));
   DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(previous));
   return std::shared_ptr<DeviceGroup>(std::move(group));
+}
+
+}  // namespace
+
+Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateInProcess(const std::vector<int>& devices,
+                                                                 size_t capacity_bytes, double timeout_s) {
+  return CreateGroup(devices, capacity_bytes, nullptr, timeout_s);
+}
+
+Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateOneShot(const std::vector<int>& devices, size_t capacity_bytes,
+                                                               const OneShotOptions& oneshot, double timeout_s) {
+  if (devices.size() > static_cast<size_t>(kMaxOneShotRanks)) {
+    return InvalidArgument("a one-shot device group of {} ranks exceeds the {} its kernels take", devices.size(),
+                           kMaxOneShotRanks);
+  }
+  if (oneshot.blocks < 1 || oneshot.blocks > kMaxOneShotBlocks) {
+    return InvalidArgument("one-shot blocks {}: 1 to {}", oneshot.blocks, kMaxOneShotBlocks);
+  }
+  return CreateGroup(devices, capacity_bytes, &oneshot, timeout_s);
 }
 
 #else  // no CUDA in this build
 
 Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateInProcess(const std::vector<int>&, size_t, double) {
+  return Unavailable("device communicators need a CUDA build of decodelab");
+}
+Result<std::shared_ptr<DeviceGroup>> DeviceGroup::CreateOneShot(const std::vector<int>&, size_t, const OneShotOptions&,
+                                                               double) {
   return Unavailable("device communicators need a CUDA build of decodelab");
 }
 

@@ -47,6 +47,26 @@ TEST(DeviceCommunicatorTest, InProcessGroupWithoutAGpuIsAnError) {
   auto g = DeviceGroup::CreateInProcess({0, 0}, 1024);
   ASSERT_FALSE(g.ok());
   EXPECT_FALSE(g.status().message().empty());
+  auto one = DeviceGroup::CreateOneShot({0, 0}, 1024, {});
+  ASSERT_FALSE(one.ok());
+  EXPECT_FALSE(one.status().message().empty());
+}
+
+// The one-shot group's limits are refused before any GPU work: at most 16 ranks (the kernels' flag
+// rows), a grid of 1 to 64 blocks.
+TEST(DeviceCommunicatorTest, OneShotLimitsAreRefused) {
+  auto many = DeviceGroup::CreateOneShot(std::vector<int>(17, 0), 1024, {});
+  ASSERT_FALSE(many.ok());
+#if defined(DECODELAB_HAVE_CUDA)
+  EXPECT_NE(many.status().message().find("17 ranks"), std::string::npos) << many.status().ToString();
+  for (int blocks : {0, 65}) {
+    DeviceGroup::OneShotOptions o;
+    o.blocks = blocks;
+    auto g = DeviceGroup::CreateOneShot({0, 0}, 1024, o);
+    ASSERT_FALSE(g.ok());
+    EXPECT_NE(g.status().message().find("blocks"), std::string::npos) << g.status().ToString();
+  }
+#endif
 }
 
 }  // namespace

@@ -30,6 +30,157 @@ __global__ void SumInRankOrderKernel(RankPointers in, int n, T* out, int64_t cou
   }
 }
 
+// ---- One-shot collectives (device_reduce.h says how a call runs) ----
+
+__device__ __forceinline__ void StoreRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Step 2 for block b of this rank: every thread's slot writes are done (bar.sync), thread t < size
+// tells rank t and waits for rank t. False when the wait gave up (abort or timeout): the block then
+// leaves without combining.
+__device__ __forceinline__ bool OneShotBarrier(const OneShotView& v, uint64_t epoch, volatile int* failed) {
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int b = blockIdx.x;
+  if (t < v.size) {
+    StoreRelease(v.flags[t] + b * kMaxOneShotRanks + v.rank, epoch);
+    const uint64_t* mine = v.flags[v.rank] + b * kMaxOneShotRanks + t;
+    uint32_t spins = 0;
+    uint64_t start = 0;
+    while (LoadAcquire(mine) < epoch) {
+      if ((++spins & 1023u) != 0) continue;
+      // Host-mapped reads are slow: every 1024 spins only.
+      if (*v.abort != 0) {
+        if (*v.error == 0) *v.error = 1;
+        *failed = 1;
+        break;
+      }
+      const uint64_t now = GlobalTimerNs();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > v.timeout_ns) {
+        if (*v.error == 0) *v.error = 2;
+        *failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return *failed == 0;
+}
+
+template <typename T, int kV>
+struct alignas(sizeof(T) * kV) Pack {
+  T e[kV];
+};
+
+// data [count] of T, in place. Units of kV elements (16 bytes when data is 16-byte aligned, else
+// one element) split over the grid by u = b * threads + t, u += blocks * threads; the count % kV
+// tail elements go to block 0's first threads, in both steps.
+template <typename T, int kV>
+__global__ void __launch_bounds__(kOneShotThreads) OneShotAllReduceKernel(OneShotView v, T* data, int64_t count) {
+  using P = Pack<T, kV>;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const int b = blockIdx.x;
+  const uint64_t epoch = v.epochs[b] + 1;
+  const size_t off = (epoch & 1) * v.capacity;
+  const int64_t units = count / kV, tail0 = units * kV;
+  const int64_t first = static_cast<int64_t>(b) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool tail = b == 0 && static_cast<int64_t>(threadIdx.x) < count - tail0;
+  {
+    P* mine = reinterpret_cast<P*>(static_cast<char*>(v.slots[v.rank]) + off);
+    const P* in = reinterpret_cast<const P*>(data);
+    for (int64_t u = first; u < units; u += stride) mine[u] = in[u];
+    if (tail) reinterpret_cast<T*>(mine)[tail0 + threadIdx.x] = data[tail0 + threadIdx.x];
+  }
+  if (OneShotBarrier(v, epoch, &failed)) {
+    for (int64_t u = first; u < units; u += stride) {
+      float acc[kV];
+      const P p0 = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[0]) + off)[u];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc[k] = Load(p0.e, k);
+      for (int q = 1; q < v.size; ++q) {
+        const P pq = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[q]) + off)[u];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) acc[k] = __fadd_rn(acc[k], Load(pq.e, k));
+      }
+      P o;
+#pragma unroll
+      for (int k = 0; k < kV; ++k) Store(o.e, k, acc[k]);
+      reinterpret_cast<P*>(data)[u] = o;
+    }
+    if (tail) {
+      const int64_t i = tail0 + threadIdx.x;
+      float acc = Load(reinterpret_cast<const T*>(static_cast<const char*>(v.slots[0]) + off), i);
+      for (int q = 1; q < v.size; ++q) {
+        acc = __fadd_rn(acc, Load(reinterpret_cast<const T*>(static_cast<const char*>(v.slots[q]) + off), i));
+      }
+      Store(data, i, acc);
+    }
+  }
+  if (threadIdx.x == 0) v.epochs[b] = epoch;
+}
+
+// local [units] of U (the widest unit that divides the bytes and both pointers' alignment) into
+// out [size, units], rank q's at q * units.
+template <typename U>
+__global__ void __launch_bounds__(kOneShotThreads) OneShotAllGatherKernel(OneShotView v, const U* local, int64_t units,
+                                                                         U* out) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const int b = blockIdx.x;
+  const uint64_t epoch = v.epochs[b] + 1;
+  const size_t off = (epoch & 1) * v.capacity;
+  const int64_t first = static_cast<int64_t>(b) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  U* mine = reinterpret_cast<U*>(static_cast<char*>(v.slots[v.rank]) + off);
+  for (int64_t u = first; u < units; u += stride) mine[u] = local[u];
+  if (OneShotBarrier(v, epoch, &failed)) {
+    for (int q = 0; q < v.size; ++q) {
+      const U* src = reinterpret_cast<const U*>(static_cast<const char*>(v.slots[q]) + off);
+      for (int64_t u = first; u < units; u += stride) out[q * units + u] = src[u];
+    }
+  }
+  if (threadIdx.x == 0) v.epochs[b] = epoch;
+}
+
+Status CheckLaunch(const char* what, const OneShotView& v) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal("one-shot {} on rank {} of {}: {}", what, v.rank, v.size, cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+Status CheckView(const OneShotView& v) {
+  if (v.size < 1 || v.size > kMaxOneShotRanks || v.rank < 0 || v.rank >= v.size || v.blocks < 1 ||
+      v.blocks > kMaxOneShotBlocks) {
+    return InvalidArgument("one-shot view: rank {} of {}, {} blocks (at most {} ranks, {} blocks)", v.rank, v.size,
+                           v.blocks, kMaxOneShotRanks, kMaxOneShotBlocks);
+  }
+  return Status::Ok();
+}
+
+template <typename U>
+void LaunchGather(const OneShotView& v, const void* local, size_t bytes, void* out, cudaStream_t s) {
+  OneShotAllGatherKernel<U><<<v.blocks, kOneShotThreads, 0, s>>>(v, static_cast<const U*>(local),
+                                                                   static_cast<int64_t>(bytes / sizeof(U)),
+                                                                   static_cast<U*>(out));
+}
+
+bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
 }  // namespace
 
 Status LaunchSumInRankOrder(const std::vector<const void*>& inputs, void* out, int64_t count, DeviceElem elem,
@@ -52,6 +203,77 @@ Status LaunchSumInRankOrder(const std::vector<const void*>& inputs, void* out, i
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal("rank-order sum of {} {} over {} ranks: {}", count, DeviceElemName(elem), n,
                                         cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+}  // namespace dl::comm
+
+namespace dl::comm {
+
+Status LaunchOneShotAllReduce(const OneShotView& v, void* data, int64_t count, DeviceElem elem, CUstream_st* stream) {
+  DL_RETURN_IF_ERROR(CheckView(v));
+  const size_t bytes = static_cast<size_t>(count) * DeviceElemBytes(elem);
+  if (count < 0 || bytes > v.capacity) {
+    return InvalidArgument("one-shot all-reduce of {} bytes exceeds the slot capacity of {}", bytes, v.capacity);
+  }
+  // Every call runs the whole grid, even with nothing to add: the epochs of all blocks advance together.
+  const bool vec = Aligned(data, 16);
+  if (elem == DeviceElem::kF32) {
+    auto* d = static_cast<float*>(data);
+    if (vec) {
+      OneShotAllReduceKernel<float, 4><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+    } else {
+      OneShotAllReduceKernel<float, 1><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+    }
+  } else {
+    auto* d = static_cast<__nv_bfloat16*>(data);
+    if (vec) {
+      OneShotAllReduceKernel<__nv_bfloat16, 8><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+    } else {
+      OneShotAllReduceKernel<__nv_bfloat16, 1><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+    }
+  }
+  return CheckLaunch("all-reduce", v);
+}
+
+Status LaunchOneShotAllGather(const OneShotView& v, const void* local, size_t bytes, void* out, CUstream_st* stream) {
+  DL_RETURN_IF_ERROR(CheckView(v));
+  if (bytes > v.capacity) {
+    return InvalidArgument("one-shot all-gather of {} bytes per rank exceeds the slot capacity of {}", bytes,
+                           v.capacity);
+  }
+  auto fits = [&](size_t a) { return bytes % a == 0 && Aligned(local, a) && Aligned(out, a); };
+  if (fits(16)) {
+    LaunchGather<uint4>(v, local, bytes, out, stream);
+  } else if (fits(8)) {
+    LaunchGather<uint2>(v, local, bytes, out, stream);
+  } else if (fits(4)) {
+    LaunchGather<uint32_t>(v, local, bytes, out, stream);
+  } else if (fits(2)) {
+    LaunchGather<uint16_t>(v, local, bytes, out, stream);
+  } else {
+    LaunchGather<uint8_t>(v, local, bytes, out, stream);
+  }
+  return CheckLaunch("all-gather", v);
+}
+
+Status PreloadOneShotKernels() {
+  cudaFuncAttributes a;
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(&OneShotAllReduceKernel<float, 4>),
+      reinterpret_cast<const void*>(&OneShotAllReduceKernel<float, 1>),
+      reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 8>),
+      reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 1>),
+      reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint4>),
+      reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint2>),
+      reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint32_t>),
+      reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint16_t>),
+      reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint8_t>),
+  };
+  for (const void* k : kernels) {
+    const cudaError_t e = cudaFuncGetAttributes(&a, k);
+    if (e != cudaSuccess) return Internal("loading the one-shot kernels: {}", cudaGetErrorString(e));
+  }
   return Status::Ok();
 }
 

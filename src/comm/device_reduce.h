@@ -1,4 +1,4 @@
-// The in-process device communicator's kernel (comm/device_communicator.cc). CUDA builds only.
+// The in-process device communicators' kernels (comm/device_communicator.cc). CUDA builds only.
 #pragma once
 
 #if defined(DECODELAB_HAVE_CUDA)
@@ -21,6 +21,50 @@ inline constexpr size_t kMaxReduceRanks = 64;
 // rank reads it concurrently. Shapes: inputs[r] and out are [count] of `elem`.
 Status LaunchSumInRankOrder(const std::vector<const void*>& inputs, void* out, int64_t count, DeviceElem elem,
                             CUstream_st* stream);
+
+// ---- One-shot collectives (DeviceGroup::CreateOneShot) ----------------------------------------------
+//
+// Every rank owns, in its GPU's memory: slots [2][capacity] bytes (double-buffered by the call's
+// parity), flags [kMaxOneShotBlocks][kMaxOneShotRanks] uint64 (flags[b][q]: the last call in which
+// rank q's block b finished writing its part into q's slot) and epochs [kMaxOneShotBlocks] uint64
+// (calls block b of this rank has made). One call, on rank r, block b of a fixed grid of `blocks`:
+//   1. e = ++epochs[b] (device memory: a replayed graph advances it, nothing is baked in); copy b's
+//      part of the input into r's slot[e & 1];
+//   2. release-store e into flags[b][r] of every rank (peer memory), then spin (acquire) until
+//      every rank q has stored e or later into r's flags[b][q] (one thread per rank);
+//   3. read b's part of every rank's slot[e & 1] (peer memory) and combine: the all-reduce adds the
+//      ranks in rank order in FP32 and rounds once (LaunchSumInRankOrder's bits), the all-gather
+//      copies rank q's bytes to out[q * bytes, ...).
+// Why one barrier is enough: rank r overwrites slot[e & 1] again at call e + 2, after its call e + 1
+// saw every rank's e + 1 flags, which each rank stored after its own call-e reads. Why the grid is
+// fixed: the argument needs every block that read at call e to signal at call e + 1. The element
+// split between blocks is the same in steps 1 and 3 of one call on every rank (same count, grid).
+// Why the ranks' kernels are co-resident when ranks share a GPU: `blocks` is small (the spinning
+// blocks of every rank fit beside each other and beside the work the late rank still has to do).
+// A spin gives up when the group's host-mapped abort word is set or after timeout_ns, setting the
+// rank's host-mapped error word (1 aborted, 2 timed out); the host reads it after the stream.
+inline constexpr int kMaxOneShotRanks = 16;
+inline constexpr int kMaxOneShotBlocks = 64;
+inline constexpr int kOneShotThreads = 512;
+
+struct OneShotView {
+  int rank = 0, size = 0, blocks = 0;
+  size_t capacity = 0;                       // bytes of one slot (a multiple of 16)
+  void* slots[kMaxOneShotRanks] = {};        // rank q's slots (peer pointers)
+  uint64_t* flags[kMaxOneShotRanks] = {};    // rank q's flags (peer pointers)
+  uint64_t* epochs = nullptr;                // this rank's
+  const volatile uint32_t* abort = nullptr;  // the group's, host-mapped
+  volatile uint32_t* error = nullptr;        // this rank's, host-mapped
+  uint64_t timeout_ns = 0;
+};
+
+// data [count] of `elem` on the view's rank: the rank-order sum over ranks, in place.
+Status LaunchOneShotAllReduce(const OneShotView& v, void* data, int64_t count, DeviceElem elem, CUstream_st* stream);
+// out [size * bytes] = every rank's local [bytes], in rank order.
+Status LaunchOneShotAllGather(const OneShotView& v, const void* local, size_t bytes, void* out, CUstream_st* stream);
+// Loads the one-shot kernels on the current device now: under CUDA lazy loading a kernel's first
+// launch may wait for the whole context, including a peer's spinning kernel.
+Status PreloadOneShotKernels();
 
 }  // namespace dl::comm
 

@@ -282,12 +282,14 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
                                                  o.max_sequences, co.max_rows)));
   engine->kv = std::make_unique<KvCache>(std::move(kv));
   if (chosen == BackendKind::kCuda && o.tp > 1) {
+    DL_ASSIGN_OR_RETURN(const CudaTpTransport transport, ParseCudaTpTransport(o.tp_transport));
     DL_ASSIGN_OR_RETURN(auto runner, CudaTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
-                                                          co, o.tp, o.embedding));
+                                                          co, o.tp, o.embedding, transport));
+    const bool graphs = o.use_graph && runner->transport() != "device-in-process";
     engine->backend_choice_reason +=
-        fmt::format("; tensor parallel {} (ranks on GPUs [{}], {} communicator{}, embedding {})", o.tp,
+        fmt::format("; tensor parallel {} (ranks on GPUs [{}], {} communicator, {}, embedding {})", o.tp,
                     fmt::join(runner->devices(), ", "), runner->transport(),
-                    runner->transport() == "nccl" ? "" : ", eager forwards", EmbeddingModeName(o.embedding));
+                    graphs ? "CUDA graphs" : "eager forwards", EmbeddingModeName(o.embedding));
     engine->runner = std::move(runner);
   } else if (chosen == BackendKind::kCuda) {
     DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),

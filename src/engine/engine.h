@@ -59,6 +59,9 @@ struct EngineOptions {
   // r % visible GPUs; backend/cuda_tp_runner.h).
   int32_t tp = 1;
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
+  // CUDA tensor parallelism's communicator: "auto" (NCCL when every rank has its own GPU and NCCL
+  // loads, else device-oneshot), "device-oneshot", "device-in-process" (eager forwards) or "nccl".
+  std::string tp_transport = "auto";
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.

@@ -1,10 +1,15 @@
-// The in-process device communicator (comm/device_communicator.h) on one GPU: 2 and 3 ranks as threads,
-// each with its own stream, sharing the device. AllReduceSum must give every rank the host's
+// The in-process device communicators (comm/device_communicator.h) on one GPU: 2 and 3 ranks as
+// threads, each with its own stream, sharing the device. AllReduceSum must give every rank the host's
 // rank-order FP32 sum bit for bit (FP32: the CPU InProcessGroup's bits; BF16: that sum rounded once),
-// run to run; AllGather must place every rank's bytes in rank order. Skips without a GPU.
+// run to run; AllGather must place every rank's bytes in rank order. The one-shot group must do the
+// same inside CUDA graphs replayed many times with no host meeting (its epochs live on the device),
+// and a rank that never comes must end a spinning peer with an error, not a hang. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include <cuda_runtime.h>
@@ -13,6 +18,7 @@
 #include "base/rng.h"
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
+#include "comm/rank_barrier.h"
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "tests/gpu/gpu_skip.h"
@@ -228,6 +234,273 @@ TEST(DeviceCommGpuTest, MismatchedOrOversizedCollectivesFailOnEveryRank) {
   EXPECT_FALSE(s0.ok());
   EXPECT_FALSE(s1.ok());
   EXPECT_NE(s0.ToString().find("capacity"), std::string::npos) << s0.ToString();
+}
+
+// ---- The one-shot group inside CUDA graphs ----
+
+// Element i of rank r's input in replay k, as the buffer holds it (BF16: rounded).
+float InputAt(int rank, int64_t i, uint64_t seed, DeviceElem elem) {
+  const float v = ValueAt(rank, i, seed);
+  return elem == DeviceElem::kBF16 ? RoundBf16(v) : v;
+}
+
+void Upload(const std::vector<float>& values, DeviceElem elem, std::vector<uint8_t>* host) {
+  host->resize(values.size() * DeviceElemBytes(elem));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (elem == DeviceElem::kF32) {
+      std::memcpy(host->data() + i * 4, &values[i], 4);
+    } else {
+      const uint16_t b = FloatToBf16(values[i]);
+      std::memcpy(host->data() + i * 2, &b, 2);
+    }
+  }
+}
+
+float Download(const std::vector<uint8_t>& host, int64_t i, DeviceElem elem) {
+  if (elem == DeviceElem::kF32) {
+    float f;
+    std::memcpy(&f, host.data() + i * 4, 4);
+    return f;
+  }
+  uint16_t b;
+  std::memcpy(&b, host.data() + i * 2, 2);
+  return Bf16ToFloat(b);
+}
+
+// Runs `body(r)` on one thread per rank and returns their statuses (a failed rank aborts the group,
+// so no other rank waits for it forever).
+std::vector<Status> OnEveryRank(DeviceGroup& group, const std::function<Status(int)>& body) {
+  const int n = group.size();
+  std::vector<Status> statuses(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      if (cudaSetDevice(0) != cudaSuccess) {
+        statuses[r] = Internal("cudaSetDevice");
+      } else {
+        statuses[r] = body(r);
+      }
+      if (!statuses[r].ok()) group.rank(r).Abort(statuses[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return statuses;
+}
+
+// A captured graph per rank holding, in order: the all-reduce of `counts[0]` elements, an all-gather
+// of 1001 bytes, the all-reduces of counts[1..] (in place on prefixes of one buffer; every call
+// advances the epochs, so calls alternate slots within a replay too). Each rank's thread then replays
+// it `replays` times on its own, with no host meeting: before each replay it uploads that replay's
+// inputs, after it downloads and checks every element against RankOrderSum of that replay's inputs,
+// and the gathered bytes. Every rank must see the same bits.
+void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t>& counts, int replays) {
+  SKIP_WITHOUT_GPU();
+  const size_t eb = DeviceElemBytes(elem);
+  const int64_t max_count = *std::max_element(counts.begin(), counts.end());
+  const size_t gather_bytes = 1001;  // odd: the byte-wide gather
+  DeviceGroup::OneShotOptions o;
+  o.capacity_bytes = max_count * eb;
+  auto group = DeviceGroup::CreateOneShot(std::vector<int>(ranks, 0), max_count * eb, o, 60.0);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  ASSERT_EQ(group.value()->rank(0).transport(), "device-oneshot");
+  ASSERT_TRUE(group.value()->rank(0).capturable());
+  const uint64_t seed = 900 + ranks;
+  std::vector<int64_t> mismatches(ranks, 0), order_sensitive(ranks, 0);
+  RankBarrier captured(ranks, 60.0, "test ranks");
+  auto run = [&](int r) -> Status {
+    DeviceCommunicator& comm = group.value()->rank(r);
+    DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
+    // One input buffer per all-reduce (so each is checked on its own), the gather's local and out.
+    std::vector<cuda::DeviceBuffer> bufs;
+    for (int64_t c : counts) {
+      DL_ASSIGN_OR_RETURN(auto b, cuda::DeviceBuffer::Create(std::max<size_t>(16, c * eb)));
+      bufs.push_back(std::move(b));
+    }
+    DL_ASSIGN_OR_RETURN(auto local, cuda::DeviceBuffer::Create(gather_bytes));
+    DL_ASSIGN_OR_RETURN(auto gathered, cuda::DeviceBuffer::Create(gather_bytes * ranks));
+    cudaStream_t s = stream.get();
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return Internal("begin capture");
+    Status st = comm.AllReduceSum(bufs[0].data(), counts[0], elem, s);
+    if (st.ok()) st = comm.AllGather(local.data(), gather_bytes, gathered.data(), s);
+    for (size_t k = 1; k < counts.size() && st.ok(); ++k) st = comm.AllReduceSum(bufs[k].data(), counts[k], elem, s);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+    DL_RETURN_IF_ERROR(st);
+    if (ended != cudaSuccess) return Internal("end capture: {}", cudaGetErrorString(ended));
+    cudaGraphExec_t exec = nullptr;
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return Internal("instantiate");
+    cudaGraphDestroy(graph);
+    // Every rank has captured and instantiated before any replays (as CudaTpRunner does): a rank
+    // still setting up must not need the device while a peer's kernel spins. From here on the ranks
+    // never meet on the host.
+    DL_RETURN_IF_ERROR(captured.Arrive(r, "captured"));
+    std::vector<uint8_t> host, mine(gather_bytes), all(gather_bytes * ranks);
+    for (int k = 0; k < replays && st.ok(); ++k) {
+      for (size_t b = 0; b < counts.size(); ++b) {
+        std::vector<float> in(counts[b]);
+        for (int64_t i = 0; i < counts[b]; ++i) in[i] = InputAt(r, i, seed + 31 * k + b, elem);
+        Upload(in, elem, &host);
+        DL_RETURN_IF_ERROR(bufs[b].CopyFromHost(host.data(), host.size()));
+      }
+      for (size_t i = 0; i < gather_bytes; ++i) mine[i] = static_cast<uint8_t>(r * 37 + i * 11 + k);
+      DL_RETURN_IF_ERROR(local.CopyFromHost(mine.data(), gather_bytes));
+      if (cudaGraphLaunch(exec, s) != cudaSuccess) return Internal("launch");
+      DL_RETURN_IF_ERROR(stream.Synchronize());
+      DL_RETURN_IF_ERROR(comm.DeviceError());
+      for (size_t b = 0; b < counts.size(); ++b) {
+        host.resize(counts[b] * eb);
+        DL_RETURN_IF_ERROR(bufs[b].CopyToHost(host.data(), host.size()));
+        for (int64_t i = 0; i < counts[b]; ++i) {
+          std::vector<float> per_rank(ranks);
+          for (int q = 0; q < ranks; ++q) per_rank[q] = InputAt(q, i, seed + 31 * k + b, elem);
+          const float want = RankOrderSum(per_rank, elem);
+          if (Bits(Download(host, i, elem)) != Bits(want)) ++mismatches[r];
+          std::vector<float> reversed(per_rank.rbegin(), per_rank.rend());
+          if (Bits(RankOrderSum(reversed, elem)) != Bits(want)) ++order_sensitive[r];
+        }
+      }
+      DL_RETURN_IF_ERROR(gathered.CopyToHost(all.data(), all.size()));
+      for (int q = 0; q < ranks; ++q) {
+        for (size_t i = 0; i < gather_bytes; ++i) {
+          if (all[q * gather_bytes + i] != static_cast<uint8_t>(q * 37 + i * 11 + k)) ++mismatches[r];
+        }
+      }
+    }
+    cudaGraphExecDestroy(exec);
+    return st;
+  };
+  const auto statuses = OnEveryRank(**group, [&](int r) {
+    Status st = run(r);
+    if (!st.ok()) captured.Abort(r, st);  // no peer waits at the test's meeting for a failed rank
+    return st;
+  });
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r].ToString();
+    EXPECT_EQ(mismatches[r], 0) << "rank " << r;
+    // The data makes the order matter (3 ranks: the planted 2^24, 1, -2^24), so equality pins it.
+    if (ranks >= 3) {
+      EXPECT_GT(order_sensitive[r], 0) << "rank " << r;
+    }
+    // Collectives count when recorded, not when replayed.
+    EXPECT_EQ(group.value()->rank(r).collectives_issued(), static_cast<int64_t>(counts.size()) + 1);
+  }
+}
+
+// Sizes: odd counts (the scalar tail after 16-byte units, a count below one unit, one element) and
+// the largest, in one graph, replayed 40 times (each replay advances every block's epoch 5 times).
+TEST(DeviceCommGpuTest, OneShotBf16TwoRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(2, DeviceElem::kBF16, {100003, 1, 7, 4099}, 40);
+}
+TEST(DeviceCommGpuTest, OneShotBf16ThreeRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(3, DeviceElem::kBF16, {100003, 1, 7, 4099}, 40);
+}
+TEST(DeviceCommGpuTest, OneShotF32TwoRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(2, DeviceElem::kF32, {65537, 3, 1024}, 40);
+}
+TEST(DeviceCommGpuTest, OneShotF32ThreeRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(3, DeviceElem::kF32, {65537, 3, 1024}, 40);
+}
+
+// Many replays of a tiny graph (the epochs' parity alternates 1,000 times; ranks never meet on the host).
+TEST(DeviceCommGpuTest, OneShotSurvivesAThousandReplays) { ExpectOneShotInGraphs(2, DeviceElem::kBF16, {9}, 1000); }
+
+// Outside a capture the one-shot group takes the host-meeting path: the same bits, and sizes above the
+// one-shot capacity work there; inside a capture such a size is a clear error on every rank.
+TEST(DeviceCommGpuTest, OneShotGroupEagerPathAndCapacity) {
+  SKIP_WITHOUT_GPU();
+  DeviceGroup::OneShotOptions o;
+  o.capacity_bytes = 1024;
+  auto group = DeviceGroup::CreateOneShot({0, 0}, 8192, o, 10.0);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  const int64_t count = 1000;  // 4000 F32 bytes: above the one-shot capacity, within the staging
+  std::vector<std::vector<float>> got(2);
+  auto eager = OnEveryRank(**group, [&](int r) -> Status {
+    DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
+    DL_ASSIGN_OR_RETURN(auto buf, cuda::DeviceBuffer::Create(count * 4));
+    std::vector<float> in(count);
+    for (int64_t i = 0; i < count; ++i) in[i] = ValueAt(r, i, 5);
+    DL_RETURN_IF_ERROR(buf.CopyFromHost(in.data(), count * 4));
+    DL_RETURN_IF_ERROR(group.value()->rank(r).AllReduceSum(buf.data(), count, DeviceElem::kF32, stream.get()));
+    DL_RETURN_IF_ERROR(stream.Synchronize());
+    got[r].resize(count);
+    return buf.CopyToHost(got[r].data(), count * 4);
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(eager[r].ok()) << eager[r].ToString();
+    for (int64_t i = 0; i < count; ++i) {
+      ASSERT_EQ(Bits(got[r][i]), Bits(RankOrderSum({ValueAt(0, i, 5), ValueAt(1, i, 5)}, DeviceElem::kF32)));
+    }
+  }
+  auto captured = OnEveryRank(**group, [&](int r) -> Status {
+    DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
+    DL_ASSIGN_OR_RETURN(auto buf, cuda::DeviceBuffer::Create(count * 4));
+    if (cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      return Internal("begin capture");
+    }
+    Status st = group.value()->rank(r).AllReduceSum(buf.data(), count, DeviceElem::kF32, stream.get());
+    cudaGraph_t graph = nullptr;
+    (void)cudaStreamEndCapture(stream.get(), &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return st;
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(captured[r].ok()) << "rank " << r;
+    EXPECT_NE(captured[r].ToString().find("one-shot capacity"), std::string::npos) << captured[r].ToString();
+  }
+}
+
+// A rank that never replays: its peer's one-shot kernel gives up after the group's timeout (a
+// DeadlineExceeded from DeviceError, not a hang); and a group aborted from the host releases a peer
+// that is spinning at once.
+TEST(DeviceCommGpuTest, OneShotWaitsEndOnTimeoutAndOnAbort) {
+  SKIP_WITHOUT_GPU();
+  for (const bool abort : {false, true}) {
+    SCOPED_TRACE(abort ? "abort" : "timeout");
+    DeviceGroup::OneShotOptions o;
+    o.capacity_bytes = 4096;
+    auto group = DeviceGroup::CreateOneShot({0, 0}, 4096, o, 2.0);
+    ASSERT_TRUE(group.ok()) << group.status().ToString();
+    std::vector<cudaGraphExec_t> execs(2, nullptr);
+    std::vector<cuda::Stream> streams(2);
+    std::vector<cuda::DeviceBuffer> bufs(2);
+    auto captured = OnEveryRank(**group, [&](int r) -> Status {
+      DL_ASSIGN_OR_RETURN(streams[r], cuda::Stream::Create());
+      DL_ASSIGN_OR_RETURN(bufs[r], cuda::DeviceBuffer::Create(4096));
+      DL_RETURN_IF_ERROR(bufs[r].Fill(0));
+      if (cudaStreamBeginCapture(streams[r].get(), cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        return Internal("begin capture");
+      }
+      Status st = group.value()->rank(r).AllReduceSum(bufs[r].data(), 1024, DeviceElem::kBF16, streams[r].get());
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(streams[r].get(), &graph);
+      DL_RETURN_IF_ERROR(st);
+      if (ended != cudaSuccess || cudaGraphInstantiate(&execs[r], graph, 0) != cudaSuccess) return Internal("graph");
+      cudaGraphDestroy(graph);
+      return Status::Ok();
+    });
+    ASSERT_TRUE(captured[0].ok() && captured[1].ok()) << captured[0].ToString() << " / " << captured[1].ToString();
+    // Only rank 0 replays.
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(cudaGraphLaunch(execs[0], streams[0].get()), cudaSuccess);
+    if (abort) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      group.value()->rank(1).Abort(Internal("rank 1 gave up"));
+    }
+    ASSERT_TRUE(streams[0].Synchronize().ok());
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const Status err = group.value()->rank(0).DeviceError();
+    ASSERT_FALSE(err.ok());
+    EXPECT_EQ(err.code(), abort ? StatusCode::kCancelled : StatusCode::kDeadlineExceeded) << err.ToString();
+    if (abort) {
+      EXPECT_LT(waited, 1.5) << "the abort should end the wait well before the 2 s timeout";
+    } else {
+      EXPECT_GE(waited, 1.9);
+    }
+    EXPECT_TRUE(group.value()->rank(1).DeviceError().ok()) << "rank 1 never ran";
+    for (auto e : execs) cudaGraphExecDestroy(e);
+  }
 }
 
 }  // namespace
