@@ -130,8 +130,8 @@ Status TakeSpecFlags(std::vector<std::string>* serve, SpecFlags* spec, bool* fou
     const std::string& a = (*serve)[i];
     const size_t eq = a.find('=');
     const std::string name = a.substr(0, eq);
-    if (name != "--spec" && name != "--spec-k" && name != "--spec-model" && name != "--spec-ngram-min" &&
-        name != "--spec-ngram-max") {
+    if (name != "--spec" && name != "--spec-k" && name != "--spec-model" &&
+        name != "--spec-ngram-min" && name != "--spec-ngram-max") {
       rest.push_back(a);
       continue;
     }
@@ -217,9 +217,10 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
     }
   }
   // A speculative run is visibly one: its default label names the drafter.
-  o.label = !f.label.empty()          ? f.label
-            : o.spec_args.empty() ? mode
-                                      : fmt::format("{}-spec-{}", mode, spec.method);
+  o.label = f.label;
+  if (o.label.empty()) {
+    o.label = o.spec_args.empty() ? mode : fmt::format("{}-spec-{}", mode, spec.method);
+  }
   for (const auto& flag : o.serve_extra) {
     for (const char* owned : {"--kv-scales", "--kv-dtype", "--port", "--host", "--model", "--shape",
                               "--backend", "--seed", "--num-layers"}) {
@@ -386,7 +387,8 @@ int RunLab(const LabFlags& f, const std::string& mode) {
       std::printf(
           "repeats: %s median %s tok/s; repeat spread %.2f tok/s (%.1f%%); a "
           "comparison must exceed it (`decodelab lab compare %s %s`)\n",
-          key == std::string("decode_tok_s_stream_median") ? "stream" : "conventional", list.c_str(), hi - lo, lo > 0 ? 100 * (hi - lo) / lo : 0.0, runs->front().run_id.c_str(),
+          key == std::string("decode_tok_s_stream_median") ? "stream" : "conventional",
+          list.c_str(), hi - lo, lo > 0 ? 100 * (hi - lo) / lo : 0.0, runs->front().run_id.c_str(),
           runs->back().run_id.c_str());
     }
   }

@@ -228,7 +228,8 @@ Result<std::string> GetMetricsText(const Endpoint& ep) {
   auto res = cli.Get("/metrics");
   if (!res) return Unavailable("{}: {}", Where(ep, "/metrics"), httplib::to_string(res.error()));
   if (res->status != 200) return Internal("{}: HTTP {}", Where(ep, "/metrics"), res->status);
-  if (res->body.size() > (16u << 20)) return DataLoss("{}: more than 16 MiB", Where(ep, "/metrics"));
+  if (res->body.size() > (16u << 20))
+    return DataLoss("{}: more than 16 MiB", Where(ep, "/metrics"));
   return res->body;
 }
 

@@ -50,12 +50,13 @@ Result<std::vector<LedgerRun>> LedgerSelect(const std::string& runs_dir, const s
 // The comparison of lab.md §3: both medians, the spread of each side's repeats and whether the
 // difference exceeds the larger repeat spread.
 // When either side has a speculative run, both sides are compared by their stream rate
-// (decode_tok_s_stream_median: a speculative run has no per-event statistics), and the line says so.
+// (decode_tok_s_stream_median: a speculative run has no per-event statistics), and the line says
+// so.
 struct Comparison {
   std::string a, b;
   std::string statistic = "conventional";  // or "stream"
-  double median_a = 0, median_b = 0;    // `statistic`, median over the side's valid runs
-  double hmedian_a = 0, hmedian_b = 0;  // historical (0 when comparing by stream)
+  double median_a = 0, median_b = 0;       // `statistic`, median over the side's valid runs
+  double hmedian_a = 0, hmedian_b = 0;     // historical (0 when comparing by stream)
   double spread_a = 0, spread_b = 0;    // max - min of the side's run medians
   int runs_a = 0, runs_b = 0;
   bool spread_known = false;  // some side has at least two runs

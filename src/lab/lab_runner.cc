@@ -145,7 +145,9 @@ json SpecConfig(const json& state) {
   return out;
 }
 
-bool SpecOn(const json& state) { return SpecConfig(state)["drafter"] != "none"; }
+bool SpecOn(const json& state) {
+  return SpecConfig(state)["drafter"] != "none";
+}
 
 json Manifest(const LabOptions& o, const std::string& run_id, const std::string& binary_sha,
               const json& state, const std::vector<std::string>& serve_argv, int m,
@@ -459,7 +461,8 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
     if (spec_delta) {
       sp.update(spec_delta->ToCountersJson());
     } else {
-      sp["error"] = spec_error.empty() ? "the run stopped before its counters were read" : spec_error;
+      sp["error"] =
+          spec_error.empty() ? "the run stopped before its counters were read" : spec_error;
     }
     summary["speculative"] = sp;
   } else {
@@ -693,8 +696,9 @@ Result<CheckRow> RunRepro(const LabOptions& o, const Repro& repro) {
 }
 
 const char* SpeedKey(const json& summary) {
-  return summary.value("speculative", json()).is_object() ? "decode_tok_s_stream_median"
-                                                          : "decode_tok_s_conventional_99_interval_median";
+  return summary.value("speculative", json()).is_object()
+             ? "decode_tok_s_stream_median"
+             : "decode_tok_s_conventional_99_interval_median";
 }
 
 std::string FormatRunTable(const RunOutcome& run) {
@@ -712,13 +716,15 @@ std::string FormatRunTable(const RunOutcome& run) {
     } else {
       const json mal = spec.value("mean_acceptance_length", json());
       const json rate = spec.value("acceptance_rate", json());
-      s += fmt::format(": {} drafts, {} draft tokens, {} accepted", spec.value("vllm:spec_decode_num_drafts_total", 0),
+      s += fmt::format(": {} drafts, {} draft tokens, {} accepted",
+                       spec.value("vllm:spec_decode_num_drafts_total", 0),
                        spec.value("vllm:spec_decode_num_draft_tokens_total", 0),
                        spec.value("vllm:spec_decode_num_accepted_tokens_total", 0));
       if (mal.is_number()) {
-        s += fmt::format(" ({:.1f}%), mean acceptance length {:.2f}, per position", 100 * rate.get<double>(),
-                         mal.get<double>());
-        for (const auto& r : spec["per_position_acceptance_rate"]) s += fmt::format(" {:.1f}%", 100 * r.get<double>());
+        s += fmt::format(" ({:.1f}%), mean acceptance length {:.2f}, per position",
+                         100 * rate.get<double>(), mal.get<double>());
+        for (const auto& r : spec["per_position_acceptance_rate"])
+          s += fmt::format(" {:.1f}%", 100 * r.get<double>());
       }
       s += "\n";
     }

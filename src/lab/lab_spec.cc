@@ -41,7 +41,8 @@ std::optional<Sample> ParseSampleLine(const std::string& line) {
         break;
       }
       const size_t eq = line.find('=', i);
-      if (eq == std::string::npos || eq + 1 >= line.size() || line[eq + 1] != '"') return std::nullopt;
+      if (eq == std::string::npos || eq + 1 >= line.size() || line[eq + 1] != '"')
+        return std::nullopt;
       std::string key = line.substr(i, eq - i);
       std::string value;
       size_t j = eq + 2;
@@ -77,13 +78,16 @@ std::optional<Sample> ParseSampleLine(const std::string& line) {
 // "vllm:spec_decode_num_drafts" and "vllm:spec_decode_num_drafts_total" are the same counter.
 std::string Family(const std::string& name) {
   constexpr std::string_view kTotal = "_total";
-  if (name.size() > kTotal.size() && name.compare(name.size() - kTotal.size(), kTotal.size(), kTotal) == 0) {
+  if (name.size() > kTotal.size() &&
+      name.compare(name.size() - kTotal.size(), kTotal.size(), kTotal) == 0) {
     return name.substr(0, name.size() - kTotal.size());
   }
   return name;
 }
 
-json NullIfNoDrafts(const SpecDelta& d, double v) { return d.num_drafts > 0 ? json(v) : json(nullptr); }
+json NullIfNoDrafts(const SpecDelta& d, double v) {
+  return d.num_drafts > 0 ? json(v) : json(nullptr);
+}
 
 }  // namespace
 
@@ -107,8 +111,10 @@ SpecCounters ParseSpecCounters(const std::string& text) {
       if (it == s->labels.end()) continue;
       int pos = -1;
       auto [p, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), pos);
-      if (ec != std::errc() || p != it->second.data() + it->second.size() || pos < 0 || pos > 4096) continue;
-      if (static_cast<size_t>(pos) >= c.accepted_per_pos.size()) c.accepted_per_pos.resize(pos + 1, 0.0);
+      if (ec != std::errc() || p != it->second.data() + it->second.size() || pos < 0 || pos > 4096)
+        continue;
+      if (static_cast<size_t>(pos) >= c.accepted_per_pos.size())
+        c.accepted_per_pos.resize(pos + 1, 0.0);
       c.accepted_per_pos[pos] += s->value;
     }
   }

@@ -1,6 +1,6 @@
 // Speculative decoding acceptance as a client measures it: vLLM's spec-decode counters read from a
-// server's Prometheus text (`/metrics`) before and after a run, and their difference. Used by the lab
-// (a run's acceptance in summary.json, the ledger and the report) and by `bench serve` (beside
+// server's Prometheus text (`/metrics`) before and after a run, and their difference. Used by the
+// lab (a run's acceptance in summary.json, the ledger and the report) and by `bench serve` (beside
 // tok/s, under `vllm bench serve`'s result keys). The counters are vLLM's
 // (vllm/v1/spec_decode/metrics.py), so the same reader works against a vLLM server.
 #pragma once

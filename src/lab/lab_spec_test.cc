@@ -7,7 +7,8 @@ namespace dl::lab {
 namespace {
 
 // The text decodelab's /metrics writes with --spec on (src/server/server.cc MetricsText).
-constexpr const char* kDecodelab = R"(# HELP vllm:num_requests_running Number of requests in model execution batches.
+constexpr const char* kDecodelab =
+    R"(# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="tiny"} 0
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -59,8 +60,8 @@ TEST(LabSpec, WithoutSpeculationNothingIsPresent) {
 TEST(LabSpec, DifferenceAndDerivedRatesAreVllms) {
   SpecCounters before = ParseSpecCounters(kDecodelab);
   SpecCounters after = before;
-  after.num_drafts += 12;         // 12 verifies with drafts
-  after.num_draft_tokens += 48;   // K = 4
+  after.num_drafts += 12;        // 12 verifies with drafts
+  after.num_draft_tokens += 48;  // K = 4
   after.num_accepted_tokens += 24;
   after.accepted_per_pos = {8 + 12, 5 + 8, 3 + 4, 2 + 0};  // 12 + 8 + 4 + 0 = 24
   const SpecDelta d = SpecDifference(before, after);
@@ -79,10 +80,12 @@ TEST(LabSpec, DifferenceAndDerivedRatesAreVllms) {
   EXPECT_EQ(bs["spec_decode_accepted_tokens"], 24);
   EXPECT_EQ(bs["spec_decode_per_position_acceptance_rates"].size(), 4u);
   const auto cj = d.ToCountersJson();
-  EXPECT_EQ(cj["vllm:spec_decode_num_accepted_tokens_per_pos_total"], nlohmann::json({12, 8, 4, 0}));
+  EXPECT_EQ(cj["vllm:spec_decode_num_accepted_tokens_per_pos_total"],
+            nlohmann::json({12, 8, 4, 0}));
   EXPECT_DOUBLE_EQ(cj["mean_acceptance_length"].get<double>(), 3.0);
   const std::string block = FormatSpecBlock(bs);
-  EXPECT_NE(block.find(fmt::format("{:<40}3.00\n", "Acceptance length:")), std::string::npos) << block;
+  EXPECT_NE(block.find(fmt::format("{:<40}3.00\n", "Acceptance length:")), std::string::npos)
+      << block;
   EXPECT_NE(block.find(fmt::format("{:<40}66.67\n", "  Position 1:")), std::string::npos) << block;
 }
 
@@ -93,8 +96,9 @@ TEST(LabSpec, NoDraftsGiveNullRatesNotZeros) {
   EXPECT_TRUE(d.ToBenchServeJson()["spec_decode_acceptance_length"].is_null());
   EXPECT_TRUE(d.ToCountersJson()["mean_acceptance_length"].is_null());
   EXPECT_EQ(d.ToCountersJson()["vllm:spec_decode_num_drafts_total"], 0);
-  EXPECT_NE(FormatSpecBlock(d.ToBenchServeJson()).find(fmt::format("{:<40}-\n", "Acceptance length:")),
-            std::string::npos);
+  EXPECT_NE(
+      FormatSpecBlock(d.ToBenchServeJson()).find(fmt::format("{:<40}-\n", "Acceptance length:")),
+      std::string::npos);
   EXPECT_EQ(FormatSpecBlock(nlohmann::json{{"completed", 3}}), "") << "no speculation, no block";
 }
 

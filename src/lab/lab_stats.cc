@@ -58,7 +58,8 @@ Result<double> StreamTokS(const std::vector<double>& arrivals) {
   const size_t n = std::min(arrivals.size(), kEvents);
   if (n < 2) return InvalidArgument("stream statistic: {} token events, need at least 2", n);
   const double span = arrivals[n - 1] - arrivals[0];
-  if (!(span > 0)) return InvalidArgument("stream statistic: the first {} tokens arrived at once", n);
+  if (!(span > 0))
+    return InvalidArgument("stream statistic: the first {} tokens arrived at once", n);
   return static_cast<double>(n - 1) / span;
 }
 

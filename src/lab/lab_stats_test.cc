@@ -67,9 +67,9 @@ TEST(LabStats, VllmDefinitions) {
 }
 
 TEST(LabStats, StreamIgnoresHowTokensAreGrouped) {
-  // A speculative stream: verifies every 30 ms emit 3 tokens that arrive together. The median gap is
-  // 0, so the conventional statistic has no value; the stream rate is 3 tokens per 30 ms over the
-  // 100-event window: 99 gaps span 33 verifies = 0.99 s -> 100 tok/s.
+  // A speculative stream: verifies every 30 ms emit 3 tokens that arrive together. The median gap
+  // is 0, so the conventional statistic has no value; the stream rate is 3 tokens per 30 ms over
+  // the 100-event window: 99 gaps span 33 verifies = 0.99 s -> 100 tok/s.
   std::vector<double> t;
   for (int v = 0; v < 40; ++v) {
     for (int k = 0; k < 3; ++k) t.push_back(1.0 + 0.030 * v);

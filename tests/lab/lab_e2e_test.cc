@@ -355,17 +355,18 @@ TEST_F(LabE2E, GateStopsAtAFailedStepAndResumes) {
   EXPECT_TRUE(verdict == "NOT_FASTER" || verdict == "FASTER" || verdict == "NOT_PROVEN") << verdict;
 }
 
-// Speculative decoding in the lab: the teacher stays plain decoding, a screen with --spec ngram must
-// give the teacher's tokens (the exactness check unchanged), and its manifest, summary, ledger, `lab
-// runs`, `lab compare` and report carry the drafter and the acceptance read from /metrics.
+// Speculative decoding in the lab: the teacher stays plain decoding, a screen with --spec ngram
+// must give the teacher's tokens (the exactness check unchanged), and its manifest, summary,
+// ledger, `lab runs`, `lab compare` and report carry the drafter and the acceptance read from
+// /metrics.
 TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
   // A periodic prompt: its last token always occurred before, so the n-gram drafter drafts.
   std::vector<int> periodic;
   for (int i = 0; i < 40; ++i) periodic.push_back(60 + (i % 7) * 31);
   json suite = ShortSuite();
   suite["name"] = "spec";
-  suite["checks"] = {"identity", "no_fallback", "scale_audit", "topology", "exactness", "no_prefix_cache",
-                     "boundary"};
+  suite["checks"] = {"identity",  "no_fallback",     "scale_audit", "topology",
+                     "exactness", "no_prefix_cache", "boundary"};
   suite["prompts"] = {{{"name", "periodic"}, {"token_ids", periodic}},
                       {{"name", "a"}, {"token_ids", {5, 17, 42, 99, 7, 300}}},
                       {{"name", "boundary"}, {"kind", "boundary"}, {"computed", true}}};
@@ -374,7 +375,8 @@ TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
   const std::string common = "--backend cpu --suite '" + spec_suite.string() + "' --cache-dir '" +
                              (root_ / "cache").string() + "'";
   const fs::path teacher = root_ / "spec-teacher.json";
-  Cmd refused = Decodelab("lab teacher " + common + " --teacher '" + teacher.string() + "' --spec ngram");
+  Cmd refused =
+      Decodelab("lab teacher " + common + " --teacher '" + teacher.string() + "' --spec ngram");
   EXPECT_NE(refused.rc, 0) << refused.out;
   EXPECT_NE(refused.out.find("plain decoding"), std::string::npos) << refused.out;
   EXPECT_FALSE(fs::exists(teacher));
@@ -382,14 +384,15 @@ TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
   ASSERT_EQ(t.rc, 0) << t.out;
 
   const std::string runs = (root_ / "spec-runs").string();
-  const std::string screen = "lab screen " + common + " --teacher '" + teacher.string() +
-                             "' --runs-dir '" + runs + "' ";
+  const std::string screen =
+      "lab screen " + common + " --teacher '" + teacher.string() + "' --runs-dir '" + runs + "' ";
   Cmd c = Decodelab(screen + "--spec ngram --spec-k 3 --spec-ngram-min 1");
   ASSERT_EQ(c.rc, 0) << c.out;
   auto dirs = RunDirs(runs);
   ASSERT_EQ(dirs.size(), 1u);
   const fs::path run = dirs[0];
-  EXPECT_EQ(run.filename().string().rfind("screen-spec-ngram-", 0), 0u) << "the default label names the drafter";
+  EXPECT_EQ(run.filename().string().rfind("screen-spec-ngram-", 0), 0u)
+      << "the default label names the drafter";
   auto st = CheckStatuses(run);
   for (const char* n : {"identity", "no_fallback", "exactness", "no_prefix_cache", "boundary"}) {
     EXPECT_EQ(st[n], "PASS") << n << "\n" << c.out;
@@ -398,7 +401,8 @@ TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
   EXPECT_EQ(m["speculative"]["drafter"], "ngram[1,5]") << m["speculative"];
   EXPECT_EQ(m["speculative"]["num_speculative_tokens"], 3);
   EXPECT_NE(m["speculative"]["flags"].dump().find("--spec"), std::string::npos);
-  EXPECT_NE(m["serve_argv"].dump().find("\"--spec\",\"ngram\""), std::string::npos) << m["serve_argv"];
+  EXPECT_NE(m["serve_argv"].dump().find("\"--spec\",\"ngram\""), std::string::npos)
+      << m["serve_argv"];
   json s = ReadJson(run / "summary.json");
   EXPECT_EQ(s["exact"], 3);
   const json sp = s["speculative"];
@@ -453,14 +457,16 @@ TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
   const size_t at = list.out.find(run.filename().string());
   ASSERT_NE(at, std::string::npos) << list.out;
   const std::string row = list.out.substr(at, list.out.find('\n', at) - at);
-  EXPECT_NE(row.find(fmt::format("{:.2f}", sp["mean_acceptance_length"].get<double>())), std::string::npos) << row;
+  EXPECT_NE(row.find(fmt::format("{:.2f}", sp["mean_acceptance_length"].get<double>())),
+            std::string::npos)
+      << row;
   Cmd cmp = Decodelab("lab compare --runs-dir '" + runs + "' plain screen-spec-ngram");
   ASSERT_EQ(cmp.rc, 0) << cmp.out;
   EXPECT_NE(cmp.out.find("statistic: stream median"), std::string::npos) << cmp.out;
 
   const fs::path html = root_ / "spec-report.html";
-  Cmd rep = Decodelab("lab report --runs-dir '" + runs + "' --out '" + html.string() + "' --bundles '" +
-                      (root_ / "no-bundles").string() + "'");
+  Cmd rep = Decodelab("lab report --runs-dir '" + runs + "' --out '" + html.string() +
+                      "' --bundles '" + (root_ / "no-bundles").string() + "'");
   ASSERT_EQ(rep.rc, 0) << rep.out;
   auto text = ReadTextFile(html.string());
   ASSERT_TRUE(text.ok());
