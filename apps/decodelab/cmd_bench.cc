@@ -27,6 +27,7 @@
 #include "cuda/peak.h"
 #include "engine/scheduler.h"
 #include "kernels/timeline.h"
+#include "lab/lab_spec.h"
 #include "lab/lab_stats.h"
 #include "lab/serve_bench.h"
 #include "lab/serve_child.h"
@@ -709,6 +710,7 @@ struct BenchServeFlags {
   lab::ServeBenchOptions bench;
   std::string json_out;
   std::string serve_log = "/tmp/decodelab-bench-serve.log";
+  std::string prompt_file;  // every request's prompt is this text
 };
 
 void PrintServeSummary(const nlohmann::json& j) {
@@ -737,11 +739,19 @@ void PrintServeSummary(const nlohmann::json& j) {
       line(fmt::format("{} {} (ms):", title_case, label).c_str(), fmt::format("{}_{}_ms", stat, name));
     }
   }
+  // Speculation (where the server exports vLLM's spec-decode counters): acceptance beside tok/s.
+  std::printf("%s", lab::FormatSpecBlock(j).c_str());
   std::printf("==================================================\n");
 }
 
 int RunBenchServe(const BenchServeFlags& f) {
   lab::ServeBenchOptions o = f.bench;
+  if (!f.prompt_file.empty()) {
+    auto text = ReadRegularFile(f.prompt_file, 16 << 20);
+    if (!text.ok()) return ReportError(text.status());
+    if (text->empty()) return ReportError(InvalidArgument("--prompt-file {} is empty", f.prompt_file));
+    o.prompt_text = std::move(*text);
+  }
   std::unique_ptr<lab::ServeChild> child;
   lab::Endpoint ep;
   if (!f.endpoint.empty()) {
@@ -775,6 +785,7 @@ int RunBenchServe(const BenchServeFlags& f) {
   if (!result.ok()) return ReportError(result.status());
   nlohmann::json j = *result;
   j["commit"] = BuildCommit();
+  if (!f.prompt_file.empty()) j["prompt_file"] = f.prompt_file;
   PrintServeSummary(j);
   if (!f.json_out.empty()) {
     std::ofstream out(f.json_out);
@@ -808,6 +819,9 @@ void AddBenchServeCommand(CLI::App* bench, CommandContext& ctx) {
   cmd->add_option("--max-num-batched-tokens", flags->max_num_batched_tokens, "Started server: rows per step");
   cmd->add_option("--serve-log", flags->serve_log, "Started server: its log file");
   cmd->add_option("--json-out", flags->json_out, "Write the results as JSON (vLLM's key names)");
+  cmd->add_option("--prompt-file", flags->prompt_file,
+                  "Every request's prompt is this file's text, tokenized by the server (replaces --input-len "
+                  "random ids; e.g. tools/bench/prompts/repetitive_code.txt for --spec ngram)");
   cmd->callback([flags, &ctx] { ctx.exit_code = RunBenchServe(*flags); });
 }
 

@@ -3,6 +3,7 @@
 // run directory plus ledger rows; `teacher` records the exactness reference from a control; `lock`
 // writes an identity lock; `runs` and `compare` read the ledger.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include "apps/decodelab/commands.h"
+#include "apps/decodelab/engine_flags.h"
 #include "base/build_info.h"
 #include "base/file_util.h"
 #include "base/sha256.h"
@@ -50,6 +52,7 @@ struct LabFlags {
   bool accept_identity = false;
   std::vector<std::string> serve_flags;
   std::vector<std::string> compare;
+  SpecFlags spec;  // --spec ...: speculative decoding for the screen's or suite's server
 };
 
 constexpr uint64_t kTinySeed = 11;
@@ -118,6 +121,54 @@ Status RunChild(const std::string& exe, const std::vector<std::string>& args, do
   return Status::Ok();
 }
 
+// Moves the speculative decoding flags out of serve flags (after `--`, or a gate plan's side
+// "flags") into `spec`: the lab owns them, so a run records them and a teacher never gets them.
+// `found` says whether there were any.
+Status TakeSpecFlags(std::vector<std::string>* serve, SpecFlags* spec, bool* found) {
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < serve->size(); ++i) {
+    const std::string& a = (*serve)[i];
+    const size_t eq = a.find('=');
+    const std::string name = a.substr(0, eq);
+    if (name != "--spec" && name != "--spec-k" && name != "--spec-model" &&
+        name != "--spec-ngram-min" && name != "--spec-ngram-max") {
+      rest.push_back(a);
+      continue;
+    }
+    std::string value;
+    if (eq != std::string::npos) {
+      value = a.substr(eq + 1);
+    } else if (i + 1 < serve->size()) {
+      value = (*serve)[++i];
+    } else {
+      return InvalidArgument("{} after -- needs a value", name);
+    }
+    *found = true;
+    auto integer = [&](int* out) -> Status {
+      int v = 0;
+      auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
+      if (value.empty() || ec != std::errc() || p != value.data() + value.size()) {
+        return InvalidArgument("{} {}: not an integer", name, value);
+      }
+      *out = v;
+      return Status::Ok();
+    };
+    if (name == "--spec") {
+      spec->method = value;
+    } else if (name == "--spec-model") {
+      spec->model = value;
+    } else if (name == "--spec-k") {
+      DL_RETURN_IF_ERROR(integer(&spec->k));
+    } else if (name == "--spec-ngram-min") {
+      DL_RETURN_IF_ERROR(integer(&spec->ngram_min));
+    } else {
+      DL_RETURN_IF_ERROR(integer(&spec->ngram_max));
+    }
+  }
+  *serve = std::move(rest);
+  return Status::Ok();
+}
+
 // Builds LabOptions from the flags: model arguments, suite, calibration, teacher, lock.
 Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
   lab::LabOptions o;
@@ -141,8 +192,35 @@ Result<lab::LabOptions> Prepare(const LabFlags& f, const std::string& mode) {
   o.endpoint = f.endpoint;
   o.hash_binary = f.endpoint.empty() || !f.binary.empty();
   o.runs_dir = f.runs_dir;
-  o.label = f.label.empty() ? mode : f.label;
   o.serve_extra = f.serve_flags;
+  // Speculation: the lab's --spec flags, or the same flags after `--` (not both).
+  SpecFlags spec = f.spec;
+  bool spec_after_dashes = false;
+  DL_RETURN_IF_ERROR(TakeSpecFlags(&o.serve_extra, &spec, &spec_after_dashes));
+  const SpecFlags defaults;
+  const bool spec_on_lab = f.spec.method != defaults.method || f.spec.k != defaults.k ||
+                           f.spec.ngram_min != defaults.ngram_min ||
+                           f.spec.ngram_max != defaults.ngram_max || !f.spec.model.empty();
+  if (spec_after_dashes && spec_on_lab) {
+    return InvalidArgument("give the --spec flags to the lab or after --, not both");
+  }
+  {
+    auto so = spec.ToOptions();
+    if (!so.ok()) return so.status();
+    if (so->enabled()) {
+      if (!f.endpoint.empty()) {
+        return InvalidArgument(
+            "--spec configures the server the lab starts; with --endpoint the running server's own "
+            "speculation is read from its /v1/decodelab/state and recorded");
+      }
+      o.spec_args = spec.ToArgs();
+    }
+  }
+  // A speculative run is visibly one: its default label names the drafter.
+  o.label = f.label;
+  if (o.label.empty()) {
+    o.label = o.spec_args.empty() ? mode : fmt::format("{}-spec-{}", mode, spec.method);
+  }
   for (const auto& flag : o.serve_extra) {
     for (const char* owned : {"--kv-scales", "--kv-dtype", "--port", "--host", "--model", "--shape",
                               "--backend", "--seed", "--num-layers"}) {
@@ -271,6 +349,11 @@ int RunLab(const LabFlags& f, const std::string& mode) {
   auto o = Prepare(f, mode);
   if (!o.ok()) return ReportError(o.status());
   if (mode == "teacher") {
+    if (!o->spec_args.empty()) {
+      return ReportError(InvalidArgument(
+          "a teacher is recorded from plain decoding: run `lab screen --spec ...` against it "
+          "instead (a speculative run must give the teacher's tokens)"));
+    }
     if (o->teacher_path.empty()) {
       return ReportError(InvalidArgument("teacher: give --teacher FILE (the transcript to write)"));
     }
@@ -291,8 +374,9 @@ int RunLab(const LabFlags& f, const std::string& mode) {
     // The repeat line: the same configuration twice, so their difference is the repeat spread any
     // later comparison has to beat.
     std::vector<double> conv;
+    const char* key = lab::SpeedKey(runs->front().summary);
     for (const auto& r : *runs) {
-      const auto& v = r.summary["decode_tok_s_conventional_99_interval_median"];
+      const auto& v = r.summary[key];
       if (v.is_number()) conv.push_back(v.get<double>());
     }
     if (conv.size() >= 2) {
@@ -301,8 +385,9 @@ int RunLab(const LabFlags& f, const std::string& mode) {
       std::string list;
       for (double c : conv) list += fmt::format("{}{:.2f}", list.empty() ? "" : " / ", c);
       std::printf(
-          "repeats: conventional median %s tok/s; repeat spread %.2f tok/s (%.1f%%); a "
+          "repeats: %s median %s tok/s; repeat spread %.2f tok/s (%.1f%%); a "
           "comparison must exceed it (`decodelab lab compare %s %s`)\n",
+          key == std::string("decode_tok_s_stream_median") ? "stream" : "conventional",
           list.c_str(), hi - lo, lo > 0 ? 100 * (hi - lo) / lo : 0.0, runs->front().run_id.c_str(),
           runs->back().run_id.c_str());
     }
@@ -336,20 +421,26 @@ int RunRuns(const LabFlags& f) {
     runs = std::vector<lab::LedgerRun>{};
   }
   if (!runs.ok()) return ReportError(runs.status());
-  std::printf("%-48s %-7s %-8s %-7s %12s %12s\n", "run id", "mode", "verdict", "exact",
-              "conv tok/s", "hist tok/s");
+  std::printf("%-48s %-7s %-8s %-7s %12s %12s %12s %10s\n", "run id", "mode", "verdict", "exact",
+              "conv tok/s", "hist tok/s", "stream tok/s", "accept len");
   for (const auto& r : *runs) {
     auto num = [&](const std::optional<double>& v) {
       return v && r.valid ? fmt::format("{:.2f}", *v) : std::string("-");
     };
-    std::printf("%-48s %-7s %-8s %3d/%-3d %12s %12s\n", r.run_id.c_str(), r.mode.c_str(),
+    // Acceptance is not a speed: shown for every speculative run ("none": no drafts).
+    const std::string accept = !r.speculative ? "-"
+                               : r.mean_acceptance_length
+                                   ? fmt::format("{:.2f}", *r.mean_acceptance_length)
+                                   : "none";
+    std::printf("%-48s %-7s %-8s %3d/%-3d %12s %12s %12s %10s\n", r.run_id.c_str(), r.mode.c_str(),
                 r.verdict.c_str(), r.exact, r.prompts, num(r.conventional).c_str(),
-                num(r.historical).c_str());
+                num(r.historical).c_str(), num(r.stream).c_str(), accept.c_str());
   }
   // Killed runs have a directory but no ledger row.
   for (const auto& r : incomplete) {
-    std::printf("%-48s %-7s %-8s %7s %12s %12s  (no result: the run was killed or stopped; %s)\n",
-                r.run_id.c_str(), r.mode.c_str(), "INCOMPLETE", "-", "-", "-", r.dir.c_str());
+    std::printf(
+        "%-48s %-7s %-8s %7s %12s %12s %12s %10s  (no result: the run was killed or stopped; %s)\n",
+        r.run_id.c_str(), r.mode.c_str(), "INCOMPLETE", "-", "-", "-", "-", "-", r.dir.c_str());
   }
   return 0;
 }
@@ -497,6 +588,12 @@ lab::GateStep GateTeacher(GateContext& g) {
   }
   LabFlags f = SideFlags(g, g.plan.control, "control");
   f.teacher = g.dir + "/teacher.json";
+  // A speculative control's teacher is its plain decoding (RecordTeacher never passes --spec).
+  SpecFlags ignored;
+  bool found = false;
+  if (Status st = TakeSpecFlags(&f.serve_flags, &ignored, &found); !st.ok()) {
+    return {"teacher", "FAIL", st.message(), {}};
+  }
   auto o = Prepare(f, "teacher");
   if (!o.ok()) return {"teacher", "FAIL", o.status().message(), {}};
   if (Status st = lab::RecordTeacher(*o); !st.ok()) return {"teacher", "FAIL", st.message(), {}};
@@ -512,14 +609,19 @@ lab::GateStep GateRuns(GateContext& g, const std::string& step, const lab::GateS
   auto runs = lab::RunScreenOrSuite(*o);
   if (!runs.ok()) return {step, "FAIL", runs.status().message(), {}};
   lab::GateStep s{step, "PASS", "", {}};
-  json medians = json::array();
+  json medians = json::array(), streams = json::array();
+  bool speculative = false;
   for (const auto& r : *runs) {
     std::printf("%s", lab::FormatRunTable(r).c_str());
     s.run_ids.push_back(r.run_id);
     if (r.verdict != "PASS") s.status = r.verdict;
     medians.push_back(r.summary["decode_tok_s_conventional_99_interval_median"]);
+    streams.push_back(r.summary.value("decode_tok_s_stream_median", json()));
+    speculative |= r.summary.value("speculative", json()).is_object();
   }
   g.record.extra[key] = medians;
+  g.record.extra[key + "_stream"] = streams;
+  g.record.extra[key + "_speculative"] = speculative;
   s.detail = fmt::format("{} run(s) {}, verdict {}", runs->size(), label, s.status);
   return s;
 }
@@ -604,14 +706,18 @@ int RunGate(const LabFlags& f, const std::string& plan_path, bool resume) {
     } else if (name == "candidate_screen") {
       step = GateRuns(g, name, g.plan.candidate, "candidate", "screen", "candidate_screen");
     } else if (name == "suite") {
-      const double ctl = FirstMedian(g.record.extra, "control_screen");
-      const double cand = FirstMedian(g.record.extra, "candidate_screen");
+      // A speculative side has no per-event statistic: both sides compare by stream rate then.
+      const bool by_stream = g.record.extra.value("control_screen_speculative", false) ||
+                             g.record.extra.value("candidate_screen_speculative", false);
+      const std::string suffix = by_stream ? "_stream" : "";
+      const double ctl = FirstMedian(g.record.extra, "control_screen" + suffix);
+      const double cand = FirstMedian(g.record.extra, "candidate_screen" + suffix);
       if (!(cand > ctl)) {
-        step = {
-            name,
-            "SKIPPED",
-            fmt::format("candidate not faster on the screen ({:.2f} vs {:.2f} tok/s)", cand, ctl),
-            {}};
+        step = {name,
+                "SKIPPED",
+                fmt::format("candidate not faster on the screen ({:.2f} vs {:.2f} tok/s{})", cand,
+                            ctl, by_stream ? ", stream medians" : ""),
+                {}};
       } else {
         lab::GateStep a = GateRuns(g, name, g.plan.control, "control", "suite", "control_suite");
         step = a;
@@ -750,6 +856,9 @@ void AddRunFlags(CLI::App* cmd, LabFlags& f) {
                   "$DECODELAB_CACHE, $XDG_CACHE_HOME/decodelab or ~/.cache/decodelab)");
   AddTimeoutFlags(cmd, f);
   cmd->add_option("serve_flags", f.serve_flags, "Flags after -- go to `decodelab serve`");
+  // Speculative decoding for the server of a screen or suite (never a teacher's): recorded in the
+  // manifest and default label, acceptance read from /metrics (docs/lab.md).
+  f.spec.Add(cmd);
 }
 
 }  // namespace

@@ -223,6 +223,16 @@ Result<json> GetState(const Endpoint& ep) {
   }
 }
 
+Result<std::string> GetMetricsText(const Endpoint& ep) {
+  httplib::Client cli = MakeClient(ep, 30);
+  auto res = cli.Get("/metrics");
+  if (!res) return Unavailable("{}: {}", Where(ep, "/metrics"), httplib::to_string(res.error()));
+  if (res->status != 200) return Internal("{}: HTTP {}", Where(ep, "/metrics"), res->status);
+  if (res->body.size() > (16u << 20))
+    return DataLoss("{}: more than 16 MiB", Where(ep, "/metrics"));
+  return res->body;
+}
+
 bool Healthy(const Endpoint& ep) {
   httplib::Client cli(ep.host, ep.port);
   cli.set_connection_timeout(1, 0);

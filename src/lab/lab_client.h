@@ -35,6 +35,8 @@ Status StreamCompletion(const Endpoint& ep, const nlohmann::json& body, PromptRe
 Result<int32_t> NextToken(const Endpoint& ep, const std::vector<int32_t>& prompt,
                           double timeout_s = 600);
 Result<nlohmann::json> GetState(const Endpoint& ep);
+// GET /metrics (Prometheus text), e.g. for the spec-decode counters (lab/lab_spec.h).
+Result<std::string> GetMetricsText(const Endpoint& ep);
 // True once GET /health answers 200.
 bool Healthy(const Endpoint& ep);
 

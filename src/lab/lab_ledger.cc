@@ -179,6 +179,29 @@ Result<std::vector<LedgerRun>> Query(const std::string& runs_dir, const std::str
     out.push_back(std::move(r));
   }
   sqlite3_finalize(st);
+  // The stream rate and speculation of each run, from its metric rows.
+  const std::string msql =
+      "SELECT run_id,name,value FROM metrics WHERE name IN ('decode_tok_s_stream_median',"
+      "'spec_decode_num_speculative_tokens','spec_decode_mean_acceptance_length')";
+  if (sqlite3_prepare_v2(db.get(), msql.c_str(), -1, &st, nullptr) != SQLITE_OK) {
+    return Internal("{}: {}", path, sqlite3_errmsg(db.get()));
+  }
+  std::map<std::string, LedgerRun*> by_id;
+  for (auto& r : out) by_id[r.run_id] = &r;
+  while (sqlite3_step(st) == SQLITE_ROW) {
+    auto it = by_id.find(Text(st, 0));
+    if (it == by_id.end() || sqlite3_column_type(st, 2) == SQLITE_NULL) continue;
+    const std::string name = Text(st, 1);
+    const double v = sqlite3_column_double(st, 2);
+    if (name == "decode_tok_s_stream_median") {
+      if (it->second->valid) it->second->stream = v;
+    } else if (name == "spec_decode_num_speculative_tokens") {
+      it->second->speculative = true;
+    } else {
+      it->second->mean_acceptance_length = v;
+    }
+  }
+  sqlite3_finalize(st);
   return out;
 }
 
@@ -211,6 +234,13 @@ std::string Comparison::Line() const {
     verdict = fmt::format("difference is within the repeat spread ({:.2f} tok/s)",
                           std::max(spread_a, spread_b));
   }
+  if (statistic == "stream") {
+    return fmt::format(
+        "{}: {:.2f} tok/s ({} run(s), spread {:.2f}) vs {}: {:.2f} tok/s ({} run(s), spread "
+        "{:.2f}); difference {:+.2f} tok/s ({:+.1f}%); {}; statistic: stream median (first to last "
+        "token), since a side decodes speculatively",
+        a, median_a, runs_a, spread_a, b, median_b, runs_b, spread_b, diff, pct, verdict);
+  }
   return fmt::format(
       "{}: {:.2f} tok/s (historical {:.2f}, {} run(s), spread {:.2f}) vs {}: {:.2f} tok/s "
       "(historical {:.2f}, {} run(s), spread {:.2f}); difference {:+.2f} tok/s ({:+.1f}%); {}",
@@ -223,10 +253,21 @@ Result<Comparison> Compare(const std::string& a, const std::vector<LedgerRun>& r
   Comparison c;
   c.a = a;
   c.b = b;
-  auto side = [](const std::string& name, const std::vector<LedgerRun>& runs, double* med,
-                 double* hmed, double* spread, int* n) -> Status {
+  bool any_spec = false;
+  for (const auto* side : {&ra, &rb}) {
+    for (const auto& r : *side) any_spec |= r.valid && r.speculative;
+  }
+  if (any_spec) c.statistic = "stream";
+  auto side = [&c](const std::string& name, const std::vector<LedgerRun>& runs, double* med,
+                   double* hmed, double* spread, int* n) -> Status {
     std::vector<double> conv, hist;
     for (const auto& r : runs) {
+      if (c.statistic == "stream") {
+        if (!r.valid || !r.stream) continue;
+        conv.push_back(*r.stream);
+        hist.push_back(0);
+        continue;
+      }
       if (!r.valid || !r.conventional || !r.historical) continue;
       conv.push_back(*r.conventional);
       hist.push_back(*r.historical);

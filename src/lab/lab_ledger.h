@@ -18,8 +18,15 @@ struct LedgerRun {
   std::string run_id, label, mode, commit, started_utc, verdict, dir;
   bool valid = false;
   int exact = 0, prompts = 0;
-  std::optional<double> conventional, historical;  // absent for invalid runs
+  std::optional<double> conventional, historical;  // absent for invalid and speculative runs
   std::vector<double> per_prompt_conventional;
+  // From the metrics table (filled by LedgerList/LedgerSelect; LedgerRecord takes them from its
+  // metrics argument): decode_tok_s_stream_median, and for a run with speculative decoding
+  // spec_decode_num_speculative_tokens (its presence marks the run speculative) and
+  // spec_decode_mean_acceptance_length (absent without drafts).
+  std::optional<double> stream;
+  bool speculative = false;
+  std::optional<double> mean_acceptance_length;
 };
 
 std::string LedgerPath(const std::string& runs_dir);  // <runs_dir>/ledger.sqlite
@@ -42,10 +49,14 @@ Result<std::vector<LedgerRun>> LedgerSelect(const std::string& runs_dir, const s
 
 // The comparison of lab.md §3: both medians, the spread of each side's repeats and whether the
 // difference exceeds the larger repeat spread.
+// When either side has a speculative run, both sides are compared by their stream rate
+// (decode_tok_s_stream_median: a speculative run has no per-event statistics), and the line says
+// so.
 struct Comparison {
   std::string a, b;
-  double median_a = 0, median_b = 0;    // conventional, median over the side's valid runs
-  double hmedian_a = 0, hmedian_b = 0;  // historical
+  std::string statistic = "conventional";  // or "stream"
+  double median_a = 0, median_b = 0;       // `statistic`, median over the side's valid runs
+  double hmedian_a = 0, hmedian_b = 0;     // historical (0 when comparing by stream)
   double spread_a = 0, spread_b = 0;    // max - min of the side's run medians
   int runs_a = 0, runs_b = 0;
   bool spread_known = false;  // some side has at least two runs

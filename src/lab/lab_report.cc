@@ -265,6 +265,86 @@ std::string GapHistogram(const LedgerRun& run) {
   return s;
 }
 
+// The run's speculative decoding in one cell: drafter, K, mean acceptance length and rate (from
+// summary.json's `speculative` block); a dash for plain decoding.
+std::string SpecCell(const json& summary) {
+  const json sp = summary.value("speculative", json());
+  if (!sp.is_object()) return "&ndash;";
+  std::string s = fmt::format("{} K={}", HtmlEscape(sp.value("drafter", "?")),
+                              sp.value("num_speculative_tokens", 0));
+  const json mal = sp.value("mean_acceptance_length", json());
+  const json rate = sp.value("acceptance_rate", json());
+  if (mal.is_number() && rate.is_number()) {
+    s += fmt::format(": mean acceptance length {:.2f}, {:.1f}% accepted", mal.get<double>(),
+                     100 * rate.get<double>());
+  } else if (sp.contains("error")) {
+    s += ": acceptance not read";
+  } else {
+    s += ": no drafts";
+  }
+  return s;
+}
+
+// Every speculative run's counters and per-position acceptance (vLLM's names), newest first; empty
+// when no run speculated.
+std::string SpecSection(const std::vector<LedgerRun>& runs) {
+  std::string rows;
+  size_t positions = 0;
+  std::vector<std::pair<const LedgerRun*, json>> spec_runs;
+  for (auto it = runs.rbegin(); it != runs.rend(); ++it) {
+    const json sp = RunFile(*it, "summary.json").value("speculative", json());
+    if (!sp.is_object()) continue;
+    const json pp = sp.value("per_position_acceptance_rate", json());
+    if (pp.is_array()) positions = std::max(positions, pp.size());
+    spec_runs.emplace_back(&*it, sp);
+  }
+  if (spec_runs.empty()) return "";
+  std::string h =
+      "<h2>Speculative decoding</h2><p class=\"note\">Counted between the first prompt and the "
+      "last from the server's /metrics (vLLM's <code>vllm:spec_decode_*</code> counters). A draft "
+      "is one verify of a sequence with draft tokens; mean acceptance length = 1 + accepted / "
+      "drafts (tokens per verify); position i = drafts whose tokens 0..i were all accepted, over "
+      "drafts. The exactness check is the same as without speculation. A speculative run has no "
+      "conventional or historical statistic (a verify's tokens arrive together), so the speed "
+      "charts leave it out; its speed is the stream rate (first to last token).</p>"
+      "<table id=\"speculative-runs\"><tr><th>run id</th><th>verdict</th><th>drafter</th>"
+      "<th>K</th><th>drafts</th><th>draft tokens</th><th>accepted</th><th>acceptance rate</th>"
+      "<th>mean acceptance length</th><th>stream tok/s</th>";
+  for (size_t i = 0; i < positions; ++i) h += fmt::format("<th>pos {}</th>", i);
+  h += "</tr>";
+  for (const auto& [r, sp] : spec_runs) {
+    auto count = [&](const char* key) {
+      const json v = sp.value(key, json());
+      return v.is_number() ? v.dump() : std::string("&ndash;");
+    };
+    const json mal = sp.value("mean_acceptance_length", json());
+    const json rate = sp.value("acceptance_rate", json());
+    h += fmt::format(
+        "<tr><td>{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td>",
+        HtmlEscape(r->run_id), HtmlEscape(r->verdict), HtmlEscape(r->verdict),
+        HtmlEscape(sp.value("drafter", "?")), count("num_speculative_tokens"),
+        count("vllm:spec_decode_num_drafts_total"),
+        count("vllm:spec_decode_num_draft_tokens_total"),
+        count("vllm:spec_decode_num_accepted_tokens_total"),
+        rate.is_number() ? fmt::format("{:.1f}%", 100 * rate.get<double>()) : "&ndash;",
+        mal.is_number() ? fmt::format("{:.2f}", mal.get<double>()) : "&ndash;",
+        r->stream && r->valid ? fmt::format("{:.2f}", *r->stream) : "&ndash;");
+    const json pp = sp.value("per_position_acceptance_rate", json());
+    for (size_t i = 0; i < positions; ++i) {
+      h += pp.is_array() && i < pp.size() && pp[i].is_number()
+               ? fmt::format("<td>{:.1f}%</td>", 100 * pp[i].get<double>())
+               : "<td>&ndash;</td>";
+    }
+    h += "</tr>";
+    if (sp.contains("error")) {
+      h += fmt::format("<tr><td colspan=\"{}\" class=\"note\">{}: {}</td></tr>", 10 + positions,
+                       HtmlEscape(r->run_id), HtmlEscape(sp.value("error", "")));
+    }
+  }
+  return h + "</table>";
+}
+
 std::string CheckTable(const LedgerRun& run) {
   auto text = ReadTextFile((fs::path(run.dir) / "checks.json").string());
   if (!text.ok()) return "<p>No checks.json.</p>";
@@ -517,9 +597,9 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
       "never shown.</p>",
       runs.size(), HtmlEscape(fs::absolute(runs_dir).string()), stamp);
   h += "<h2>Runs</h2><table><tr><th>run id</th><th>label</th><th>mode</th><th>verdict</th>"
-       "<th>exact</th><th>conventional tok/s</th><th>historical tok/s</th>"
+       "<th>exact</th><th>conventional tok/s</th><th>historical tok/s</th><th>stream tok/s</th>"
        "<th>TTFT median / p99 (ms)</th><th>ITL median / p99 (ms)</th><th>backend</th>"
-       "<th>KV dtype</th><th>page size</th><th>serve flags</th></tr>";
+       "<th>KV dtype</th><th>page size</th><th>serve flags</th><th>speculative</th></tr>";
   for (const auto& r : runs) {
     auto num = [&](const std::optional<double>& v) {
       return v && r.valid ? fmt::format("{:.2f}", *v) : std::string("&ndash;");
@@ -544,12 +624,13 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
     const std::string flags = ServeFlags(manifest);
     h += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td>{}/{}</td><td>{}</td>"
-        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td>"
-        "</tr>",
+        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+        "<td><code>{}</code></td><td>{}</td></tr>",
         HtmlEscape(r.run_id), HtmlEscape(r.label), HtmlEscape(r.mode), HtmlEscape(r.verdict),
         HtmlEscape(r.verdict), r.exact, r.prompts, num(r.conventional), num(r.historical),
-        latency("ttft"), latency("itl"), text(manifest.value("backend", json())), text(kv),
-        text(state.value("page_size", json())), flags.empty() ? "&ndash;" : HtmlEscape(flags));
+        num(r.stream), latency("ttft"), latency("itl"), text(manifest.value("backend", json())),
+        text(kv), text(state.value("page_size", json())),
+        flags.empty() ? "&ndash;" : HtmlEscape(flags), SpecCell(summary));
   }
   h += "</table>";
   if (const auto incomplete = ListIncompleteRuns(runs_dir); !incomplete.empty()) {
@@ -571,6 +652,7 @@ Result<std::string> BuildReportHtml(const std::string& runs_dir, const ReportOpt
         "; build with npm available, or pass --bundles DIR). Simple inline charts and every table "
         "follow.</p>";
   }
+  h += SpecSection(runs);
   h += "<h2>Decode speed over time</h2>";
   h += bundles.found ? VegaSpeedChart(runs) : SpeedChart(runs);
   const LedgerRun* latest = nullptr;

@@ -9,11 +9,14 @@
 #include <fstream>
 #include <thread>
 
+#include <fmt/ranges.h>
+
 #include "base/build_info.h"
 #include "base/sha256.h"
 #include "comm/process.h"
 #include "kv_cache/kv_scales.h"
 #include "lab/lab_client.h"
+#include "lab/lab_spec.h"
 #include "lab/serve_child.h"
 
 namespace dl::lab {
@@ -46,7 +49,8 @@ std::string UtcStamp(std::time_t t, const char* fmtstr) {
 // running endpoint.
 class ServerHandle {
  public:
-  Status Start(const LabOptions& o, const std::string& log_path) {
+  // `with_spec` false: plain decoding whatever o.spec_args say (the teacher's server).
+  Status Start(const LabOptions& o, const std::string& log_path, bool with_spec = true) {
     if (!o.endpoint.empty()) {
       DL_ASSIGN_OR_RETURN(ep_, ParseEndpoint(o.endpoint));
       if (!Healthy(ep_))
@@ -61,6 +65,7 @@ class ServerHandle {
       args.insert(args.end(), {"--kv-scales", o.suite.calibration});
     }
     args.insert(args.end(), o.serve_extra.begin(), o.serve_extra.end());
+    if (with_spec) args.insert(args.end(), o.spec_args.begin(), o.spec_args.end());
     DL_ASSIGN_OR_RETURN(child_, ServeChild::Start(o.binary, args, log_path, o.server_start_timeout_s));
     ep_ = child_->endpoint();
     argv_ = child_->argv();
@@ -130,10 +135,26 @@ std::vector<std::string> Signatures(const json& state) {
   return s;
 }
 
+// The server's speculative configuration from /v1/decodelab/state (`speculative`: drafter, K);
+// a server without the object (an older binary, another engine) decodes plainly.
+json SpecConfig(const json& state) {
+  const json sp = state.value("speculative", json::object());
+  const std::string drafter = sp.is_object() ? sp.value("drafter", "none") : "none";
+  json out = {{"drafter", drafter}};
+  if (drafter != "none") out["num_speculative_tokens"] = sp.value("num_speculative_tokens", 0);
+  return out;
+}
+
+bool SpecOn(const json& state) {
+  return SpecConfig(state)["drafter"] != "none";
+}
+
 json Manifest(const LabOptions& o, const std::string& run_id, const std::string& binary_sha,
               const json& state, const std::vector<std::string>& serve_argv, int m,
               const std::string& teacher_sha) {
   const json runner = state.value("runner", json::object());
+  json spec = SpecConfig(state);
+  spec["flags"] = o.spec_args;
   std::string driver = FirstLine("/proc/driver/nvidia/version");
   return {
       {"run_id", run_id},
@@ -168,6 +189,7 @@ json Manifest(const LabOptions& o, const std::string& run_id, const std::string&
       {"temperature", 0},
       {"lock", o.lock_path},
       {"accept_identity", o.accept_identity},
+      {"speculative", spec},
   };
 }
 
@@ -211,6 +233,13 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
   ServerHandle server;
   bool stopped_early = false;
   std::string server_stop = "not started";
+  // Speculation: the server's own report decides (state), the counters are read from /metrics
+  // before the first prompt and after the last, so a running --endpoint's earlier traffic is not
+  // counted.
+  bool spec_on = false;
+  SpecCounters spec_before;
+  std::optional<SpecDelta> spec_delta;
+  std::string spec_error;
 
   // Identity before anything starts: a locked run refuses a different binary.
   if (o.lock && !binary_sha.empty() && o.lock->binary_sha256 != binary_sha && !o.accept_identity) {
@@ -234,6 +263,15 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
     } else {
       state = *s;
       (void)WriteJson(dir / "state.json", state);
+    }
+  }
+  if (!stopped_early) {
+    spec_on = SpecOn(state);
+    if (!o.spec_args.empty() && !spec_on) {
+      rows.push_back({"speculative", CheckStatus::kInvalid,
+                      fmt::format("the lab asked serve for `{}` and its state reports drafter none",
+                                  fmt::join(o.spec_args, " "))});
+      stopped_early = true;
     }
   }
   if (!stopped_early && o.suite.HasCheck("identity")) {
@@ -260,6 +298,16 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
                            ? CheckScaleAudit(state, *cal)
                            : CheckRow{"scale_audit", CheckStatus::kFail, cal.status().message()});
       }
+    }
+  }
+
+  if (!stopped_early && spec_on) {
+    auto text = GetMetricsText(server.endpoint());
+    if (!text.ok()) {
+      spec_error = text.status().message();
+    } else {
+      spec_before = ParseSpecCounters(*text);
+      if (!spec_before.present) spec_error = "/metrics has no vllm:spec_decode_num_drafts counter";
     }
   }
 
@@ -337,6 +385,18 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
       }
     }
   }
+  if (!stopped_early && spec_on && spec_error.empty()) {
+    auto text = GetMetricsText(server.endpoint());
+    if (!text.ok()) {
+      spec_error = text.status().message();
+    } else {
+      spec_delta = SpecDifference(spec_before, ParseSpecCounters(*text));
+      if (!spec_delta->enabled) {
+        spec_error = "/metrics lost its vllm:spec_decode counters during the run";
+        spec_delta.reset();
+      }
+    }
+  }
   // The topology audit reads the state after the prompts: a graph is captured on first decode.
   if (!stopped_early && o.suite.HasCheck("topology")) {
     auto after = GetState(server.endpoint());
@@ -391,33 +451,78 @@ Result<RunOutcome> RunOnce(const LabOptions& o, const Teacher& teacher,
                   {"stopped_early", stopped_early},
                   {"server_exit", server_stop},
                   {"decode_tok_s_conventional_99_interval_median", nullptr},
-                  {"decode_tok_s_historical_100_event_median", nullptr}};
+                  {"decode_tok_s_historical_100_event_median", nullptr},
+                  {"decode_tok_s_stream_median", nullptr}};
   LedgerRun lr;
   std::map<std::string, double> metrics;
+  // Acceptance is not a speed: it is reported for INVALID runs too (it explains, never claims).
+  if (spec_on) {
+    json sp = SpecConfig(state);
+    if (spec_delta) {
+      sp.update(spec_delta->ToCountersJson());
+    } else {
+      sp["error"] =
+          spec_error.empty() ? "the run stopped before its counters were read" : spec_error;
+    }
+    summary["speculative"] = sp;
+  } else {
+    summary["speculative"] = nullptr;
+  }
+  if (spec_on) {
+    metrics["spec_decode_num_speculative_tokens"] =
+        SpecConfig(state).value("num_speculative_tokens", 0);
+  }
+  if (spec_delta) {
+    metrics["spec_decode_num_drafts"] = spec_delta->num_drafts;
+    metrics["spec_decode_num_draft_tokens"] = spec_delta->num_draft_tokens;
+    metrics["spec_decode_num_accepted_tokens"] = spec_delta->num_accepted_tokens;
+    if (spec_delta->num_drafts > 0) {
+      metrics["spec_decode_mean_acceptance_length"] = spec_delta->mean_acceptance_length();
+      metrics["spec_decode_acceptance_rate"] = spec_delta->acceptance_rate();
+      const auto rates = spec_delta->per_position_acceptance_rate();
+      for (size_t i = 0; i < rates.size(); ++i) {
+        metrics[fmt::format("spec_decode_acceptance_rate_pos_{}", i)] = rates[i];
+      }
+    }
+  }
   if (out.valid && !timings.empty()) {
-    auto speed = ComputeRunSpeed(timings);
+    // A verify emits its accepted tokens together: with speculation the per-event statistics
+    // describe that grouping, not the speed, and are left out; the stream rate is the speed.
+    auto speed = ComputeRunSpeed(timings, /*per_event=*/!spec_on);
     if (speed.ok()) {
-      summary["decode_tok_s_conventional_99_interval_median"] = speed->conventional_median;
-      summary["decode_tok_s_historical_100_event_median"] = speed->historical_median;
+      if (speed->per_event) {
+        summary["decode_tok_s_conventional_99_interval_median"] = speed->conventional_median;
+        summary["decode_tok_s_historical_100_event_median"] = speed->historical_median;
+        lr.conventional = speed->conventional_median;
+        lr.historical = speed->historical_median;
+        lr.per_prompt_conventional = speed->conventional;
+        metrics["decode_tok_s_conventional_99_interval_median"] = speed->conventional_median;
+        metrics["decode_tok_s_historical_100_event_median"] = speed->historical_median;
+      } else {
+        summary["per_event_statistics"] =
+            "left out: with speculative decoding a verify's tokens arrive together, so the gaps "
+            "between token events measure that grouping, not the speed; "
+            "decode_tok_s_stream_median is the speed";
+      }
+      summary["decode_tok_s_stream_median"] = speed->stream_median;
       summary["ttft"] = speed->ttft.ToJson();
       summary["tpot"] = speed->tpot.ToJson();
       summary["itl"] = speed->itl.ToJson();
       json per = json::array();
       for (size_t i = 0; i < results.size(); ++i) {
-        per.push_back({{"name", results[i].name},
-                       {"conventional_tok_s", speed->conventional[i]},
-                       {"historical_tok_s", speed->historical[i]}});
+        json p = {{"name", results[i].name}, {"stream_tok_s", speed->stream[i]}};
+        if (speed->per_event) {
+          p["conventional_tok_s"] = speed->conventional[i];
+          p["historical_tok_s"] = speed->historical[i];
+        }
+        per.push_back(p);
       }
       summary["per_prompt"] = per;
-      lr.conventional = speed->conventional_median;
-      lr.historical = speed->historical_median;
-      lr.per_prompt_conventional = speed->conventional;
-      metrics = {{"decode_tok_s_conventional_99_interval_median", speed->conventional_median},
-                 {"decode_tok_s_historical_100_event_median", speed->historical_median},
-                 {"ttft_median_ms", speed->ttft.median * 1e3},
-                 {"tpot_median_ms", speed->tpot.median * 1e3},
-                 {"itl_median_ms", speed->itl.median * 1e3},
-                 {"itl_p99_ms", speed->itl.p99 * 1e3}};
+      metrics["decode_tok_s_stream_median"] = speed->stream_median;
+      metrics["ttft_median_ms"] = speed->ttft.median * 1e3;
+      metrics["tpot_median_ms"] = speed->tpot.median * 1e3;
+      metrics["itl_median_ms"] = speed->itl.median * 1e3;
+      metrics["itl_p99_ms"] = speed->itl.p99 * 1e3;
     } else {
       summary["speed_error"] = speed.status().message();
     }
@@ -497,8 +602,14 @@ Status RecordTeacher(const LabOptions& o) {
   fs::create_directories(log, ec);
   log /= fs::path(o.teacher_path).filename().string() + ".server.log";
   ServerHandle server;
-  DL_RETURN_IF_ERROR(server.Start(o, log.string()));
+  DL_RETURN_IF_ERROR(server.Start(o, log.string(), /*with_spec=*/false));
   DL_ASSIGN_OR_RETURN(json state, GetState(server.endpoint()));
+  if (SpecOn(state)) {
+    return FailedPrecondition(
+        "the teacher's server reports speculative decoding ({}): a teacher is recorded from plain "
+        "decoding",
+        SpecConfig(state).dump());
+  }
   if (CheckNoFallback(state).status != CheckStatus::kPass) {
     return FailedPrecondition(
         "the control reports a fallback ({}): a teacher from it is not a "
@@ -584,21 +695,58 @@ Result<CheckRow> RunRepro(const LabOptions& o, const Repro& repro) {
                               repro.name, repro.precursors.size(), repro.expected.size())};
 }
 
+const char* SpeedKey(const json& summary) {
+  return summary.value("speculative", json()).is_object()
+             ? "decode_tok_s_stream_median"
+             : "decode_tok_s_conventional_99_interval_median";
+}
+
 std::string FormatRunTable(const RunOutcome& run) {
   std::string s = fmt::format("run {}  verdict {}\n", run.run_id, run.verdict);
   for (const auto& r : run.checks) {
     s += fmt::format("  {:<16} {:<15} {}\n", r.name, CheckStatusName(r.status), r.detail);
   }
   const json& sm = run.summary;
+  const json spec = sm.value("speculative", json());
+  if (spec.is_object()) {
+    s += fmt::format("  speculative: {} K={}", spec.value("drafter", "?"),
+                     spec.value("num_speculative_tokens", 0));
+    if (spec.contains("error")) {
+      s += fmt::format(": acceptance not read ({})\n", spec["error"].get<std::string>());
+    } else {
+      const json mal = spec.value("mean_acceptance_length", json());
+      const json rate = spec.value("acceptance_rate", json());
+      s += fmt::format(": {} drafts, {} draft tokens, {} accepted",
+                       spec.value("vllm:spec_decode_num_drafts_total", 0),
+                       spec.value("vllm:spec_decode_num_draft_tokens_total", 0),
+                       spec.value("vllm:spec_decode_num_accepted_tokens_total", 0));
+      if (mal.is_number()) {
+        s += fmt::format(" ({:.1f}%), mean acceptance length {:.2f}, per position",
+                         100 * rate.get<double>(), mal.get<double>());
+        for (const auto& r : spec["per_position_acceptance_rate"])
+          s += fmt::format(" {:.1f}%", 100 * r.get<double>());
+      }
+      s += "\n";
+    }
+  }
   if (!run.valid) {
     s += "  speed: not reported (the run is INVALID)\n";
+  } else if (spec.is_object() && sm.value("decode_tok_s_stream_median", json()).is_number()) {
+    s += fmt::format(
+        "  decode tok/s: stream median {:.2f} (first to last token; the per-event statistics are "
+        "left out with speculation)\n",
+        sm["decode_tok_s_stream_median"].get<double>());
+    s += fmt::format("  TTFT median {:.2f} ms p99 {:.2f} ms | TPOT median {:.2f} ms\n",
+                     sm["ttft"]["median_ms"].get<double>(), sm["ttft"]["p99_ms"].get<double>(),
+                     sm["tpot"]["median_ms"].get<double>());
   } else if (sm.contains("decode_tok_s_conventional_99_interval_median") &&
              sm["decode_tok_s_conventional_99_interval_median"].is_number()) {
     s += fmt::format(
         "  decode tok/s: conventional 99-interval median {:.2f} | historical 100-event median "
-        "{:.2f}\n",
+        "{:.2f} | stream median {:.2f}\n",
         sm["decode_tok_s_conventional_99_interval_median"].get<double>(),
-        sm["decode_tok_s_historical_100_event_median"].get<double>());
+        sm["decode_tok_s_historical_100_event_median"].get<double>(),
+        sm.value("decode_tok_s_stream_median", 0.0));
     s += fmt::format(
         "  TTFT median {:.2f} ms p99 {:.2f} ms | TPOT median {:.2f} ms | ITL median "
         "{:.2f} ms p99 {:.2f} ms\n",

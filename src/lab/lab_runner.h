@@ -29,6 +29,10 @@ struct LabOptions {
   // "--backend X"); the lab adds --port 0 --host 127.0.0.1 --kv-dtype --kv-scales.
   std::vector<std::string> model_args;
   std::vector<std::string> serve_extra;  // after `--`
+  // Speculative decoding flags for serve ("--spec ngram --spec-k 4 ..."; empty: plain decoding).
+  // A screen, suite or reproducer's server gets them; a teacher's never does: the teacher is the
+  // plain-decoding reference a speculative run must equal token for token.
+  std::vector<std::string> spec_args;
   std::string endpoint;                  // a running server instead of a child
   Suite suite;
   std::string teacher_path;  // required except in teacher mode (where it is the output)
@@ -62,6 +66,11 @@ Status RecordTeacher(const LabOptions& options);
 // Replays a reproducer against a fresh server (options.suite supplies kv_dtype and calibration):
 // precursors in order, then the target; the row is PASS when the target's tokens equal `expected`.
 Result<CheckRow> RunRepro(const LabOptions& options, const Repro& repro);
+
+// The summary key of the statistic that compares a run's speed with others: the stream rate for a
+// speculative run (its per-event statistics are null, lab_stats.h says why), else the conventional
+// median. `lab compare` and the gate use the stream rate for both sides when either is speculative.
+const char* SpeedKey(const nlohmann::json& summary);
 
 // "<label>-<short commit>-<UTC yyyymmddTHHMMSSZ>".
 std::string MakeRunId(const std::string& label, const std::string& commit, std::time_t t);

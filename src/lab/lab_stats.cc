@@ -54,6 +54,15 @@ Result<double> HistoricalTokS(double first_byte, const std::vector<double>& arri
   return Median(rates);
 }
 
+Result<double> StreamTokS(const std::vector<double>& arrivals) {
+  const size_t n = std::min(arrivals.size(), kEvents);
+  if (n < 2) return InvalidArgument("stream statistic: {} token events, need at least 2", n);
+  const double span = arrivals[n - 1] - arrivals[0];
+  if (!(span > 0))
+    return InvalidArgument("stream statistic: the first {} tokens arrived at once", n);
+  return static_cast<double>(n - 1) / span;
+}
+
 nlohmann::json Distribution::ToJson() const {
   return {{"mean_ms", mean * 1e3}, {"median_ms", median * 1e3}, {"p99_ms", p99 * 1e3}};
 }
@@ -62,16 +71,21 @@ Distribution Describe(const std::vector<double>& v) {
   return {Mean(v), Median(v), Percentile(v, 99)};
 }
 
-Result<RunSpeed> ComputeRunSpeed(const std::vector<RequestTiming>& timings) {
+Result<RunSpeed> ComputeRunSpeed(const std::vector<RequestTiming>& timings, bool per_event) {
   RunSpeed s;
+  s.per_event = per_event;
   std::vector<double> ttft, tpot, itl;
   for (size_t r = 0; r < timings.size(); ++r) {
     const RequestTiming& t = timings[r];
     if (t.arrivals.empty()) return InvalidArgument("request {}: no token events", r);
-    DL_ASSIGN_OR_RETURN(double conv, ConventionalTokS(t.arrivals));
-    DL_ASSIGN_OR_RETURN(double hist, HistoricalTokS(t.first_byte, t.arrivals));
-    s.conventional.push_back(conv);
-    s.historical.push_back(hist);
+    if (per_event) {
+      DL_ASSIGN_OR_RETURN(double conv, ConventionalTokS(t.arrivals));
+      DL_ASSIGN_OR_RETURN(double hist, HistoricalTokS(t.first_byte, t.arrivals));
+      s.conventional.push_back(conv);
+      s.historical.push_back(hist);
+    }
+    DL_ASSIGN_OR_RETURN(double stream, StreamTokS(t.arrivals));
+    s.stream.push_back(stream);
     ttft.push_back(t.arrivals.front() - t.sent);
     if (t.arrivals.size() > 1) {
       tpot.push_back((t.arrivals.back() - t.arrivals.front()) /
@@ -82,6 +96,7 @@ Result<RunSpeed> ComputeRunSpeed(const std::vector<RequestTiming>& timings) {
   s.requests = static_cast<int>(timings.size());
   s.conventional_median = Median(s.conventional);
   s.historical_median = Median(s.historical);
+  s.stream_median = Median(s.stream);
   s.ttft = Describe(ttft);
   s.tpot = Describe(tpot);
   s.itl = Describe(itl);

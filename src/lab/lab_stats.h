@@ -31,6 +31,12 @@ Result<double> ConventionalTokS(const std::vector<double>& arrivals);
 // the response; the median of those rates. Needs at least 1 event.
 Result<double> HistoricalTokS(double first_byte, const std::vector<double>& arrivals);
 
+// Stream: over the same 100 events, (events - 1) / (last - first): the mean rate from the first
+// token to the last. Unlike the two above it does not depend on how tokens are grouped into reads,
+// so it is the speed of a speculative run, whose verify emits its accepted tokens together (their
+// gaps are ~0 and the median gap says nothing about the rate). Needs at least 2 events apart.
+Result<double> StreamTokS(const std::vector<double>& arrivals);
+
 struct Distribution {
   double mean = 0, median = 0, p99 = 0;
   nlohmann::json ToJson() const;  // seconds converted to milliseconds: {mean_ms, median_ms, p99_ms}
@@ -41,13 +47,18 @@ Distribution Describe(const std::vector<double>& v);
 // (last - first token) / (tokens - 1) for requests with more than one token; ITL = every gap
 // between consecutive tokens of every request, pooled.
 struct RunSpeed {
-  std::vector<double> conventional;  // per request, tok/s
-  std::vector<double> historical;    // per request, tok/s
+  std::vector<double> conventional;  // per request, tok/s (empty when not per_event)
+  std::vector<double> historical;    // per request, tok/s (empty when not per_event)
+  std::vector<double> stream;        // per request, tok/s
   double conventional_median = 0;
   double historical_median = 0;
+  double stream_median = 0;
+  bool per_event = true;  // conventional and historical were computed
   Distribution ttft, tpot, itl;
   int requests = 0;
 };
-Result<RunSpeed> ComputeRunSpeed(const std::vector<RequestTiming>& timings);
+// `per_event` false (a speculative run): conventional and historical are left out, since they
+// measure how the tokens were grouped rather than how fast they came; stream is always computed.
+Result<RunSpeed> ComputeRunSpeed(const std::vector<RequestTiming>& timings, bool per_event = true);
 
 }  // namespace dl::lab

@@ -61,6 +61,32 @@ TEST(LabStats, VllmDefinitions) {
   EXPECT_NEAR(s->historical[0], 10, 1e-9);
   EXPECT_NEAR(s->historical[1], 0.5 * (10 + 1 / 0.3), 1e-9);
   EXPECT_EQ(s->requests, 2);
+  // Stream: A (3 - 1) / 0.3, B 1 / 0.3; the median over requests is their mean.
+  EXPECT_NEAR(s->stream[0], 2 / 0.3, 1e-9);
+  EXPECT_NEAR(s->stream_median, 0.5 * (2 / 0.3 + 1 / 0.3), 1e-9);
+}
+
+TEST(LabStats, StreamIgnoresHowTokensAreGrouped) {
+  // A speculative stream: verifies every 30 ms emit 3 tokens that arrive together. The median gap
+  // is 0, so the conventional statistic has no value; the stream rate is 3 tokens per 30 ms over
+  // the 100-event window: 99 gaps span 33 verifies = 0.99 s -> 100 tok/s.
+  std::vector<double> t;
+  for (int v = 0; v < 40; ++v) {
+    for (int k = 0; k < 3; ++k) t.push_back(1.0 + 0.030 * v);
+  }
+  EXPECT_FALSE(ConventionalTokS(t).ok());
+  auto st = StreamTokS(t);
+  ASSERT_TRUE(st.ok());
+  EXPECT_NEAR(*st, 99 / (0.030 * 33), 1e-9);
+  EXPECT_FALSE(StreamTokS({2.0, 2.0}).ok());
+  // A speculative run leaves the per-event statistics out instead of failing on them.
+  RequestTiming r{0.5, 0.9, t};
+  EXPECT_FALSE(ComputeRunSpeed({r}).ok());
+  auto s = ComputeRunSpeed({r}, /*per_event=*/false);
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_FALSE(s->per_event);
+  EXPECT_TRUE(s->conventional.empty());
+  EXPECT_NEAR(s->stream_median, *st, 1e-9);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <httplib.h>
 
 #include "base/rng.h"
+#include "lab/lab_spec.h"
 #include "lab/lab_stats.h"
 
 namespace dl::lab {
@@ -26,6 +27,7 @@ struct RequestRecord {
   std::string error;
   int input_len = 0;
   int output_tokens = 0;  // usage.completion_tokens when reported, else the token events counted
+  int prompt_tokens = -1;  // usage.prompt_tokens when reported
   double ttft = 0, e2el = 0;
   std::vector<double> itl;
 };
@@ -77,6 +79,9 @@ RequestRecord StreamOne(const Endpoint& ep, const json& body, double timeout_s) 
       if (j.contains("error")) rec.error = j["error"].dump().substr(0, 300);
       if (j.contains("usage") && j["usage"].is_object() && j["usage"].contains("completion_tokens")) {
         usage_tokens = j["usage"]["completion_tokens"].get<int>();
+        if (j["usage"].contains("prompt_tokens") && j["usage"]["prompt_tokens"].is_number_integer()) {
+          rec.prompt_tokens = j["usage"]["prompt_tokens"].get<int>();
+        }
       }
       if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
       const json& c = j["choices"][0];
@@ -129,6 +134,16 @@ Result<json> GetJson(const Endpoint& ep, const char* path) {
   return j;
 }
 
+// The spec-decode counters now; `present` false when the server has no /metrics or exports none.
+SpecCounters SpecSnapshot(const Endpoint& ep) {
+  httplib::Client cli(ep.host, ep.port);
+  cli.set_connection_timeout(10, 0);
+  cli.set_read_timeout(30, 0);
+  auto res = cli.Get("/metrics");
+  if (!res || res->status != 200) return {};
+  return ParseSpecCounters(res->body);
+}
+
 // vLLM's statistics of a list of seconds, in milliseconds: mean, median, std, p99 (and p90, p95).
 void AddStats(json* out, const std::string& name, const std::vector<double>& seconds) {
   std::vector<double> ms;
@@ -160,7 +175,7 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
     model = models["data"][0]["id"].get<std::string>();
   }
   int64_t vocab = o.vocab_size;
-  if (vocab <= 0) {
+  if (vocab <= 0 && o.prompt_text.empty()) {
     auto state = GetJson(ep, "/v1/decodelab/state");
     if (state.ok() && state->contains("vocab_size") && (*state)["vocab_size"].is_number_integer()) {
       vocab = (*state)["vocab_size"].get<int64_t>();
@@ -171,9 +186,9 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
     }
   }
   // Prompts and arrival times, both from the seed alone.
-  std::vector<std::vector<int32_t>> prompts(o.num_prompts);
+  std::vector<std::vector<int32_t>> prompts(o.prompt_text.empty() ? o.num_prompts : 0);
   const uint64_t key = StreamKey(o.seed, "decodelab-bench-serve-prompts-v1");
-  for (int i = 0; i < o.num_prompts; ++i) {
+  for (int i = 0; i < static_cast<int>(prompts.size()); ++i) {
     prompts[i].resize(o.input_len);
     for (int j = 0; j < o.input_len; ++j) {
       prompts[i][j] = static_cast<int32_t>(SplitMix64(key ^ SplitMix64(static_cast<uint64_t>(i) * o.input_len + j)) %
@@ -191,6 +206,7 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
   std::vector<RequestRecord> records(o.num_prompts);
   std::atomic<int> next{0}, finished{0};
   std::mutex progress_mu;
+  const SpecCounters spec_before = SpecSnapshot(ep);
   const double start = MonotonicSeconds();
   auto work = [&] {
     while (true) {
@@ -199,14 +215,14 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
       const double wait = start + arrival[i] - MonotonicSeconds();
       if (wait > 0) std::this_thread::sleep_for(std::chrono::duration<double>(wait));
       json body = {{"model", model},
-                   {"prompt", prompts[i]},
+                   {"prompt", o.prompt_text.empty() ? json(prompts[i]) : json(o.prompt_text)},
                    {"max_tokens", o.output_len},
                    {"temperature", 0},
                    {"ignore_eos", true},
                    {"stream", true},
                    {"stream_options", {{"include_usage", true}}}};
       records[i] = StreamOne(ep, body, o.request_timeout_s);
-      records[i].input_len = o.input_len;
+      records[i].input_len = o.prompt_text.empty() ? o.input_len : std::max(0, records[i].prompt_tokens);
       const int done = finished.fetch_add(1) + 1;
       if (progress && (done % std::max(1, o.num_prompts / 10) == 0 || done == o.num_prompts)) {
         std::lock_guard lock(progress_mu);
@@ -218,6 +234,7 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
   for (int w = 0; w < workers; ++w) threads.emplace_back(work);
   for (auto& t : threads) t.join();
   const double duration = MonotonicSeconds() - start;
+  const SpecDelta spec = SpecDifference(spec_before, SpecSnapshot(ep));
 
   std::vector<double> ttft, tpot, itl, e2el;
   int64_t in_tokens = 0, out_tokens = 0;
@@ -240,7 +257,7 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
               {"model_id", model},
               {"backend", "openai"},
               {"num_prompts", o.num_prompts},
-              {"input_len", o.input_len},
+              {"input_len", o.prompt_text.empty() ? json(o.input_len) : json(nullptr)},  // text: see usage
               {"output_len", o.output_len},
               {"max_concurrency", workers},
               {"request_rate", std::isfinite(o.request_rate) ? json(o.request_rate) : json("inf")},
@@ -258,6 +275,8 @@ Result<json> RunServeBench(const Endpoint& ep, const ServeBenchOptions& o,
   AddStats(&out, "tpot", tpot);
   AddStats(&out, "itl", itl);
   AddStats(&out, "e2el", e2el);
+  // As vLLM: the acceptance keys only where the server speculates.
+  if (spec.enabled) out.update(spec.ToBenchServeJson());
   return out;
 }
 

@@ -198,6 +198,53 @@ TEST(CliTest, SpecFlagsOnGenerateAndBench) {
   EXPECT_EQ(rows, 4) << cost.out;  // K 2 and 4 at batch 1 and 2
 }
 
+// bench serve with speculation: vLLM's Speculative Decoding block beside the throughputs and its
+// result keys in the JSON, the counters' difference over the run; the same server without --spec
+// has neither. Random prompts of 256 ids from the tiny vocabulary of 512: the generated token has
+// occurred before in nearly every step, so the n-gram drafter (n >= 1) drafts. --prompt-file sends
+// a text the server tokenizes; its input tokens come from usage.
+TEST(CliTest, BenchServeReportsAcceptanceBesideTokS) {
+  const fs::path dir = fs::temp_directory_path() / ("dl_cli_bench_serve_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string common = "bench serve --shape tiny --backend cpu --output-len 12 --num-prompts 2 --concurrency 2 "
+                             "--serve-log '" + (dir / "serve.log").string() + "' --json-out ";
+  const CliRun spec = Decodelab(common + "'" + (dir / "spec.json").string() +
+                                "' --input-len 256 --spec ngram --spec-k 3 --spec-ngram-min 1");
+  ASSERT_EQ(spec.rc, 0) << spec.out << spec.err;
+  EXPECT_NE(spec.out.find("Output token throughput (tok/s):"), std::string::npos) << spec.out;
+  EXPECT_NE(spec.out.find("---------------Speculative Decoding---------------"), std::string::npos) << spec.out;
+  EXPECT_NE(spec.out.find("Acceptance length:"), std::string::npos) << spec.out;
+  const auto j = nlohmann::json::parse(Slurp(dir / "spec.json"), nullptr, false);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["completed"], 2);
+  EXPECT_EQ(j["total_output_tokens"], 24);
+  const int drafts = j["spec_decode_num_drafts"];
+  EXPECT_GT(drafts, 0) << "the drafter found earlier occurrences";
+  EXPECT_LE(j["spec_decode_draft_tokens"].get<int>(), 3 * drafts);
+  EXPECT_LE(j["spec_decode_accepted_tokens"].get<int>(), j["spec_decode_draft_tokens"].get<int>());
+  EXPECT_DOUBLE_EQ(j["spec_decode_acceptance_length"].get<double>(),
+                   1.0 + j["spec_decode_accepted_tokens"].get<double>() / drafts);
+  EXPECT_DOUBLE_EQ(j["spec_decode_acceptance_rate"].get<double>(),
+                   100.0 * j["spec_decode_accepted_tokens"].get<double>() / j["spec_decode_draft_tokens"].get<double>());
+  ASSERT_EQ(j["spec_decode_per_position_acceptance_rates"].size(), 3u);
+  EXPECT_NE(spec.out.find("  Position 2:"), std::string::npos) << spec.out;
+
+  std::string text;
+  for (int i = 0; i < 6; ++i) text += "def get_user(self, key):\n    return self.rows[key]\n";
+  std::ofstream(dir / "prompt.txt") << text;
+  const CliRun plain = Decodelab(common + "'" + (dir / "plain.json").string() + "' --prompt-file '" +
+                                 (dir / "prompt.txt").string() + "'");
+  ASSERT_EQ(plain.rc, 0) << plain.out << plain.err;
+  EXPECT_EQ(plain.out.find("Speculative Decoding"), std::string::npos) << plain.out;
+  const auto p = nlohmann::json::parse(Slurp(dir / "plain.json"), nullptr, false);
+  ASSERT_TRUE(p.is_object());
+  EXPECT_FALSE(p.contains("spec_decode_num_drafts"));
+  EXPECT_EQ(p["completed"], 2);
+  EXPECT_GT(p["total_input_tokens"].get<int>(), 2 * 30) << "usage.prompt_tokens of the text prompt";
+  EXPECT_TRUE(p["input_len"].is_null());
+  fs::remove_all(dir);
+}
+
 // bench --prefill-sweep: one row per length with the prefill's rate and its arithmetic; the plain
 // bench reports the prefill rate beside the TTFT; the sweep refuses what it does not combine with.
 TEST(CliTest, BenchPrefillSweep) {

@@ -355,6 +355,126 @@ TEST_F(LabE2E, GateStopsAtAFailedStepAndResumes) {
   EXPECT_TRUE(verdict == "NOT_FASTER" || verdict == "FASTER" || verdict == "NOT_PROVEN") << verdict;
 }
 
+// Speculative decoding in the lab: the teacher stays plain decoding, a screen with --spec ngram
+// must give the teacher's tokens (the exactness check unchanged), and its manifest, summary,
+// ledger, `lab runs`, `lab compare` and report carry the drafter and the acceptance read from
+// /metrics.
+TEST_F(LabE2E, SpeculativeScreenIsExactAndRecordsAcceptance) {
+  // A periodic prompt: its last token always occurred before, so the n-gram drafter drafts.
+  std::vector<int> periodic;
+  for (int i = 0; i < 40; ++i) periodic.push_back(60 + (i % 7) * 31);
+  json suite = ShortSuite();
+  suite["name"] = "spec";
+  suite["checks"] = {"identity",  "no_fallback",     "scale_audit", "topology",
+                     "exactness", "no_prefix_cache", "boundary"};
+  suite["prompts"] = {{{"name", "periodic"}, {"token_ids", periodic}},
+                      {{"name", "a"}, {"token_ids", {5, 17, 42, 99, 7, 300}}},
+                      {{"name", "boundary"}, {"kind", "boundary"}, {"computed", true}}};
+  const fs::path spec_suite = root_ / "spec-suite.json";
+  WriteJson(spec_suite, suite);
+  const std::string common = "--backend cpu --suite '" + spec_suite.string() + "' --cache-dir '" +
+                             (root_ / "cache").string() + "'";
+  const fs::path teacher = root_ / "spec-teacher.json";
+  Cmd refused =
+      Decodelab("lab teacher " + common + " --teacher '" + teacher.string() + "' --spec ngram");
+  EXPECT_NE(refused.rc, 0) << refused.out;
+  EXPECT_NE(refused.out.find("plain decoding"), std::string::npos) << refused.out;
+  EXPECT_FALSE(fs::exists(teacher));
+  Cmd t = Decodelab("lab teacher " + common + " --teacher '" + teacher.string() + "'");
+  ASSERT_EQ(t.rc, 0) << t.out;
+
+  const std::string runs = (root_ / "spec-runs").string();
+  const std::string screen =
+      "lab screen " + common + " --teacher '" + teacher.string() + "' --runs-dir '" + runs + "' ";
+  Cmd c = Decodelab(screen + "--spec ngram --spec-k 3 --spec-ngram-min 1");
+  ASSERT_EQ(c.rc, 0) << c.out;
+  auto dirs = RunDirs(runs);
+  ASSERT_EQ(dirs.size(), 1u);
+  const fs::path run = dirs[0];
+  EXPECT_EQ(run.filename().string().rfind("screen-spec-ngram-", 0), 0u)
+      << "the default label names the drafter";
+  auto st = CheckStatuses(run);
+  for (const char* n : {"identity", "no_fallback", "exactness", "no_prefix_cache", "boundary"}) {
+    EXPECT_EQ(st[n], "PASS") << n << "\n" << c.out;
+  }
+  json m = ReadJson(run / "manifest.json");
+  EXPECT_EQ(m["speculative"]["drafter"], "ngram[1,5]") << m["speculative"];
+  EXPECT_EQ(m["speculative"]["num_speculative_tokens"], 3);
+  EXPECT_NE(m["speculative"]["flags"].dump().find("--spec"), std::string::npos);
+  EXPECT_NE(m["serve_argv"].dump().find("\"--spec\",\"ngram\""), std::string::npos)
+      << m["serve_argv"];
+  json s = ReadJson(run / "summary.json");
+  EXPECT_EQ(s["exact"], 3);
+  const json sp = s["speculative"];
+  ASSERT_TRUE(sp.is_object()) << s.dump(1);
+  const int drafts = sp["vllm:spec_decode_num_drafts_total"];
+  const int drafted = sp["vllm:spec_decode_num_draft_tokens_total"];
+  const int accepted = sp["vllm:spec_decode_num_accepted_tokens_total"];
+  EXPECT_GT(drafts, 0) << "the periodic prompt always has an n-gram match";
+  EXPECT_LE(drafted, 3 * drafts);
+  EXPECT_LE(accepted, drafted);
+  // Position i counts drafts whose tokens 0..i were all accepted: non-increasing, summing to the
+  // accepted tokens.
+  ASSERT_EQ(sp["vllm:spec_decode_num_accepted_tokens_per_pos_total"].size(), 3u);
+  int sum = 0, prev = drafts;
+  for (int v : sp["vllm:spec_decode_num_accepted_tokens_per_pos_total"]) {
+    EXPECT_LE(v, prev);
+    prev = v;
+    sum += v;
+  }
+  EXPECT_EQ(sum, accepted);
+  EXPECT_DOUBLE_EQ(sp["mean_acceptance_length"].get<double>(), 1.0 + double(accepted) / drafts);
+  // The speed of a speculative run is the stream rate; the per-event statistics are left out.
+  EXPECT_TRUE(s["decode_tok_s_conventional_99_interval_median"].is_null());
+  EXPECT_GT(s["decode_tok_s_stream_median"].get<double>(), 0);
+  EXPECT_NE(c.out.find("speculative: ngram[1,5] K=3"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("stream median"), std::string::npos) << c.out;
+
+  // The same flags after `--` are the lab's too; both at once are refused.
+  Cmd both = Decodelab(screen + "--spec ngram -- --spec ngram");
+  EXPECT_NE(both.rc, 0);
+  EXPECT_NE(both.out.find("not both"), std::string::npos) << both.out;
+  Cmd dashed = Decodelab(screen + "--label dashed -- --spec ngram --spec-k 2");
+  ASSERT_EQ(dashed.rc, 0) << dashed.out;
+  Cmd plain = Decodelab(screen + "--label plain");
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  dirs = RunDirs(runs);
+  ASSERT_EQ(dirs.size(), 3u);
+  for (const auto& d : dirs) {
+    const json md = ReadJson(d / "manifest.json");
+    if (d.filename().string().rfind("dashed-", 0) == 0) {
+      EXPECT_EQ(md["speculative"]["num_speculative_tokens"], 2);
+    }
+    if (d.filename().string().rfind("plain-", 0) == 0) {
+      EXPECT_EQ(md["speculative"]["drafter"], "none");
+      EXPECT_TRUE(ReadJson(d / "summary.json")["speculative"].is_null());
+    }
+  }
+
+  Cmd list = Decodelab("lab runs --runs-dir '" + runs + "'");
+  ASSERT_EQ(list.rc, 0) << list.out;
+  EXPECT_NE(list.out.find("accept len"), std::string::npos) << list.out;
+  const size_t at = list.out.find(run.filename().string());
+  ASSERT_NE(at, std::string::npos) << list.out;
+  const std::string row = list.out.substr(at, list.out.find('\n', at) - at);
+  EXPECT_NE(row.find(fmt::format("{:.2f}", sp["mean_acceptance_length"].get<double>())),
+            std::string::npos)
+      << row;
+  Cmd cmp = Decodelab("lab compare --runs-dir '" + runs + "' plain screen-spec-ngram");
+  ASSERT_EQ(cmp.rc, 0) << cmp.out;
+  EXPECT_NE(cmp.out.find("statistic: stream median"), std::string::npos) << cmp.out;
+
+  const fs::path html = root_ / "spec-report.html";
+  Cmd rep = Decodelab("lab report --runs-dir '" + runs + "' --out '" + html.string() +
+                      "' --bundles '" + (root_ / "no-bundles").string() + "'");
+  ASSERT_EQ(rep.rc, 0) << rep.out;
+  auto text = ReadTextFile(html.string());
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("id=\"speculative-runs\""), std::string::npos);
+  EXPECT_NE(text->find("ngram[1,5] K=3: mean acceptance length"), std::string::npos);
+  EXPECT_NE(text->find("<th>pos 2</th>"), std::string::npos);
+}
+
 TEST_F(LabE2E, ReproPassesOnTheTeachersTokensAndFailsOtherwise) {
   // Precursors fill and free KV pages first. The teacher recorded the target's tokens on a server
   // that never saw these precursors, so equality after them is evidence of no stale state.

@@ -164,9 +164,15 @@ TEST_F(LabReportCharts, RunsTableShowsConfigurationAndLatencies) {
     EXPECT_NE(html.find(header), std::string::npos) << header;
   }
   // The 01:05 candidate: TTFT 12.5 + 0.6, ITL 0.6; its configuration, without the lab's address.
-  EXPECT_NE(html.find("<td>13.10 / 30.25</td><td>0.60 / 1.75</td><td>cuda</td><td>fp8</td><td>32</td>"
-                      "<td><code>--shape xs2 --kv-dtype fp8 --page-size 32</code></td>"),
-            std::string::npos);
+  EXPECT_NE(
+      html.find(
+          "<td>13.10 / 30.25</td><td>0.60 / 1.75</td><td>cuda</td><td>fp8</td><td>32</td>"
+          "<td><code>--shape xs2 --kv-dtype fp8 --page-size 32</code></td><td>&ndash;</td></tr>"),
+      std::string::npos)
+      << "a plain run's speculative cell is a dash";
+  // No run speculated: no speculative decoding table (tests/lab/lab_e2e_test.cc covers one that
+  // did).
+  EXPECT_EQ(html.find("id=\"speculative-runs\""), std::string::npos);
   // The INVALID run shows no latency either.
   EXPECT_EQ(html.find("<td>12.60 / 30.25</td>"), std::string::npos);
 }

@@ -4,7 +4,9 @@
 # in a scheduler batch, FP8/BF16 caches, graphs/eager), then on the XS.2 shape (BF16 weights, FP8 KV,
 # page 32): the verify step's device time against one decode step for K in {2,4,8,15} at batch 1 and 8,
 # and `generate` / `bench` on a repetitive code-like prompt with and without the n-gram drafter (tokens
-# must be identical; tok/s and acceptance are printed). Logs and JSON under $OUT.
+# must be identical; tok/s and acceptance are printed), `bench serve` with and without it (acceptance beside
+# tok/s), and lab screens of the default tiny model, plain and --spec ngram, against one plain teacher.
+# Logs and JSON under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
 #     bash tools/device/spec_check.sh [--skip-tests] [--gen-len N]
 set -uo pipefail
@@ -61,5 +63,22 @@ for spec in "none" "ngram --spec-k 4" "ngram --spec-k 8"; do
   echo "bench --spec $spec rc=$?:"; grep -E "^  (model|throughput|decode|speculative)" "$OUT/bench_$tag.log"
   grep -iE "error|fail" "$OUT/bench_$tag.log" | head -5
 done
+# Over HTTP: bench serve on the same prompt, plain and n-gram; the speculative one must print vLLM's
+# Speculative Decoding block (acceptance beside tok/s) and write the spec_decode_* keys.
+for spec in none ngram; do
+  timeout 240 $B bench serve "${COMMON[@]}" --prompt-file "$PROMPT" --output-len "$GEN" --num-prompts 4 \
+    --concurrency 1 --spec $spec --spec-k 4 --serve-log "$OUT/bench_serve_$spec.server.log" \
+    --json-out "$OUT/bench_serve_$spec.json" > "$OUT/bench_serve_$spec.log" 2>&1
+  echo "bench serve --spec $spec rc=$?: $(grep -E '^(Output token throughput|Median TPOT|Acceptance (rate|length))' \
+    "$OUT/bench_serve_$spec.log" | tr -s ' ' | tr '\n' ';')"
+done
+# The lab on the GPU (default tiny model, its own cache): the plain screen and the n-gram screen must
+# both PASS against the same plain-decoding teacher; the speculative one prints its acceptance.
+LAB=(lab screen --backend cuda --cache-dir "$OUT/lab-cache" --runs-dir "$OUT/lab-runs")
+timeout 300 $B "${LAB[@]}" --label plain > "$OUT/lab_plain.log" 2>&1
+echo "lab screen plain rc=$?: $(grep -E 'verdict|exactness|decode tok/s' "$OUT/lab_plain.log" | tr -s ' ' | tr '\n' ';')"
+timeout 300 $B "${LAB[@]}" --spec ngram --spec-k 4 > "$OUT/lab_ngram.log" 2>&1
+echo "lab screen --spec ngram rc=$?: $(grep -E 'verdict|exactness|speculative:|decode tok/s' "$OUT/lab_ngram.log" | tr -s ' ' | tr '\n' ';')"
+$B lab compare --runs-dir "$OUT/lab-runs" plain screen-spec-ngram 2>&1 | tail -1
 echo "total: $(( $(date +%s) - t0 )) s"
 tar -czf "$RESULTS/spec_check_logs.tgz" -C /tmp spec_check 2>/dev/null
