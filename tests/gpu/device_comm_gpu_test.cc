@@ -299,8 +299,10 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
   const int64_t max_count = *std::max_element(counts.begin(), counts.end());
   const size_t gather_bytes = 1001;  // odd: the byte-wide gather
   DeviceGroup::OneShotOptions o;
-  o.capacity_bytes = max_count * eb;
-  auto group = DeviceGroup::CreateOneShot(std::vector<int>(ranks, 0), max_count * eb, o, 60.0);
+  // The capacity holds the largest collective: the widest all-reduce or the gather's per-rank bytes.
+  const size_t capacity = std::max<size_t>(max_count * eb, gather_bytes);
+  o.capacity_bytes = capacity;
+  auto group = DeviceGroup::CreateOneShot(std::vector<int>(ranks, 0), capacity, o, 60.0);
   ASSERT_TRUE(group.ok()) << group.status().ToString();
   ASSERT_EQ(group.value()->rank(0).transport(), "device-oneshot");
   ASSERT_TRUE(group.value()->rank(0).capturable());
