@@ -556,6 +556,7 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   // experts keep the FP8 kernels.
   mp.mma = opt.tuning.mma_products && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
   mp.mma_blocks_per_sm = opt.tuning.moe_mma_blocks_per_sm;
+  mp.mma_gemm_tokens = opt.tuning.moe_mma_gemm_tokens;
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
   return kernels::Moe(mp, s()).WithContext(fmt::format("layer {}", l));
