@@ -1745,7 +1745,8 @@ constexpr size_t MoeMmaGemmSmem(int tok) {
 
 // Shared memory: kGemmStages stages of [kGemmStageChunks][kGemmRows][4] A pieces then
 // [kGemmStageChunks][kTok][4] B pieces (a warp's fragment load, 8 rows x 64 bytes, is 512 contiguous
-// bytes: no bank conflicts). Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
+// bytes: no bank conflicts); after the K loop the ring holds the pass's BF16 outputs, which leave as
+// 16-byte stores. Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
 // Gate/up: h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)); down: bf16(bf16(o) * w(t, slot)) into
 // routed, the shared expert's bf16(o) into shared.
 template <bool kGateUp, int kTok, bool kSplit>
@@ -1761,11 +1762,10 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   __shared__ float s_w[kTok];           // down, routed: the slot's weight
   AllowDependents();
   WaitForPrerequisites();
-  const MoeGroupWs g = MoeGroupWorkspace(a);
   GroupRows gr;
   int token0 = 0;
   const int first0 = blockIdx.x * kTok, step = gridDim.x * kTok;
-  if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
+  if (!MoeMmaListOf(a, MoeGroupWorkspace(a), lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
   const bool shared = gr.expert < 0;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int out = kGateUp ? F : a.d, in = kGateUp ? a.d : F;
@@ -1778,8 +1778,7 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   // The copies of a stage: piece idx = tid + 256 i of [kGemmStageChunks][rows][4] (chunk, row, piece:
   // a quarter-warp writes 128 contiguous bytes of shared memory). A: thread tid takes piece tid % 4 of
   // row tid / 4 and of row tid / 4 + 64 (i odd) in both chunks (i / 2): gate/up's gate and up rows
-  // m0 + tid / 4, down's rows m0 + tid / 4 and + 64. Offsets in 16-byte pieces from the matrix base
-  // (dead rows: row 0, copied as zeros).
+  // m0 + tid / 4, down's rows m0 + tid / 4 and + 64. Offsets in 16-byte pieces from the matrix base.
   static_assert(kACopies == 4 && kGemmStageChunks == 2, "the A copy map below");
   const int cp_piece = tid & 3, cp_row = tid >> 2;
   const uint4* a_base[2];
@@ -1795,13 +1794,14 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + cp_row + (kGateUp ? 0 : 64 * h);
     a_alive[h] = row < out;
-    a_off[h] = (a_alive[h] ? row : 0) * n8 + cp_piece;
+    a_off[h] = row * n8 + cp_piece;  // read only where alive (a dead row copies zeros from a_base)
   }
   // Warp (wm, wn)'s A tiles (first rows in the stage) and B columns.
   const int a_tile0 = kGateUp ? 16 * wm : 32 * wm, a_tile1 = kGateUp ? kGemmRows / 2 + 16 * wm : 32 * wm + 16;
   const int col0 = wn * (kTok / 2);
   for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
     __syncthreads();  // the previous pass is done with the tables and the ring
+    const MoeGroupWs gp = MoeGroupWorkspace(a);  // recomputed per pass: fewer registers live across the K loop
     for (int col = tid; col < kTok; col += kGemmThreads) {
       const int i = first + col;
       const uint4* src = nullptr;
@@ -1812,7 +1812,7 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
         if (shared) {
           t = token0 + i, slot = a.top_k;
         } else {
-          PairOf(a, g, gr, i, &t, &slot);
+          PairOf(a, gp, gr, i, &t, &slot);
         }
         const MoeWs ws = MoeWorkspace(a, t);
         uint16_t* h = ws.h + static_cast<size_t>(slot) * ws.h_stride;
@@ -1822,9 +1822,9 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
         } else {
           src = reinterpret_cast<const uint4*>(h);
           if (shared) {
-            dst = g.shared + static_cast<size_t>(t) * a.d;
+            dst = gp.shared + static_cast<size_t>(t) * a.d;
           } else {
-            dst = g.routed + (static_cast<size_t>(t) * a.top_k + slot) * a.d;
+            dst = gp.routed + (static_cast<size_t>(t) * a.top_k + slot) * a.d;
             w = __ldcg(&ws.weights[slot]);
           }
         }
@@ -1877,8 +1877,8 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       }
       const uint4* sa = s_ring + (st % kGemmStages) * (kStageA + kStageB);
       const uint4* sb = sa + kStageA;
-#pragma unroll
-      for (int cc = 0; cc < kGemmStageChunks; ++cc) {
+#pragma unroll 1
+      for (int cc = 0; cc < kGemmStageChunks; ++cc) {  // not unrolled: one chunk's fragments live at a time
         const int q = st * kGemmStageChunks + cc;
         if (q >= chunks) break;
         const uint4* ca = sa + cc * kGemmRows * 4;
@@ -1910,6 +1910,12 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       }
     }
     CpAsyncWait<0>();
+    __syncthreads();  // every warp is done with the ring: it holds the output tile now
+    // The outputs go through shared memory, [kTok][kOutRows + 8] BF16 (the pad puts a warp's four
+    // column pairs on different banks), and leave as 16-byte stores along each pair's output row.
+    constexpr int kOutRows = kGateUp ? kGemmRows / 2 : kGemmRows, kOutStride = kOutRows + 8;
+    static_assert(static_cast<size_t>(kTok) * kOutStride * 2 <= MoeMmaGemmSmem(kTok), "output tile fits the ring");
+    uint16_t* s_out = reinterpret_cast<uint16_t*>(s_ring);
     auto sum = [&](int m, int j, int e) {
       if constexpr (kSplit) {
         return total[m][j][e];
@@ -1922,25 +1928,28 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       if (8 * j >= live_cols) break;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = col0 + 8 * j + 2 * c + (e & 1);
-        if (first + col >= gr.count) continue;
-        uint16_t* dst = s_dst[col];
+        const int col = col0 + 8 * j + 2 * c + (e & 1), r = gq + (e >= 2 ? 8 : 0);
         if constexpr (kGateUp) {
-          const int f = m0 + 16 * wm + gq + (e >= 2 ? 8 : 0);
-          if (f >= F) continue;
           const float gv = RoundBf16(sum(0, j, e)), uv = RoundBf16(sum(1, j, e));
           const float act = RoundBf16(gv / (1.0f + expf(-gv)));
-          dst[f] = FloatToBf16Bits(act * uv);
+          s_out[col * kOutStride + 16 * wm + r] = FloatToBf16Bits(act * uv);
         } else {
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
-            const int row = m0 + 32 * wm + 16 * m + gq + (e >= 2 ? 8 : 0);
-            if (row >= a.d) continue;
             const float o = RoundBf16(sum(m, j, e));
-            dst[row] = shared ? FloatToBf16Bits(o) : FloatToBf16Bits(RoundBf16(o * s_w[col]));
+            s_out[col * kOutStride + 32 * wm + 16 * m + r] =
+                shared ? FloatToBf16Bits(o) : FloatToBf16Bits(RoundBf16(o * s_w[col]));
           }
         }
       }
+    }
+    __syncthreads();
+    // Rows past `out` and columns past the count are not stored (out % 8 == 0: a piece is all in or out).
+    constexpr int kOutPieces = kOutRows / 8;
+    for (int idx = tid; idx < kTok * kOutPieces; idx += kGemmThreads) {
+      const int col = idx / kOutPieces, piece = idx % kOutPieces, row = m0 + 8 * piece;
+      if (first + col >= gr.count || row >= out) continue;
+      *reinterpret_cast<uint4*>(s_dst[col] + row) = *reinterpret_cast<const uint4*>(s_out + col * kOutStride + 8 * piece);
     }
   }
 }
