@@ -287,6 +287,12 @@ struct MoeParams {
   // The MMA experts' list kernels at T > 16 (32 token columns per pass): 1 or 2 resident blocks per
   // SM (2: registers capped, fewer loads in flight per lane; the same bits).
   int mma_blocks_per_sm = 2;
+  // The MMA experts through the lists (T > 1, or mma_batch1_lists) as a grouped GEMM: 0 = the list
+  // kernels above; 32 or 64 = per block one expert (or shared-expert segment), 64 gate + 64 up rows
+  // (128 down rows) and this many of its (token, slot) pairs per pass, weights and the pairs' vectors
+  // staged through a cp.async ring of shared memory (Tuning::moe_mma_gemm_tokens). The same
+  // arithmetic per output element, so the list kernels' bits.
+  int mma_gemm_tokens = 0;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

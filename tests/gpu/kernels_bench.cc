@@ -107,8 +107,8 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, router,
-  // moe_fp8, argmax); the copy row always runs.
+  // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, moe_gemm,
+  // router, moe_fp8, argmax); the copy row always runs.
   const std::string only = argc > 1 ? argv[1] : "";
   auto want = [&](const char* section) { return only.empty() || only == section; };
   std::string why;
@@ -493,6 +493,74 @@ int main(int argc, char** argv) {
     }
   }
 
+  // The MMA experts at prefill sizes, XS.2's layer: the list kernels (MoeParams::mma_gemm_tokens 0, with
+  // two resident blocks per SM, the default) against the grouped GEMM (32 and 64 pairs per block pass):
+  // the whole Moe (router, lists, gate/up, down, combine) and the router alone, whose difference is the
+  // lists, the experts and the combine. Weight bytes: the experts uniform routing touches and the shared
+  // expert; FLOP: 2 x 3 F d per (token, slot) pair and per token for the shared expert.
+  struct MoeGemmRow {
+    std::string kernel;
+    int T;
+    double us, weight_bytes, flops;
+  };
+  std::vector<MoeGemmRow> moe_gemm;
+  if (want("moe_gemm")) {
+    const int E = 256, k = 8, d = 2048, F = 512, kMaxT = 8192, layers = 2;
+    std::vector<cuda::DeviceBuffer> experts, ptr_arrays, routers, biases, shared;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<const bf16*> gp(E), up(E), dp(E);
+      for (int e = 0; e < E; ++e) {
+        experts.push_back(Random(size_t(3) * F * d, 1000 + l * E + e, 0.02f));
+        const bf16* base = experts.back().as<bf16>();
+        gp[e] = base, up[e] = base + size_t(F) * d, dp[e] = base + size_t(2) * F * d;
+      }
+      ptr_arrays.push_back(Upload(gp)), ptr_arrays.push_back(Upload(up)), ptr_arrays.push_back(Upload(dp));
+      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
+      biases.push_back(Random(E, 60 + l, 0.05f));
+      shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
+    }
+    auto xs = Random(size_t(kMaxT) * d, 81, 1.0f);
+    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT));
+    auto counter = Alloc(kMaxT * 4), ids = Alloc(size_t(kMaxT) * k * 4);
+    CHECK_OK(counter.Fill(0));
+    auto params = [&](int i, int T, int gemm_tokens) {
+      const int l = i % layers;
+      MoeParams p;
+      p.x = xs.as<bf16>(), p.router_w = routers[l].as<bf16>(), p.router_bias = biases[l].as<bf16>();
+      p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
+      p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
+      p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
+      p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
+      p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+      p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
+      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      p.mma = true, p.mma_blocks_per_sm = 2, p.mma_gemm_tokens = gemm_tokens;
+      return p;
+    };
+    for (int T : {512, 2048, 8192}) {
+      const int iters = T >= 8192 ? 4 : 10;
+      const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
+      const double weight_bytes = 2.0 * (touched + 1) * 3 * F * d;
+      const double flops = 2.0 * 3 * F * d * (double(T) * k + T);
+      const double router_ms = TimeMs([&](int i) { CHECK_OK(MoeRouter(params(i, T, 0), g_stream)); }, iters);
+      moe_gemm.push_back({"router only", T, router_ms * 1e3, 0.0, 0.0});
+      std::vector<uint16_t> y_lists(size_t(T) * d), y_gemm(size_t(T) * d);
+      for (int gemm_tokens : {0, 32, 64}) {
+        const double ms = TimeMs([&](int i) { CHECK_OK(Moe(params(i, T, gemm_tokens), g_stream)); }, iters);
+        moe_gemm.push_back({gemm_tokens == 0 ? std::string("list kernels") : fmt::format("gemm {} pairs", gemm_tokens),
+                            T, ms * 1e3, weight_bytes, flops});
+        // The same bits as the list kernels (layer 0), checked here too at the benchmark's sizes.
+        CHECK_OK(Moe(params(0, T, gemm_tokens), g_stream));
+        cudaStreamSynchronize(g_stream);
+        CHECK_OK(yv.CopyToHost(gemm_tokens == 0 ? y_lists.data() : y_gemm.data(), y_gemm.size() * 2));
+        if (gemm_tokens != 0 && y_gemm != y_lists) {
+          std::fprintf(stderr, "moe_gemm: T %d: the grouped GEMM (%d pairs) differs from the list kernels\n", T, gemm_tokens);
+          return 1;
+        }
+      }
+    }
+  }
+
   // The MoE router alone (MoeRouter: the fused input norm, as the engine runs it, the router GEMV and
   // the top-k) at XS.2's E 256, k 8, d 2048: the one-row kernel (a token per block) against the
   // multi-row kernel (8 token rows per block, MoeParams::router_rows_min_tokens) at the same T. Bytes:
@@ -619,6 +687,22 @@ int main(int argc, char** argv) {
     for (const PrefillRow& r : prefill) {
       std::printf("%-16s %5d %12.1f %12.1f %7.2fx %14.1f %14.1f\n", r.layer.c_str(), r.T, r.us_one, r.us_multi,
                   r.us_one / r.us_multi, r.bytes_one / 1e6, r.bytes_multi / 1e6);
+    }
+  }
+  if (!moe_gemm.empty()) {
+    std::printf("\nmoe_gemm (E256 k8 F512 d2048, MMA experts; 'experts' = whole Moe minus the router: lists, gate/up, "
+                "down, combine)\n");
+    std::printf("%-16s %5s %10s %12s %14s %14s\n", "kernel", "T", "moe us", "experts us", "weights TB/s", "TFLOP/s");
+    double router_us = 0.0;
+    for (const MoeGemmRow& r : moe_gemm) {
+      if (r.weight_bytes == 0.0) {
+        router_us = r.us;
+        std::printf("%-16s %5d %10.1f\n", r.kernel.c_str(), r.T, r.us);
+        continue;
+      }
+      const double experts_us = r.us - router_us;
+      std::printf("%-16s %5d %10.1f %12.1f %14.2f %14.1f\n", r.kernel.c_str(), r.T, r.us, experts_us,
+                  r.weight_bytes / (experts_us * 1e-6) / 1e12, r.flops / (experts_us * 1e-6) / 1e12);
     }
   }
   if (!products.empty()) {

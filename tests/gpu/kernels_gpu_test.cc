@@ -1268,6 +1268,118 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
   }
 }
 
+// The MMA experts as a grouped GEMM (MoeParams::mma_gemm_tokens 32 and 64) against the list kernels
+// (0), which are its validator, on `layer` at T tokens: the same ids and y bit for bit, run to run, and
+// token t (t % alone_step == 0) of the launch equals the token alone (the batch-1 kernels, and for
+// some through the lists on the GEMM). Each run starts from a poisoned workspace (BF16 NaN), so a
+// product the GEMM skipped would reach y as NaN instead of the previous run's value.
+void ExpectMmaGemmMatchesListKernels(const RandomMoeLayer& layer, int T, bool hot, int alone_step) {
+  const int d = layer.d, k = layer.k;
+  const auto x = RandomBf16(static_cast<size_t>(T) * d, 1100 + T);
+  auto d_x = Upload(x);
+  auto d_y = Alloc(static_cast<size_t>(T) * d * 2), d_ids = Alloc(static_cast<size_t>(T) * k * 4);
+  auto d_ws = Alloc(MoeWorkspaceBytes(d, layer.E, k, layer.F, layer.Fs, T)), d_counter = Alloc(T * 4, 0);
+  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>(), T);
+  p.mma = true;
+  auto run = [&](int gemm_tokens, std::vector<bf16>* y, std::vector<int32_t>* ids) {
+    ASSERT_TRUE(d_ws.Fill(0xff).ok());
+    ASSERT_TRUE(d_y.Fill(0xff).ok());
+    MoeParams q = p;
+    q.mma_gemm_tokens = gemm_tokens;
+    ASSERT_OK(Moe(q, nullptr));
+    Sync();
+    *y = Download<bf16>(d_y, static_cast<size_t>(T) * d);
+    *ids = Download<int32_t>(d_ids, static_cast<size_t>(T) * k);
+  };
+  std::vector<bf16> y_old, y_new;
+  std::vector<int32_t> ids_old, ids_new;
+  ASSERT_NO_FATAL_FAILURE(run(0, &y_old, &ids_old));
+  for (size_t i = 0; i < y_old.size(); ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(y_old[i]))) << "unwritten " << i;
+  if (hot) {  // the routing is as skewed as intended: experts 0 and 1 in every token's selection
+    for (int t = 0; t < T; ++t) {
+      const auto first = ids_old.begin() + static_cast<size_t>(t) * k;
+      ASSERT_TRUE(std::count(first, first + k, 0) == 1 && std::count(first, first + k, 1) == 1) << "token " << t;
+    }
+  }
+  for (int tokens : {32, 64}) {
+    ASSERT_NO_FATAL_FAILURE(run(tokens, &y_new, &ids_new));
+    ASSERT_EQ(ids_new, ids_old);
+    ExpectSameElements(y_new, y_old, "grouped GEMM (" + std::to_string(tokens) + " pairs per pass) vs list kernels");
+  }
+  ASSERT_NO_FATAL_FAILURE(run(64, &y_new, &ids_new));
+  ExpectSameElements(y_new, y_old, "grouped GEMM run to run");
+  auto d_y1 = Alloc(d * 2), d_ids1 = Alloc(k * 4), d_ws1 = Alloc(MoeWorkspaceBytes(d, layer.E, k, layer.F, layer.Fs, 1));
+  for (int t = 0; t < T; t += alone_step) {
+    MoeParams one = p;
+    one.num_tokens = 1;
+    one.x = d_x.as<bf16>() + static_cast<size_t>(t) * d;
+    one.y = d_y1.as<bf16>(), one.topk_ids = d_ids1.as<int32_t>(), one.workspace = d_ws1.data();
+    ASSERT_OK(Moe(one, nullptr));
+    Sync();
+    ASSERT_EQ(Download<bf16>(d_y1, d), Rows(y_old, d, t, 1)) << "token " << t << " alone";
+    if (t % (97 * alone_step) != 0) continue;
+    one.mma_batch1_lists = true;
+    one.mma_gemm_tokens = 32;
+    ASSERT_TRUE(d_ws1.Fill(0xff).ok());
+    ASSERT_OK(Moe(one, nullptr));
+    Sync();
+    ASSERT_EQ(Download<bf16>(d_y1, d), Rows(y_old, d, t, 1)) << "token " << t << " alone through the lists, GEMM";
+  }
+}
+
+struct MmaGemmShape {
+  int E, k, d, F, Fs;
+  bool hot;  // experts 0 and 1 get a router bias of +2 (sigmoid scores are in (0, 1)): in every selection
+};
+RandomMoeLayer MmaGemmLayer(const MmaGemmShape& sh) {
+  RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 11000, 1102, 1103);
+  if (sh.hot) {
+    auto bias = RandomBf16(sh.E, 1103, 0.05f);
+    bias[0] = bias[1] = FloatToBf16(2.0f);
+    layer.bias = Upload(bias);
+  }
+  return layer;
+}
+
+// The grouped GEMM gives the list kernels' bits at T 2, 17, 128, 1,000 and 4,096 over random
+// routings, and every token alone. Shapes: XS.2's splits (d 2,048, F 512: gate/up k_split 8, down 2;
+// Fs 256: the shared expert's other chunk count), an odd one (d 264: an odd chunk count and a padded
+// chunk; F 96 and Fs 40: partial row tiles; k_split 1) and one whose router bias favours two experts
+// (lists of T pairs: many passes per block; most experts empty).
+TEST(MoeGpu, MmaGemmMatchesListKernelsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (const MmaGemmShape sh : {MmaGemmShape{16, 4, 2048, 512, 256, false}, MmaGemmShape{8, 3, 264, 96, 40, false},
+                                MmaGemmShape{64, 8, 512, 128, 64, true}}) {
+    const RandomMoeLayer layer = MmaGemmLayer(sh);
+    for (int T : {2, 17, 128, 1000, 4096}) {
+      SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " F " << sh.F << " Fs "
+                                      << sh.Fs << (sh.hot ? " hot experts" : "") << " T " << T);
+      ExpectMmaGemmMatchesListKernels(layer, T, sh.hot, 1);
+    }
+  }
+  // Token tiles other than 32 and 64 are refused.
+  const RandomMoeLayer layer(8, 3, 264, 96, 40, 11000, 1102, 1103);
+  auto d_x = Upload(RandomBf16(2 * 264, 1104)), d_y = Alloc(2 * 264 * 2), d_ids = Alloc(2 * 3 * 4);
+  auto d_ws = Alloc(MoeWorkspaceBytes(264, 8, 3, 96, 40, 2)), d_counter = Alloc(8, 0);
+  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>(), 2);
+  p.mma = true;
+  p.mma_gemm_tokens = 48;
+  EXPECT_FALSE(Moe(p, nullptr).ok());
+}
+
+// The same checks at sizes for compute-sanitizer (memcheck, racecheck): the odd and the hot shape, a
+// few tokens, several passes per block, a token alone every 5th.
+TEST(MoeGpu, MmaGemmSanitizerSizes) {
+  SKIP_WITHOUT_GPU();
+  for (const MmaGemmShape sh : {MmaGemmShape{8, 3, 264, 96, 40, false}, MmaGemmShape{16, 4, 512, 128, 64, true}}) {
+    const RandomMoeLayer layer = MmaGemmLayer(sh);
+    for (int T : {2, 17, 150}) {
+      SCOPED_TRACE(testing::Message() << "E " << sh.E << " d " << sh.d << (sh.hot ? " hot experts" : "") << " T " << T);
+      ExpectMmaGemmMatchesListKernels(layer, T, sh.hot, 5);
+    }
+  }
+}
+
 TEST(ArgmaxGpu, MatchesReferenceWithTiesAndNan) {
   SKIP_WITHOUT_GPU();
   for (int n : {100352, 1001, 512}) {

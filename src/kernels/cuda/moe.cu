@@ -1720,6 +1720,279 @@ Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
   return Status::Ok();
 }
 
+// ---- The MMA experts as a grouped GEMM (MoeParams::mma_gemm_tokens > 0): the lists of the grouped
+// path, and per block one expert (or a shared-expert segment, MoeMmaLists), a tile of its output
+// rows and kTok of its (token, slot) pairs per pass. Both the weight tile and the pairs' vectors go
+// through a ring of kGemmStages shared-memory stages (cp.async, kGemmStageChunks chunks of 32 per
+// stage): every weight row is read once per pass of kTok pairs and every x row (h vector) once per
+// block, where the list kernels above re-read the vectors per warp from L2 and keep few bytes in
+// flight. Warp (wm, wn) of the 4 x 2 warps: two A tiles of 16 rows (gate and up rows 16 wm .. + 16
+// of the block's 64 F rows, or down rows 32 wm .. + 32 of its 128 d rows) x kTok / 2 pair columns.
+// The arithmetic per output element is MmaSliceDots' exactly (ops.h 5b): lane (g, c) takes the same
+// 16-byte pieces (chunk q: piece 4q + c of rows g and g + 8 and of column g) into MmaChunk, chunks
+// in ascending order from a zero accumulator per slice of chunks / ks, the slices' sums added in
+// ascending order (as MoeMmaAddSlices), the same roundings: the list kernels' bits, which the tests
+// check. The K loop is the shape's (chunks, ks), never the pair count's; row f sits at f % 16 of its
+// A tile and pair i at column i % 8 of its B tile, as in the list kernels.
+constexpr int kGemmThreads = 256;
+constexpr int kGemmRows = 128;       // A rows per block: 64 gate + 64 up rows (gate/up), 128 down rows
+constexpr int kGemmStageChunks = 2;  // 128 bytes of each row per stage
+constexpr int kGemmStages = 4;
+constexpr int kGemmPieces = kGemmStageChunks * 4;  // 16-byte pieces of a row per stage
+constexpr size_t MoeMmaGemmSmem(int tok) {
+  return static_cast<size_t>(kGemmStages) * kGemmStageChunks * (kGemmRows + tok) * 64;
+}
+
+// Shared memory: kGemmStages stages of [kGemmStageChunks][kGemmRows][4] A pieces then
+// [kGemmStageChunks][kTok][4] B pieces (a warp's fragment load, 8 rows x 64 bytes, is 512 contiguous
+// bytes: no bank conflicts); after the K loop the ring holds the pass's BF16 outputs, which leave as
+// 16-byte stores. Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
+// Gate/up: h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)); down: bf16(bf16(o) * w(t, slot)) into
+// routed, the shared expert's bf16(o) into shared.
+template <bool kGateUp, int kTok, bool kSplit>
+__device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const MoeMmaLists& lists) {
+  static_assert(kTok == 32 || kTok == 64, "token tile");
+  constexpr int NT = kTok / 16;           // 8-column B tiles per warp
+  constexpr int kBCopies = kTok / 32;     // B rows a thread copies per stage
+  constexpr int kACopies = kGemmRows / 32;
+  constexpr int kStageA = kGemmStageChunks * kGemmRows * 4, kStageB = kGemmStageChunks * kTok * 4;  // uint4s
+  extern __shared__ __align__(128) uint4 s_ring[];
+  __shared__ const uint4* s_src[kTok];  // pair column's vector (x row or h vector), nullptr past the count
+  __shared__ uint16_t* s_dst[kTok];     // its output row (h vector, routed or shared row)
+  __shared__ float s_w[kTok];           // down, routed: the slot's weight
+  AllowDependents();
+  WaitForPrerequisites();
+  GroupRows gr;
+  int token0 = 0;
+  const int first0 = blockIdx.x * kTok, step = gridDim.x * kTok;
+  if (!MoeMmaListOf(a, MoeGroupWorkspace(a), lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
+  const bool shared = gr.expert < 0;
+  const int F = shared ? a.shared_ffn : a.ffn;
+  const int out = kGateUp ? F : a.d, in = kGateUp ? a.d : F;
+  const int m0 = blockIdx.y * (kGateUp ? kGemmRows / 2 : kGemmRows);  // first output row
+  if (m0 >= out) return;
+  const int n8 = in / 8, chunks = (in + kMmaChunk - 1) / kMmaChunk, per = chunks / ks;
+  const int steps = (chunks + kGemmStageChunks - 1) / kGemmStageChunks;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, c = lane & 3;
+  const int wm = warp & 3, wn = warp >> 2;
+  // The copies of a stage: piece idx = tid + 256 i of [kGemmStageChunks][rows][4] (chunk, row, piece:
+  // a quarter-warp writes 128 contiguous bytes of shared memory). A: thread tid takes piece tid % 4 of
+  // row tid / 4 and of row tid / 4 + 64 (i odd) in both chunks (i / 2): gate/up's gate and up rows
+  // m0 + tid / 4, down's rows m0 + tid / 4 and + 64. Offsets in 16-byte pieces from the matrix base.
+  static_assert(kACopies == 4 && kGemmStageChunks == 2, "the A copy map below");
+  const int cp_piece = tid & 3, cp_row = tid >> 2;
+  const uint4* a_base[2];
+  if constexpr (kGateUp) {
+    a_base[0] = reinterpret_cast<const uint4*>(shared ? a.shared_gate_w : a.gate_w[gr.expert]);
+    a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_up_w : a.up_w[gr.expert]);
+  } else {
+    a_base[0] = a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
+  }
+  bool a_alive[2];
+  int a_off[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + cp_row + (kGateUp ? 0 : 64 * h);
+    a_alive[h] = row < out;
+    a_off[h] = row * n8 + cp_piece;  // read only where alive (a dead row copies zeros from a_base)
+  }
+  // Warp (wm, wn)'s A tiles (first rows in the stage) and B columns.
+  const int a_tile0 = kGateUp ? 16 * wm : 32 * wm, a_tile1 = kGateUp ? kGemmRows / 2 + 16 * wm : 32 * wm + 16;
+  const int col0 = wn * (kTok / 2);
+  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
+    __syncthreads();  // the previous pass is done with the tables and the ring
+    const MoeGroupWs gp = MoeGroupWorkspace(a);  // recomputed per pass: fewer registers live across the K loop
+    for (int col = tid; col < kTok; col += kGemmThreads) {
+      const int i = first + col;
+      const uint4* src = nullptr;
+      uint16_t* dst = nullptr;
+      float w = 0.0f;
+      if (i < gr.count) {
+        int t, slot;
+        if (shared) {
+          t = token0 + i, slot = a.top_k;
+        } else {
+          PairOf(a, gp, gr, i, &t, &slot);
+        }
+        const MoeWs ws = MoeWorkspace(a, t);
+        uint16_t* h = ws.h + static_cast<size_t>(slot) * ws.h_stride;
+        if constexpr (kGateUp) {
+          src = reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
+          dst = h;
+        } else {
+          src = reinterpret_cast<const uint4*>(h);
+          if (shared) {
+            dst = gp.shared + static_cast<size_t>(t) * a.d;
+          } else {
+            dst = gp.routed + (static_cast<size_t>(t) * a.top_k + slot) * a.d;
+            w = __ldcg(&ws.weights[slot]);
+          }
+        }
+      }
+      s_src[col] = src, s_dst[col] = dst, s_w[col] = w;
+    }
+    __syncthreads();
+    // Stage s <- chunks [2 st, 2 st + 2) of the A rows and the B columns (zeros past `in` and for
+    // dead rows and columns).
+    auto load = [&](int s, int st) {
+      uint4* sa = s_ring + s * (kStageA + kStageB);
+      uint4* sb = sa + kStageA;
+#pragma unroll
+      for (int i = 0; i < kACopies; ++i) {
+        const int h = i & 1, chunk = i >> 1;
+        const bool v = a_alive[h] && kGemmPieces * st + 4 * chunk + cp_piece < n8;
+        CpAsync16(sa + tid + kGemmThreads * i, a_base[kGateUp ? h : 0] + (v ? a_off[h] + kGemmPieces * st + 4 * chunk : 0), v);
+      }
+#pragma unroll
+      for (int i = 0; i < kBCopies; ++i) {
+        const int idx = tid + kGemmThreads * i, chunk = idx / (kTok * 4), r = (idx >> 2) % kTok;
+        const uint4* src = s_src[r];  // from the table: fewer live registers
+        const bool v = src != nullptr && kGemmPieces * st + 4 * chunk + cp_piece < n8;
+        CpAsync16(sb + idx, v ? src + kGemmPieces * st + 4 * chunk + cp_piece : a_base[0], v);  // dead: zeros
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < kGemmStages - 1; ++s) {
+      if (s < steps) load(s, s);
+      CpAsyncCommit();
+    }
+    // Columns of this warp with a pair (B tiles past them are skipped: warp-uniform).
+    const int live_cols = min(kTok / 2, gr.count - first - col0);
+    float acc[2][NT][4];
+    float total[kSplit ? 2 : 1][kSplit ? NT : 1][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
+    int slice_end = per;
+    for (int st = 0; st < steps; ++st) {
+      CpAsyncWait<kGemmStages - 2>();  // stage st has landed (this thread's copies)
+      __syncthreads();                 // everyone's, and everyone is done with stage st - 1
+      {
+        const int next = st + kGemmStages - 1;
+        if (next < steps) load(next % kGemmStages, next);
+        CpAsyncCommit();
+      }
+      const uint4* sa = s_ring + (st % kGemmStages) * (kStageA + kStageB);
+      const uint4* sb = sa + kStageA;
+#pragma unroll 1
+      for (int cc = 0; cc < kGemmStageChunks; ++cc) {  // not unrolled: one chunk's fragments live at a time
+        const int q = st * kGemmStageChunks + cc;
+        if (q >= chunks) break;
+        const uint4* ca = sa + cc * kGemmRows * 4;
+        const uint4* cb = sb + cc * kTok * 4;
+        const uint4 a00 = ca[(a_tile0 + gq) * 4 + c], a01 = ca[(a_tile0 + gq + 8) * 4 + c];
+        const uint4 a10 = ca[(a_tile1 + gq) * 4 + c], a11 = ca[(a_tile1 + gq + 8) * 4 + c];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (8 * j >= live_cols) break;
+          const uint4 b = cb[(col0 + 8 * j + gq) * 4 + c];
+          MmaChunk(acc[0][j], a00, a01, b);
+          MmaChunk(acc[1][j], a10, a11, b);
+        }
+        if constexpr (kSplit) {
+          if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
+            const bool first_slice = slice_end == per;
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+              for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  total[m][j][e] = first_slice ? acc[m][j][e] : total[m][j][e] + acc[m][j][e];
+                  acc[m][j][e] = 0.0f;
+                }
+            slice_end += per;
+          }
+        }
+      }
+    }
+    CpAsyncWait<0>();
+    __syncthreads();  // every warp is done with the ring: it holds the output tile now
+    // The outputs go through shared memory, [kTok][kOutRows + 8] BF16 (the pad puts a warp's four
+    // column pairs on different banks), and leave as 16-byte stores along each pair's output row.
+    constexpr int kOutRows = kGateUp ? kGemmRows / 2 : kGemmRows, kOutStride = kOutRows + 8;
+    static_assert(static_cast<size_t>(kTok) * kOutStride * 2 <= MoeMmaGemmSmem(kTok), "output tile fits the ring");
+    uint16_t* s_out = reinterpret_cast<uint16_t*>(s_ring);
+    auto sum = [&](int m, int j, int e) {
+      if constexpr (kSplit) {
+        return total[m][j][e];
+      } else {
+        return acc[m][j][e];
+      }
+    };
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      if (8 * j >= live_cols) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = col0 + 8 * j + 2 * c + (e & 1), r = gq + (e >= 2 ? 8 : 0);
+        if constexpr (kGateUp) {
+          const float gv = RoundBf16(sum(0, j, e)), uv = RoundBf16(sum(1, j, e));
+          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+          s_out[col * kOutStride + 16 * wm + r] = FloatToBf16Bits(act * uv);
+        } else {
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            const float o = RoundBf16(sum(m, j, e));
+            s_out[col * kOutStride + 32 * wm + 16 * m + r] =
+                shared ? FloatToBf16Bits(o) : FloatToBf16Bits(RoundBf16(o * s_w[col]));
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // Rows past `out` and columns past the count are not stored (out % 8 == 0: a piece is all in or out).
+    constexpr int kOutPieces = kOutRows / 8;
+    for (int idx = tid; idx < kTok * kOutPieces; idx += kGemmThreads) {
+      const int col = idx / kOutPieces, piece = idx % kOutPieces, row = m0 + 8 * piece;
+      if (first + col >= gr.count || row >= out) continue;
+      *reinterpret_cast<uint4*>(s_dst[col] + row) = *reinterpret_cast<const uint4*>(s_out + col * kOutStride + 8 * piece);
+    }
+  }
+}
+
+template <int kTok, bool kSplit>
+__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
+  DL_TIMELINE_SCOPE(kMoeGateUp);
+  MoeMmaGemmBody<true, kTok, kSplit>(a, ks, lists);
+}
+template <int kTok, bool kSplit>
+__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
+  DL_TIMELINE_SCOPE(kMoeDown);
+  MoeMmaGemmBody<false, kTok, kSplit>(a, ks, lists);
+}
+
+// Gate/up then down of the grouped GEMM (the lists already launched), kTok pairs per block pass.
+template <int kTok>
+Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
+  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
+  const int fmax = std::max(p.ffn, p.shared_ffn);
+  int passes = 1;
+  const MoeMmaLists lists = MoeMmaListsFor(p, kTok, &passes);
+  const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
+  if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
+  const dim3 block(kGemmThreads);
+  const dim3 gu_grid(passes, (fmax + kGemmRows / 2 - 1) / (kGemmRows / 2), rows_z);
+  const dim3 dn_grid(passes, (p.d + kGemmRows - 1) / kGemmRows, rows_z);
+  constexpr size_t smem = MoeMmaGemmSmem(kTok);
+  if (gu_ks > 1) {
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<kTok, true>, gu_grid, block, smem, s, p, gu_ks, lists);
+  } else {
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<kTok, false>, gu_grid, block, smem, s, p, gu_ks, lists);
+  }
+  DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_gate_up");
+  if (dn_ks > 1) {
+    LaunchDependentSmem(MoeMmaGemmDownKernel<kTok, true>, dn_grid, block, smem, s, p, dn_ks, lists);
+  } else {
+    LaunchDependentSmem(MoeMmaGemmDownKernel<kTok, false>, dn_grid, block, smem, s, p, dn_ks, lists);
+  }
+  DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_down");
+  return Status::Ok();
+}
+
 // The checks every Moe and MoeRouter call makes; *fp8: whether any expert group is FP8 (its maps in
 // *fp8_maps).
 inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
@@ -1729,6 +2002,9 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
   if (*fp8) DL_RETURN_IF_ERROR(MoeFp8Setup(p, fp8_maps));
   if (p.mma_blocks_per_sm < 1 || p.mma_blocks_per_sm > 2) {
     return InvalidArgument("moe: mma_blocks_per_sm {} (1 or 2)", p.mma_blocks_per_sm);
+  }
+  if (p.mma_gemm_tokens != 0 && p.mma_gemm_tokens != 32 && p.mma_gemm_tokens != 64) {
+    return InvalidArgument("moe: mma_gemm_tokens {} (0 = the list kernels, 32 or 64)", p.mma_gemm_tokens);
   }
   if (*fp8 && p.mma) {
     return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
@@ -1821,7 +2097,11 @@ Status Moe(const MoeParams& p, Stream stream) {
     }
     dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
-    if (T <= 8) {
+    if (p.mma_gemm_tokens == 32) {
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm<32>(p, s));
+    } else if (p.mma_gemm_tokens == 64) {
+      DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm<64>(p, s));
+    } else if (T <= 8) {
       DL_RETURN_IF_ERROR(dev::LaunchMoeMma<1>(p, s));
     } else if (T <= 16) {
       DL_RETURN_IF_ERROR(dev::LaunchMoeMma<2>(p, s));

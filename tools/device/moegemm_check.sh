@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The MMA experts as a grouped GEMM (issue 17, MoeParams::mma_gemm_tokens / --tune moe_mma_gemm_tokens)
+# in one device-machine call: build, SASS of moe.cu.o (registers come from ptxas; LDL/STL and HMMA
+# counted inside the grouped GEMM's kernels and in the whole object), the new bit-for-bit tests (GEMM
+# == list kernels at T 2 .. 4,096, every token alone) beside the other MoE and MMA tests,
+# compute-sanitizer memcheck and racecheck on the GEMM's sanitizer-sized test, `kernels_bench
+# moe_gemm` (list kernels vs GEMM 32/64 at T 512, 2,048, 8,192: weights TB/s and TFLOP/s; it also
+# checks the bits), then the TTFT of 1,024- and 8,192-token prompts with mma_products=1 and
+# moe_mma_gemm_tokens 0, 32 and 64. Logs under $OUT.
+#   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
+#     bash tools/device/moegemm_check.sh [--skip-tests] [--skip-bench] [--skip-e2e]
+set -uo pipefail
+RESULTS=${OUT:-/tmp/out}
+OUT=/tmp/moegemm_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
+source tools/device/env.sh
+TESTS=1; BENCH=1; E2E=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip-tests) TESTS=0 ;;
+    --skip-bench) BENCH=0 ;;
+    --skip-e2e) E2E=0 ;;
+    *) echo "unknown flag $1"; exit 2 ;;
+  esac
+  shift
+done
+t0=$(date +%s)
+dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
+targets="kernels_gpu_test kernels_bench"
+[ "$E2E" = 1 ] && targets="$targets decodelab"
+if ! ninja -C build $targets > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
+fi
+echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+obj=$(find build -name 'moe.cu.o' | head -1)
+CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+if [ -n "$obj" ] && [ -x "$CUOBJDUMP" ]; then
+  "$CUOBJDUMP" --dump-sass "$obj" > "$OUT/moe_sass.txt" 2>&1
+  "$CUOBJDUMP" --dump-resource-usage "$obj" > "$OUT/moe_res.txt" 2>&1
+  echo "sass moe.cu.o (all kernels): LDL/STL $(grep -cE 'LDL|STL' "$OUT/moe_sass.txt")"
+  # Per grouped-GEMM kernel: its instructions between its 'Function :' header and the next one.
+  awk '/Function :/ { f = $0 } f ~ /MoeMmaGemm/ { print f " | " $0 }' "$OUT/moe_sass.txt" |
+    awk -F' [|] ' '{ n[$1]++; if ($2 ~ /LDL|STL/) l[$1]++; if ($2 ~ /HMMA/) h[$1]++; if ($2 ~ /LDGSTS/) g[$1]++ }
+      END { for (k in n) printf "  %s: HMMA %d, LDGSTS %d, LDL/STL %d\n", k, h[k], g[k], l[k] }'
+  grep -A1 "MoeMmaGemm" "$OUT/moe_res.txt" | grep -oE "Function [^:]*|REG:[0-9]+|STACK:[0-9]+|LOCAL:[0-9]+" | paste - - - - | head -8
+else
+  echo "sass: no cuobjdump or no moe.cu.o"
+fi
+if [ "$TESTS" = 1 ]; then
+  timeout 500 ./build/tests/gpu/kernels_gpu_test --gtest_filter='MoeGpu.*:MmaGpu.*' > "$OUT/kernels_gpu_test.log" 2>&1
+  echo "kernels_gpu_test MoeGpu.*:MmaGpu.* rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/kernels_gpu_test.log" | tr '\n' ' ')"
+  grep -E "^\[       OK \] MoeGpu.MmaGemm|^\[  FAILED  \]" "$OUT/kernels_gpu_test.log" | head -20
+  grep -B1 -A6 "Failure" "$OUT/kernels_gpu_test.log" | head -60
+  for tool in memcheck racecheck; do
+    timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/gpu/kernels_gpu_test \
+      --gtest_filter='MoeGpu.MmaGemmSanitizerSizes' > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool (MoeGpu.MmaGemmSanitizerSizes) rc=$?: $(grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) ' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+  done
+  echo "tests done: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$BENCH" = 1 ]; then
+  timeout 400 ./build/tests/gpu/kernels_bench moe_gemm > "$OUT/kb_moe_gemm.log" 2>&1
+  echo "kernels_bench moe_gemm rc=$?"
+  sed -n '/^moe_gemm/,/^$/p' "$OUT/kb_moe_gemm.log"
+  grep -i "differs\|error" "$OUT/kb_moe_gemm.log" | head -5
+  echo "kernel bench done: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$E2E" = 1 ]; then
+  B=build/bin/decodelab
+  for len in 1024 8192; do
+    for tok in 0 32 64; do
+      timeout 150 $B bench --shape xs2 --prompt-len $len --gen-len 2 --repeat 1 --kv-dtype fp8 --page-size 32 \
+        --tune mma_products=1 --tune moe_mma_gemm_tokens=$tok > "$OUT/bench_${len}_gemm$tok.log" 2>&1
+      echo "bench prompt $len, moe_mma_gemm_tokens=$tok rc=$?: $(grep -E '^  TTFT' "$OUT/bench_${len}_gemm$tok.log")"
+      grep -iE "error|fail" "$OUT/bench_${len}_gemm$tok.log" | head -3
+    done
+  done
+fi
+echo "total: $(( $(date +%s) - t0 )) s"
+tar -czf "$RESULTS/moegemm_check_logs.tgz" -C /tmp moegemm_check 2>/dev/null
