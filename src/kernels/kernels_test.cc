@@ -405,6 +405,100 @@ TEST(Reference, Fp8WeightsUseTheirBlocksScale) {
   EXPECT_EQ(Bf16ToFloat(y[129]), 0.25f);
 }
 
+// THE FP8 RULE on the host (ref::GemvFp8Rule, the bits the CUDA FP8 GEMV must give): a chunk's 16
+// products are summed in FP32 in element order from zero, then the chunk sum times its scale joins the
+// lane's sum. One row, in = 528 (33 chunks, k_split 1): lane 0 holds chunks 0 and 32. Chunk 0 gives
+// 2^24; chunk 32 gives fl(1 - 2^24) = -(2^24 - 1) exactly, so the row is 1. One FMA chain over all
+// elements (the earlier rule) would give fl(2^24 + 1) - 2^24 = 0. Inside a chunk the order is the
+// element order in FP32: 2^24 + 1 - 2^24 in one chunk is 0 (the double reference: 1).
+TEST(Reference, Fp8RuleSumsEachChunkFromZeroThenScalesIt) {
+  const int in = 528;
+  ASSERT_EQ(GemvFp8KSplitFor(1, in), 1);
+  std::vector<uint8_t> codes(in, 0x00);  // +0
+  std::vector<bf16> x(in, FloatToBf16(0.0f));
+  codes[0] = 0x78, x[0] = FloatToBf16(65536.0f);                // 256 * 2^16 = 2^24
+  codes[16 * 32] = 0x38, x[16 * 32] = FloatToBf16(1.0f);        // 1
+  codes[16 * 32 + 1] = 0xf8, x[16 * 32 + 1] = FloatToBf16(65536.0f);  // -256 * 2^16
+  for (float s : {1.0f, 0.375f}) {
+    const Fp8Weight w{codes.data(), &s, 1, in};  // per tensor
+    bf16 y = FloatToBf16(-7.0f), y_ref = y;
+    GemvParams p;
+    p.w_fp8 = w, p.x = x.data(), p.y = &y, p.out = 1, p.in = in;
+    ref::GemvFp8Rule(p);
+    EXPECT_EQ(Bf16ToFloat(y), s) << "chunk 0 (2^24 s) plus chunk 32 ((1 - 2^24) s)";
+    p.y = &y_ref;
+    ref::Gemv(p);
+    EXPECT_EQ(Bf16ToFloat(y_ref), s);
+  }
+  // The three products in one chunk: 2^24, then + 1 rounds to even (2^24), then - 2^24.
+  std::vector<uint8_t> one(16, 0x00);
+  std::vector<bf16> x1(16, FloatToBf16(0.0f));
+  one[0] = 0x78, x1[0] = FloatToBf16(65536.0f);
+  one[1] = 0x38, x1[1] = FloatToBf16(1.0f);
+  one[2] = 0xf8, x1[2] = FloatToBf16(65536.0f);
+  const float s1 = 1.0f;
+  bf16 y1 = FloatToBf16(-7.0f), y1_ref = y1;
+  GemvParams q;
+  q.w_fp8 = {one.data(), &s1, 1, 16}, q.x = x1.data(), q.y = &y1, q.out = 1, q.in = 16;
+  ref::GemvFp8Rule(q);
+  EXPECT_EQ(Bf16ToFloat(y1), 0.0f);
+  q.y = &y1_ref;
+  ref::Gemv(q);
+  EXPECT_EQ(Bf16ToFloat(y1_ref), 1.0f) << "the oracle sums in double";
+}
+
+// The FP8 GPU tests compare the kernels (= ref::GemvFp8Rule) with the dequantising oracle at atol 1e-4,
+// rtol 1/128 (Fp8GemvGpu.MatchesReferenceAndIsBatchInvariant). That tolerance holds for the rule on the
+// GPU test's own data (weights 0.05 * N(0, 1) quantised per 128 x 128 block, per tensor and per
+// channel; x ~ N(0, 1) in BF16), so the rule's rounding points need no looser test: the two are at most
+// one BF16 step apart here.
+TEST(Reference, Fp8RuleStaysWithinTheGpuTestsToleranceOfTheOracle) {
+  struct Case {
+    int out, in, ks, br, bc;
+  };
+  for (const Case c : {Case{1000, 2048, 0, 128, 128}, Case{2048, 8192, 0, 128, 128}, Case{2048, 8192, 1, 128, 128},
+                       Case{300, 8192, 8, 128, 128}, Case{333, 400, 0, 128, 128}, Case{130, 144, 0, 128, 128},
+                       Case{200, 1040, 0, 200, 1040}, Case{257, 2064, 0, 1, 2064}}) {
+    SCOPED_TRACE(testing::Message() << c.out << "x" << c.in << " k_split " << c.ks << " blocks " << c.br << "x" << c.bc);
+    const int T = 3, sc = (c.in + c.bc - 1) / c.bc;
+    std::vector<float> v(static_cast<size_t>(c.out) * c.in);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.05f * NormalAt(91, i);
+    std::vector<float> scales(static_cast<size_t>((c.out + c.br - 1) / c.br) * sc, 0.0f);
+    for (int o = 0; o < c.out; ++o)
+      for (int i = 0; i < c.in; ++i) {
+        float& s = scales[(o / c.br) * sc + i / c.bc];
+        s = std::max(s, std::fabs(v[static_cast<size_t>(o) * c.in + i]));
+      }
+    for (float& s : scales) s = s == 0.0f ? 1.0f : s / 448.0f;
+    std::vector<uint8_t> codes(v.size());
+    for (int o = 0; o < c.out; ++o)
+      for (int i = 0; i < c.in; ++i) {
+        const size_t at = static_cast<size_t>(o) * c.in + i;
+        codes[at] = FloatToFp8E4M3(v[at] / scales[(o / c.br) * sc + i / c.bc]);
+      }
+    const std::vector<bf16> x = RandomBf16(static_cast<size_t>(T) * c.in, 92);
+    std::vector<bf16> y(static_cast<size_t>(T) * c.out), y_ref(y.size());
+    GemvParams p;
+    p.w_fp8 = {codes.data(), scales.data(), c.br, c.bc}, p.x = x.data(), p.y = y.data();
+    p.out = c.out, p.in = c.in, p.num_tokens = T, p.k_split = c.ks;
+    ref::GemvFp8Rule(p);
+    p.y = y_ref.data();
+    ref::Gemv(p);
+    int bad = 0, differ = 0;
+    for (size_t i = 0; i < y.size(); ++i) {
+      const float g = Bf16ToFloat(y[i]), w = Bf16ToFloat(y_ref[i]);
+      bad += !(std::fabs(g - w) <= 1e-4f + std::fabs(w) / 128);
+      differ += g != w;
+      // Of one sign: adjacent BF16 values at most (bit patterns one apart); else both within atol of 0.
+      if ((y[i] ^ y_ref[i]) < 0x8000) {
+        EXPECT_LE(std::abs(static_cast<int>(y[i]) - static_cast<int>(y_ref[i])), 1) << "element " << i;
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    EXPECT_LE(differ, static_cast<int>(y.size() / 100)) << differ << " of " << y.size() << " round to the other BF16 neighbour";
+  }
+}
+
 TEST(MmaKSplit, FollowsTheShapeOnly) {
   EXPECT_EQ(MmaKSplitFor(10304, 2048), 2);   // q/k/v/g (sliding): 644 tiles of 16 rows
   EXPECT_EQ(MmaKSplitFor(8240, 2048), 2);    // q/k/v/g (global)

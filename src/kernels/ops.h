@@ -117,13 +117,22 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 // THE FP8 RULE, shared by every FP8 path at every T (batch-1 streaming and plain, fused norm, batched
 // T > 1, the MoE's batch-1 and grouped kernels), so batch 1 == batched == grouped bit for bit: a
 // lane's 16-byte chunk c of a row holds the 16 codes of elements 16c .. 16c + 15; with
-// s = scale[row / block_rows, 16c / block_cols], for e = 0 .. 15 in order:
-//   w = float(code_e) * s   (rounded to FP32: the CPU reference's dequantised weight, bit for bit)
-//   acc = fmaf(w, x[16c + e], acc)
+// s = scale[row / block_rows, 16c / block_cols] and v_e = float(code_e) (the code's value, exact), per
+// token:
+//   p = 0;  for e = 0 .. 15 in order: p = fmaf(v_e, x[16c + e], p)
+//   acc = fmaf(p, s, acc)
+// The scale multiplies the chunk's sum once instead of each code (no FP32 multiply per element), and a
+// chunk's 16 FMAs start from zero, so the chunks a lane holds are independent chains that meet acc in
+// one FMA each. Each FMA rounds once (a product is never rounded on its own; FP32 denormals are kept:
+// no FTZ), so the result differs from the reference's "dequantise, then the FP32 dot" only in where
+// FP32 rounds (fl(code * s) and its running sum there, the chunk sums and acc here): the two are
+// compared with a tolerance.
 // The chunks a lane takes, the k_split slices (GemvFp8KSplitFor: GemvKSplitFor's rule counted in
 // 16-element chunks), the xor-butterfly warp sum, the slice order and the BF16 rounding points are
-// the BF16 rule's (GemvParams below): only the chunk holds 16 elements instead of 8. The CPU
-// reference dequantises W in FP32 the same way and runs its usual linear (kernels/reference).
+// the BF16 rule's (GemvParams below): only the chunk holds 16 elements instead of 8, and acc is a
+// lane's sum over its chunks in ascending order. The CPU reference dequantises W in FP32 (W[o, i] above)
+// and runs its usual linear (kernels/reference); ref::GemvFp8Rule computes this rule on the host, to
+// pin the kernels' bits.
 struct Fp8Weight {
   const uint8_t* codes = nullptr;  // [rows, cols] E4M3 codes
   const float* scales = nullptr;   // [ceil(rows / block_rows), ceil(cols / block_cols)] FP32

@@ -84,8 +84,8 @@ struct GemvCase {
   int out, in, ks, br, bc;
 };
 
-// Against the reference, and every token alone (batch 1) and every batched-kernel shape give the
-// batched launch's bits.
+// Against the reference, the FP8 rule's exact bits (ref::GemvFp8Rule), and every token alone (batch 1)
+// and every batched-kernel shape give the batched launch's bits.
 TEST(Fp8GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   SKIP_WITHOUT_GPU();
   for (const GemvCase c : {GemvCase{1000, 2048, 0, 128, 128}, GemvCase{64, 512, 0, 128, 128},
@@ -106,6 +106,9 @@ TEST(Fp8GemvGpu, MatchesReferenceAndIsBatchInvariant) {
     ref::Gemv(Fp8Gemv(hw.Host(), x.data(), ref.data(), c.out, c.in, T));
     const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * c.out);
     ExpectClose(y, ref, 1e-4f, 1.0f / 128, "fp8 gemm");
+    std::vector<bf16> rule(ref.size());
+    ref::GemvFp8Rule(Fp8Gemv(hw.Host(), x.data(), rule.data(), c.out, c.in, T, c.ks));
+    EXPECT_EQ(y, rule) << "the FP8 rule's bits (ref::GemvFp8Rule)";
     for (int t : {0, 7, 10, 36}) {
       ASSERT_OK(Gemv(Fp8Gemv(dw.Weight(), d_x.as<bf16>() + t * c.in, d_y1.as<bf16>(), c.out, c.in, 1, c.ks), nullptr));
       EXPECT_EQ(Download<bf16>(d_y1, c.out), Rows(y, c.out, t, 1)) << "token " << t;
@@ -197,6 +200,48 @@ TEST(Fp8GemvGpu, FusedInputNormMatchesSeparateKernels) {
     ASSERT_OK(Gemv(st, nullptr));
     Sync();
     EXPECT_EQ(Download<bf16>(d_y_st, out), y_sep) << "streaming with the fused norm";
+  }
+}
+
+// The rule's order, hand-checkable (Reference.Fp8RuleSumsEachChunkFromZeroThenScalesIt): one row of 528
+// codes, lane 0's chunk 0 sums to 2^24 and its chunk 32 to fl(1 - 2^24) = 1 - 2^24, so the row is
+// exactly the scale s; one FMA chain over all elements would give fl(2^24 + 1) - 2^24 = 0. Plain,
+// streaming, fused-norm-free batched (two equal tokens) and every batched shape.
+TEST(Fp8GemvGpu, SumsEachChunkFromZeroThenScalesIt) {
+  SKIP_WITHOUT_GPU();
+  const int in = 528;
+  std::vector<uint8_t> codes(in, 0x00);
+  std::vector<bf16> x(in, FloatToBf16(0.0f));
+  codes[0] = 0x78, x[0] = FloatToBf16(65536.0f);
+  codes[16 * 32] = 0x38, x[16 * 32] = FloatToBf16(1.0f);
+  codes[16 * 32 + 1] = 0xf8, x[16 * 32 + 1] = FloatToBf16(65536.0f);
+  std::vector<bf16> x2(x);
+  x2.insert(x2.end(), x.begin(), x.end());
+  for (float s : {1.0f, 0.375f}) {
+    SCOPED_TRACE(testing::Message() << "scale " << s);
+    auto d_codes = Upload(codes), d_scale = Upload(std::vector<float>{s}), d_x = Upload(x2);
+    auto d_y = Alloc(2 * 2);
+    const Fp8Weight w{d_codes.as<uint8_t>(), d_scale.as<float>(), 1, in};
+    GemvParams p = Fp8Gemv(w, d_x.as<bf16>(), d_y.as<bf16>(), 1, in, 1);
+    ASSERT_OK(Gemv(p, nullptr));
+    Sync();
+    EXPECT_EQ(Bf16ToFloat(Download<bf16>(d_y, 1)[0]), s) << "plain";
+    if (GemvFp8StreamSupported(1, in, 32, 4)) {
+      GemvParams st = p;
+      st.streaming = {true, 32, 4, 0};
+      ASSERT_OK(Gemv(st, nullptr));
+      Sync();
+      EXPECT_EQ(Bf16ToFloat(Download<bf16>(d_y, 1)[0]), s) << "streaming";
+    }
+    for (int rows : {1, 2, 4}) {
+      GemvParams b = p;
+      b.num_tokens = 2, b.batch_rows = rows;
+      ASSERT_OK(Gemv(b, nullptr));
+      Sync();
+      const auto y = Download<bf16>(d_y, 2);
+      EXPECT_EQ(Bf16ToFloat(y[0]), s) << "batched, " << rows << " rows per warp";
+      EXPECT_EQ(Bf16ToFloat(y[1]), s) << "batched, " << rows << " rows per warp";
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 weights (issue 18, CUDA side) in one device-machine call: build, the FP8 kernel tests (GEMV and MoE
-# against the CPU reference, batch 1 == batched == grouped bit for bit, the synthetic FP8 fill), the BF16
+# against the CPU reference, the GEMV against the rule's host model bit for bit, batch 1 == batched ==
+# grouped bit for bit, the synthetic FP8 fill), static SASS counts of the FP8 kernels, the BF16
 # GEMV/MoE tests (their bits must not move), compute-sanitizer memcheck and racecheck on the FP8 tests,
 # the kernel microbenchmark's FP8 sections beside BF16 (gemv_fp8, moe_fp8, moe), and, when the decodelab
 # binary takes FP8 shape weights (`--shape-dtype fp8 --fp8-layout all-linear`, helper fp8's flags),
@@ -27,6 +28,9 @@ if ! ninja -C build kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_run
   echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
 fi
 echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+# Static SASS counts of the FP8 kernels (the rule's instruction mix: no FMUL per element, no spills).
+bash tools/device/fp8_sass.sh build > "$OUT/fp8_sass.txt" 2>&1
+cat "$OUT/fp8_sass.txt"
 summary() {  # name log rc
   echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$2" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]" "$2" | head -20

@@ -1,5 +1,5 @@
 // Device pieces of the FP8 rule (kernels/ops.h, "THE FP8 RULE"), shared by the FP8 GEMV and MoE
-// kernels: where a row's scales are, a chunk's 16 dequantised weights, and a lane's FMA over one chunk.
+// kernels: where a row's scales are, a chunk's 16 code values, and one token's step over one chunk.
 // Every FP8 path computes a chunk with these and nothing else, so batch 1, batched and grouped give
 // the same bits.
 #pragma once
@@ -40,24 +40,30 @@ inline bool MakeFp8ScaleMap(const Fp8Weight& w, int in, Fp8ScaleMap* m) {
   return true;
 }
 
-// The 16 weights of a chunk: w[e] = float(code_e) * s (the rule's one FP32 multiply).
-__device__ __forceinline__ void Fp8ChunkWeights(const uint4& codes, float s, float (&w)[16]) {
-  Fp8x4ToFloat(codes.x, w);
-  Fp8x4ToFloat(codes.y, w + 4);
-  Fp8x4ToFloat(codes.z, w + 8);
-  Fp8x4ToFloat(codes.w, w + 12);
-#pragma unroll
-  for (int e = 0; e < 16; ++e) w[e] = w[e] * s;
+// THE FP8 RULE's chunk (kernels/ops.h): the 16 code values v[e] = float(code_e), exact (every E4M3
+// value is a half and every half a float: cvt e4m3x2 -> f16x2, then f16 -> f32). No scale here: the
+// scale multiplies the chunk's sum once (Fp8ChunkFma), so decoding costs no FP32 multiply per element.
+__device__ __forceinline__ void Fp8ChunkValues(const uint4& codes, float (&v)[16]) {
+  Fp8x4ToFloat(codes.x, v);
+  Fp8x4ToFloat(codes.y, v + 4);
+  Fp8x4ToFloat(codes.z, v + 8);
+  Fp8x4ToFloat(codes.w, v + 12);
 }
-// acc += the chunk's 16 weights times x[16c .. 16c + 15] (two 16-byte BF16 chunks), FMAs in order.
-__device__ __forceinline__ void Fp8ChunkFma(const float (&w)[16], const uint4& x_lo, const uint4& x_hi, float& acc) {
+// One token's step of the rule over one chunk: p = 0; p = fmaf(v[e], x[16c + e], p) for e = 0 .. 15 in
+// order (x: two 16-byte BF16 chunks); then acc = fmaf(p, s, acc) with s the chunk's block scale. The
+// chunk's chain starts from zero, so the chunks a lane holds are independent chains and only the last
+// FMA of each waits on acc.
+__device__ __forceinline__ void Fp8ChunkFma(const float (&v)[16], float s, const uint4& x_lo, const uint4& x_hi,
+                                            float& acc) {
   float xf[8];
+  float p = 0.0f;
   Bf16x8ToFloat(x_lo, xf);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) acc = fmaf(w[e], xf[e], acc);
+  for (int e = 0; e < 8; ++e) p = fmaf(v[e], xf[e], p);
   Bf16x8ToFloat(x_hi, xf);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) acc = fmaf(w[8 + e], xf[e], acc);
+  for (int e = 0; e < 8; ++e) p = fmaf(v[8 + e], xf[e], p);
+  acc = fmaf(p, s, acc);
 }
 // A consumer lane's part of the dot of an FP8 row and x, both in shared memory (the FP8 twin of
 // LaneDotShared): chunks c = begin + lane, + 32, ... below end, in that order; scale_row: the row's
@@ -81,9 +87,9 @@ __device__ __forceinline__ float Fp8LaneDotShared(const uint4* w_row, const uint
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (c >= end) break;
-      float w[16];
-      Fp8ChunkWeights(wv[u], sv[u], w);
-      Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc);
+      float v[16];
+      Fp8ChunkValues(wv[u], v);
+      Fp8ChunkFma(v, sv[u], x[2 * c], x[2 * c + 1], acc);
     }
   }
   return acc;

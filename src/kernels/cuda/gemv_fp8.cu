@@ -1,10 +1,10 @@
 // FP8-weight GEMV (GemvParams::w_fp8): the BF16 kernels of gemv.cu (plain / fused-norm tiles, the
 // batched T > 1 kernel, the batch-1 streaming kernel with its TMA ring) over E4M3 codes with the FP8
-// rule of kernels/ops.h: a lane's 16-byte chunk holds 16 codes, each dequantised with its block's
-// scale (one FP32 multiply) and FMA'd in order. A separate file (not templates over gemv.cu) so the
-// BF16 kernels, tuned and measured, keep their code and registers untouched, and so the tensor-core
-// work beside it in gemv.cu does not collide; the grid shapes, PDL points and ring protocol are
-// gemv.cu's, written for 1-byte elements.
+// rule of kernels/ops.h: a lane's 16-byte chunk holds 16 codes whose exact values are FMA'd in order
+// against x from zero, and the chunk's sum times its block's scale is FMA'd into the lane's sum. A
+// separate file (not templates over gemv.cu) so the BF16 kernels, tuned and measured, keep their code
+// and registers untouched, and so the tensor-core work beside it in gemv.cu does not collide; the grid
+// shapes, PDL points and ring protocol are gemv.cu's, written for 1-byte elements.
 #include <algorithm>
 #include <cstdint>
 
@@ -78,12 +78,12 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8Kernel(GemvParams a
       for (int u = 0; u < U; ++u) {
         const int c = c0 + 32 * u;
         if (c >= hi) break;
-        float w[16];
-        Fp8ChunkWeights(wv[u], sv[u], w);
+        float v[16];
+        Fp8ChunkValues(wv[u], v);
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
           if (t >= nt) break;
-          Fp8ChunkFma(w, x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[t]);
+          Fp8ChunkFma(v, sv[u], x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[t]);
         }
       }
     }
@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8Kernel(GemvParams a
 }
 
 // Batched (T > 1, no fused norm): GemvBatchKernel's layout (warp w: slice w % KS of R consecutive rows,
-// grid (token tiles of TT, row blocks)); each row's chunk is dequantised once and used for the tile's
-// tokens: the same w[e] values and FMA sequence as the kernel above.
+// grid (token tiles of TT, row blocks)); each row's chunk is decoded once and used for the tile's
+// tokens: the same v[e] values and per-token FMA sequence as the kernel above.
 template <int R, int TT, int KS>
 __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8BatchKernel(GemvParams a, Fp8ScaleMap sm) {
   DL_TIMELINE_SCOPE(kGemv);
@@ -147,12 +147,12 @@ __global__ void __launch_bounds__(kFp8GemvWarps * 32) GemvFp8BatchKernel(GemvPar
       if (c >= hi) break;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        float w[16];
-        Fp8ChunkWeights(wv[u][r], sv[u][r], w);
+        float v[16];
+        Fp8ChunkValues(wv[u][r], v);
 #pragma unroll
         for (int t = 0; t < TT; ++t) {
           if (t >= nt) break;
-          Fp8ChunkFma(w, x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[r][t]);
+          Fp8ChunkFma(v, sv[u][r], x_base[t * x_step + 2 * c], x_base[t * x_step + 2 * c + 1], acc[r][t]);
         }
       }
     }

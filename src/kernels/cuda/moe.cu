@@ -941,8 +941,9 @@ __global__ void __launch_bounds__(256) MoeCombineKernel(MoeParams a) {
 // is FP8; the router, the grouping kernel and the combine are the ones above. Each is the BF16 kernel
 // above with every weight row described by a MoeWeightRow: BF16 rows run LaneDots' / SmemLaneDots'
 // exact code (so a BF16 group keeps its bits), FP8 rows the FP8 rule (kernels/ops.h): 16 codes per
-// 16-byte chunk, w = float(code) * scale, FMAs in order over x[16c .. 16c + 15]. The batch-1 gate/up is
-// the register kernel's layout (the TMA-ring gate/up has no FP8 twin yet).
+// 16-byte chunk, p = the FMAs of float(code) and x[16c .. 16c + 15] in order from zero, then
+// acc = fmaf(p, scale, acc) (Fp8ChunkFma). The batch-1 gate/up is the register kernel's layout (the
+// TMA-ring gate/up has no FP8 twin yet).
 
 // The scale maps of the six expert matrices (routed ones without the per-expert scales pointer, which
 // comes from MoeParams::*_fp8.scales[expert]).
@@ -1001,9 +1002,9 @@ __device__ __forceinline__ void LaneDotsW(const MoeWeightRow (&rows)[NR], const 
         if (!rows[r].p || c >= rows[r].n) continue;
         const uint4* x = reinterpret_cast<const uint4*>(xs[r]);
         if (rows[r].scales) {
-          float w[16];
-          Fp8ChunkWeights(rv[r][u], sv[r][u], w);
-          Fp8ChunkFma(w, x[2 * c], x[2 * c + 1], acc[r]);
+          float v[16];
+          Fp8ChunkValues(rv[r][u], v);
+          Fp8ChunkFma(v, sv[r][u], x[2 * c], x[2 * c + 1], acc[r]);
         } else {
           float rf[8], xf[8];
           Bf16x8ToFloat(rv[r][u], rf);
@@ -1167,12 +1168,12 @@ __device__ __forceinline__ void SmemLaneDotsFp8(const uint4* const (&rows)[NR], 
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         if (!rows[r]) continue;
-        float w[16];
-        Fp8ChunkWeights(rv[r][u], sv[r][u], w);
+        float v[16];
+        Fp8ChunkValues(rv[r][u], v);
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt) {
           if (tt >= nt) break;
-          Fp8ChunkFma(w, xs[tt * n8 + 2 * c], xs[tt * n8 + 2 * c + 1], acc[r][tt]);
+          Fp8ChunkFma(v, sv[r][u], xs[tt * n8 + 2 * c], xs[tt * n8 + 2 * c + 1], acc[r][tt]);
         }
       }
     }

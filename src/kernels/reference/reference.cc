@@ -165,6 +165,43 @@ void Gemv(const GemvParams& p) {
   }
 }
 
+void GemvFp8Rule(const GemvParams& p) {
+  const int64_t xs = p.x_stride ? p.x_stride : p.in, ys = p.y_stride ? p.y_stride : p.out;
+  const int n16 = p.in / 16;
+  const int ks = p.k_split ? p.k_split : GemvFp8KSplitFor(p.out, p.in);
+  const int per = n16 / ks;
+  const int64_t scale_cols = (p.in + p.w_fp8.block_cols - 1) / p.w_fp8.block_cols;
+  std::vector<float> v(p.in);  // the row's code values (exact)
+  for (int o = 0; o < p.out; ++o) {
+    const uint8_t* codes = p.w_fp8.codes + static_cast<int64_t>(o) * p.in;
+    const float* scales = p.w_fp8.scales + (o / p.w_fp8.block_rows) * scale_cols;
+    for (int i = 0; i < p.in; ++i) v[i] = Fp8E4M3ToFloat(codes[i]);
+    for (int t = 0; t < p.num_tokens; ++t) {
+      const bf16* x = p.x + t * xs;
+      float sum = 0.0f;
+      for (int slice = 0; slice < ks; ++slice) {
+        float lanes[32];
+        for (int lane = 0; lane < 32; ++lane) {
+          float acc = 0.0f;
+          for (int c = slice * per + lane; c < (slice + 1) * per; c += 32) {
+            float chunk = 0.0f;
+            for (int e = 0; e < 16; ++e) chunk = std::fma(v[16 * c + e], B(x[16 * c + e]), chunk);
+            acc = std::fma(chunk, scales[16 * c / p.w_fp8.block_cols], acc);
+          }
+          lanes[lane] = acc;
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+          float next[32];
+          for (int lane = 0; lane < 32; ++lane) next[lane] = lanes[lane] + lanes[lane ^ off];
+          std::copy(next, next + 32, lanes);
+        }
+        sum = slice == 0 ? lanes[0] : sum + lanes[0];
+      }
+      p.y[t * ys + o] = ToB(sum);
+    }
+  }
+}
+
 void Moe(const MoeParams& p, const float* logits_override) {
   const int E = p.num_experts, k = p.top_k, d = p.d;
   std::vector<float> score(E), biased(E);

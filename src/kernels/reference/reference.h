@@ -21,8 +21,16 @@ void Attention(const AttentionParams& p);
 // BF16 or FP8 weights (GemvParams::w_fp8: dequantised with Fp8WeightAt, then the same dot).
 void Gemv(const GemvParams& p);
 // Element [o, i] of an FP8 weight with `cols` columns: float(code) * scale[o / br, i / bc], one FP32
-// multiply (the FP8 weight contract's meaning, and the dequantised value of the FP8 rule).
+// multiply (the FP8 weight contract's meaning; the CUDA kernels' FP8 rule never forms it, and is
+// compared with this dequantising reference with a tolerance).
 float Fp8WeightAt(const Fp8Weight& w, int cols, int64_t o, int64_t i);
+// THE FP8 RULE of kernels/ops.h on the host, in the kernels' exact order (not an oracle: the oracle is
+// Gemv above). FP8 weights only (p.w_fp8; in % 16 == 0): per token and row, k_split slices (p.k_split,
+// 0 = GemvFp8KSplitFor), lane l of a slice takes chunks lo + l, + 32, ... and per chunk
+// p = fmaf(float(code_e), x_e, p) from zero for e = 0 .. 15, acc = fmaf(p, scale, acc); the 32 lane sums
+// meet in the xor butterfly (offsets 16, 8, 4, 2, 1), slices are added in ascending order, one BF16
+// rounding. The CUDA FP8 GEMV gives these bits on every path (plain, streaming, batched, fused norm).
+void GemvFp8Rule(const GemvParams& p);
 // Router + experts (each expert group BF16 or FP8, dequantised exactly). `logits_override` ([E], optional): use these router logits (already BF16-rounded)
 // instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
 void Moe(const MoeParams& p, const float* logits_override = nullptr);
