@@ -387,11 +387,6 @@ int RunBench(const BenchFlags& f) {
     return ReportError(
         InvalidArgument("--prompt-len >= 1, --gen-len >= 2, --repeat >= 1 and --concurrency >= 1 please"));
   }
-  if (opts->shape == "s21" && opts->backend != BackendKind::kCpu && !opts->shape_fp8) {
-    return ReportError(InvalidArgument(
-        "--shape s21 at BF16 (235 GB) does not fit one H200: it needs TP >= 2 or FP8 weights "
-        "(--shape-dtype fp8: the export layout is ~123 GB)"));
-  }
   auto spec = f.spec.ToOptions();
   if (!spec.ok()) return ReportError(spec.status());
   if (f.verify_cost && (spec->method == SpecMethod::kNgram || !f.prompt_file.empty())) {

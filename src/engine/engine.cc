@@ -5,6 +5,8 @@
 #include <deque>
 #include <functional>
 
+#include <unistd.h>
+
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
@@ -15,6 +17,7 @@
 #include "backend/cuda_runner.h"
 #include "backend/cuda_tp_runner.h"
 #include "model/backend_support.h"
+#include "model/param_count.h"
 #include "model/shapes.h"
 #include "model/synthetic.h"
 
@@ -174,6 +177,36 @@ Result<KvScales> CalibrateKvScalesOnCuda(const Checkpoint& checkpoint, const Cud
   return ScalesFromAmax(amax.first, amax.second, "calibration:builtin-v1-cuda-bf16");
 }
 
+Status CheckShapeWeightsFit(const ModelConfig& cfg, const Fp8Options* fp8, int tp, EmbeddingMode embedding, int gpus,
+                            size_t device_bytes, size_t host_bytes) {
+  if (tp < 1 || gpus < 1) return InvalidArgument("weights fit check: tp {} and gpus {} must be positive", tp, gpus);
+  // Every expert stored: the per-token count with every expert active is the whole model but for the
+  // embedding table, which ActiveWeightBytes leaves out (a token reads one row of it).
+  ModelConfig all = cfg;
+  all.num_experts_per_tok = std::max<int64_t>(cfg.num_experts, 1);
+  const double rest = static_cast<double>(ActiveWeightBytes(all, DType::kBF16, fp8).total());
+  const double table = 2.0 * static_cast<double>(cfg.vocab_size) * static_cast<double>(cfg.hidden_size);
+  const double per_rank = rest / tp + (embedding == EmbeddingMode::kReplicated ? table : table / tp);
+  const int ranks_per_gpu = (tp + gpus - 1) / gpus;
+  const double per_gpu = per_rank * ranks_per_gpu;
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const std::string layout = fp8 == nullptr ? "BF16" : (fp8->layout == Fp8Layout::kExport ? "FP8 export" : "FP8 all-linear");
+  if (per_gpu > static_cast<double>(device_bytes)) {
+    return ResourceExhausted(
+        "the {} weights of {} layers need {:.1f} GiB per GPU ({} rank(s) of {:.1f} GiB at --tp {} on {} GPU(s)), and a "
+        "GPU has {:.1f} GiB: use fewer --num-layers, FP8 weights (--shape-dtype fp8) or a larger --tp on more GPUs",
+        layout, cfg.num_hidden_layers, per_gpu / kGiB, ranks_per_gpu, per_rank / kGiB, tp, gpus,
+        static_cast<double>(device_bytes) / kGiB);
+  }
+  if (host_bytes > 0 && rest + table > static_cast<double>(host_bytes)) {
+    return ResourceExhausted("--tp {} builds the {} weights of {} layers in host memory first ({:.1f} GiB), and this "
+                             "machine has {:.1f} GiB: use fewer --num-layers or FP8 weights",
+                             tp, layout, cfg.num_hidden_layers, (rest + table) / kGiB,
+                             static_cast<double>(host_bytes) / kGiB);
+  }
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   auto engine = std::make_unique<Engine>();
   if (o.model_dir.empty() == o.shape.empty()) {
@@ -222,6 +255,13 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
     const Fp8Options* fp8 = o.shape_fp8 ? &*o.shape_fp8 : nullptr;
+    if (chosen == BackendKind::kCuda) {
+      DL_ASSIGN_OR_RETURN(cuda::DeviceInfo dev, cuda::GetDeviceInfo(0));
+      const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGE_SIZE);
+      const size_t host = o.tp > 1 && pages > 0 && page_bytes > 0 ? static_cast<size_t>(pages) * page_bytes : 0;
+      DL_RETURN_IF_ERROR(CheckShapeWeightsFit(cfg, fp8, o.tp, o.embedding, gpus, dev.total_memory, host)
+                             .WithContext(fmt::format("--shape {}", o.shape)));
+    }
     if (chosen == BackendKind::kCuda && o.tp == 1) {
       // Generated on the device. Tensor parallelism shards host weights, so --tp N takes the host
       // synthetic checkpoint below (the same formula, model/synthetic.h).

@@ -15,6 +15,7 @@
 #include "model/checkpoint.h"
 #include "kernels/tuning.h"
 #include "model/runner.h"
+#include "model/fp8_layout.h"
 #include "model/shard_plan.h"
 
 namespace dl {
@@ -77,6 +78,15 @@ struct Engine {
 // Resolves the backend (auto = CUDA where a GPU is usable, else CPU), chooses KV scales (--kv-scales
 // file, else the checkpoint's k_scale/v_scale, else the built-in calibration) and builds the runner.
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& options);
+
+// Whether a --shape model's weights can fit before any are generated: `cfg` already cut to
+// --num-layers, stored as BF16 or with `fp8`'s layout, split over `tp` ranks placed round-robin on
+// `gpus` devices of `device_bytes` each (the replicated embedding whole on every rank, a
+// vocab-parallel one sliced). `host_bytes` > 0: the weights are first built in host memory (tensor
+// parallelism shards host weights), so their whole size must fit it too. ResourceExhausted with the
+// sizes when they do not; the KV cache and workspaces come on top and are checked when allocated.
+Status CheckShapeWeightsFit(const ModelConfig& cfg, const Fp8Options* fp8, int tp, EmbeddingMode embedding, int gpus,
+                            size_t device_bytes, size_t host_bytes);
 
 // The checkpoint's self_attn.k_scale / v_scale, when every layer has both.
 std::optional<KvScales> CheckpointKvScales(const Checkpoint& checkpoint);

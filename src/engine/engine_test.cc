@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "model/shapes.h"
+
 namespace dl {
 namespace {
 
@@ -21,6 +23,34 @@ TEST(EngineTest, SkipOpsIsRefusedOnTheCpuBackend) {
   EXPECT_NE(e.status().message().find("--skip-ops"), std::string::npos) << e.status().message();
   o.skip_ops.clear();
   EXPECT_TRUE(LoadEngine(o).ok());
+}
+
+// The weights-fit check counts --num-layers, the weight layout and --tp (issue 19, item 7): S 2.1 in
+// BF16 (~219 GiB) does not fit one 139 GiB GPU, but 4 of its layers do, its FP8 export does, and so
+// does TP 2 on two GPUs; TP 2 with both ranks on one GPU does not; and TP's host copy of the weights
+// must fit the host.
+TEST(EngineTest, ShapeWeightsFitCountsLayersLayoutAndTensorParallel) {
+  constexpr size_t kGiB = size_t{1} << 30;
+  const size_t h200 = 139 * kGiB;
+  auto s21 = ShapeConfig("s21", std::nullopt);
+  ASSERT_TRUE(s21.ok()) << s21.status().ToString();
+  const Status whole = CheckShapeWeightsFit(*s21, nullptr, 1, EmbeddingMode::kReplicated, 1, h200, 0);
+  EXPECT_EQ(whole.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(whole.message().find("GiB per GPU"), std::string::npos) << whole.message();
+  auto four = ShapeConfig("s21", 4);
+  ASSERT_TRUE(four.ok());
+  EXPECT_TRUE(CheckShapeWeightsFit(*four, nullptr, 1, EmbeddingMode::kReplicated, 1, h200, 0).ok());
+  Fp8Options fp8;
+  fp8.layout = Fp8Layout::kExport;
+  EXPECT_TRUE(CheckShapeWeightsFit(*s21, &fp8, 1, EmbeddingMode::kReplicated, 1, h200, 0).ok());
+  EXPECT_TRUE(CheckShapeWeightsFit(*s21, nullptr, 2, EmbeddingMode::kReplicated, 2, h200, 0).ok());
+  EXPECT_EQ(CheckShapeWeightsFit(*s21, nullptr, 2, EmbeddingMode::kReplicated, 1, h200, 0).code(),
+            StatusCode::kResourceExhausted);
+  const Status host = CheckShapeWeightsFit(*s21, nullptr, 2, EmbeddingMode::kReplicated, 2, h200, 128 * kGiB);
+  EXPECT_EQ(host.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(host.message().find("host memory"), std::string::npos) << host.message();
+  EXPECT_EQ(CheckShapeWeightsFit(*s21, nullptr, 0, EmbeddingMode::kReplicated, 1, h200, 0).code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace
