@@ -23,11 +23,7 @@ while [ $# -gt 0 ]; do
 done
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-if ! ninja -C build decodelab cuda_runner_test kernels_gpu_test kernels_bench > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
-fi
-echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$OUT" decodelab cuda_runner_test kernels_gpu_test kernels_bench || exit 1
 B=build/bin/decodelab
 if [ "$TESTS" = 1 ]; then
   timeout 300 ./build/tests/gpu/kernels_gpu_test > "$OUT/kernels_gpu_test.log" 2>&1

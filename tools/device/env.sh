@@ -12,3 +12,17 @@ dl_configure() {
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PWD/.deps/usr" \
     -DCMAKE_CUDA_ARCHITECTURES=90 "$@"
 }
+
+# dl_build LOG_DIR TARGET...: dl_configure build, then ninja the targets; on failure prints the
+# errors and returns 1, else prints the build time and the commit. Callers: dl_build "$OUT" t1 t2 || exit 1
+dl_build() {
+  local log=$1 t=$SECONDS
+  shift
+  if ! dl_configure build > "$log/configure.log" 2>&1; then
+    echo "CONFIGURE FAILED"; tail -30 "$log/configure.log"; return 1
+  fi
+  if ! ninja -C build "$@" > "$log/build.log" 2>&1; then
+    echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$log/build.log" | head -80; return 1
+  fi
+  echo "build: $(( SECONDS - t )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+}

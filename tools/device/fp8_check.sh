@@ -23,11 +23,7 @@ while [ $# -gt 0 ]; do
 done
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-if ! ninja -C build kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_runner_test decodelab > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
-fi
-echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$OUT" kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_runner_test decodelab || exit 1
 # Static SASS counts of the FP8 kernels (the rule's instruction mix: no FMUL per element, no spills).
 bash tools/device/fp8_sass.sh build > "$OUT/fp8_sass.txt" 2>&1
 cat "$OUT/fp8_sass.txt"

@@ -26,14 +26,10 @@ while [ $# -gt 0 ]; do
 done
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
-dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
 targets="kernels_gpu_test kernels_bench"
 [ "$TESTS" = 1 ] && targets="$targets cuda_runner_test"
 [ "$E2E" = 1 ] && targets="$targets decodelab"
-if ! ninja -C build $targets > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
-fi
-echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$OUT" $targets || exit 1
 # Registers, spills and the instructions the product must use (HMMA; no LDL/STL local memory).
 obj=$(find build -name 'mma.cu.o' | head -1)
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)

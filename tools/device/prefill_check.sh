@@ -25,14 +25,10 @@ while [ $# -gt 0 ]; do
 done
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-dl_configure build > "$LOGS/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$LOGS/configure.log"; exit 1; }
 targets="decodelab kernels_bench"
 [ "$TESTS" = 1 ] && targets="$targets kernels_gpu_test kernels_fp8_gpu_test"
 [ "$RUNNER" = 1 ] && targets="$targets cuda_runner_test"
-if ! ninja -C build $targets > "$LOGS/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$LOGS/build.log" | head -80; exit 1
-fi
-stamp "build, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$LOGS" $targets || exit 1
 summary() {  # name log rc
   echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED) ' "$2" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]" "$2" | head -20

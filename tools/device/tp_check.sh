@@ -27,12 +27,7 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 echo "GPUs: $(grep -vc '^name' "$OUT/gpu.txt")"
-dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
-if ! ninja -C build decodelab device_comm_gpu_test cuda_tp_gpu_test device_communicator_test comm_bench_test \
-    > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
-fi
-echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$OUT" decodelab device_comm_gpu_test cuda_tp_gpu_test device_communicator_test comm_bench_test || exit 1
 B=build/bin/decodelab
 run_test() {  # name timeout
   timeout "$2" "./build/$1" > "$OUT/$(basename "$1").log" 2>&1
