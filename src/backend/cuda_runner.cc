@@ -597,8 +597,6 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.counter = ws.moe_counter;
   mp.gate_up_stream_ring_kb = opt.tuning.moe_gate_up_stream_kb;
   mp.router_rows_min_tokens = opt.tuning.moe_router_rows_min_tokens;
-  mp.mma_blocks_per_sm = opt.tuning.moe_mma_blocks_per_sm;
-  mp.mma_gemm_tokens = opt.tuning.moe_mma_gemm_tokens;
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
   const int64_t d = cfg.hidden_size, k = cfg.num_experts_per_tok;

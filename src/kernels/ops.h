@@ -285,23 +285,17 @@ struct MoeParams {
   };
   Fp8Experts gate_fp8, up_fp8, down_fp8;  // gate/up [F, d], down [d, F]
   Fp8Weight shared_gate_fp8, shared_up_fp8, shared_down_fp8;  // [Fs, d], [Fs, d], [d, Fs]
-  // on: T > 1 through the grouped path's lists, with the expert products on the
-  // tensor-core product's arithmetic (ops.h 5b; splits MmaKSplitFor(F, d) for gate/up and
-  // MmaKSplitFor(d, F) for down, halved until it divides Fs's chunks): router, lists, gate/up
-  // (SiLU * up fused), down, combine. Other bits than off, the same for every T and grouping.
-  // Batch 1 skips the lists: router, gate/up of the selected slots, down + combine in one kernel
-  // (three launches); the same bits (mma_batch1_lists: through the lists anyway, for the tests).
+  // on: the expert products on the tensor-core product's arithmetic (ops.h 5b; splits
+  // MmaKSplitFor(F, d) for gate/up and MmaKSplitFor(d, F) for down, halved until it divides Fs's
+  // chunks). T > 1: router, lists, gate/up (SiLU * up fused), down, combine, the expert products as
+  // a grouped GEMM over the lists (per block one expert or shared-expert segment, 64 gate + 64 up
+  // rows or 128 down rows, and 64 of its (token, slot) pairs per pass, weights and the pairs'
+  // vectors staged through a cp.async ring of shared memory). Batch 1 skips the lists: router,
+  // gate/up of the selected slots, down + combine in one kernel (three launches). Other bits than
+  // off; the same bits for every T and grouping, batch 1 included (mma_batch1_lists: batch 1 through
+  // the lists and the GEMM anyway, for the tests).
   bool mma = false;
   bool mma_batch1_lists = false;
-  // The MMA experts' list kernels at T > 16 (32 token columns per pass): 1 or 2 resident blocks per
-  // SM (2: registers capped, fewer loads in flight per lane; the same bits).
-  int mma_blocks_per_sm = 2;
-  // The MMA experts through the lists (T > 1, or mma_batch1_lists) as a grouped GEMM: 0 = the list
-  // kernels above; 32 or 64 = per block one expert (or shared-expert segment), 64 gate + 64 up rows
-  // (128 down rows) and this many of its (token, slot) pairs per pass, weights and the pairs' vectors
-  // staged through a cp.async ring of shared memory (Tuning::moe_mma_gemm_tokens). The same
-  // arithmetic per output element, so the list kernels' bits.
-  int mma_gemm_tokens = 0;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

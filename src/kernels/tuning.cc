@@ -33,8 +33,6 @@ constexpr Setting kSettings[] = {
     {"mma_products", "linear layers on the tensor-core product at every row count (other bits than 0, the same for every batch)", 0, 1, true, nullptr, &Tuning::mma_products},
     {"prompt_mma", "prompt rows on the tensor-core product, generated rows on mma_products' choice (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_mma},
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
-    {"moe_mma_blocks_per_sm", "MMA experts at T > 16: resident blocks per SM (1 or 2; same bits)", 1, 2, false, &Tuning::moe_mma_blocks_per_sm, nullptr},
-    {"moe_mma_gemm_tokens", "MMA experts at T > 1 as a grouped GEMM with 32 or 64 pairs per block pass (0 = the list kernels; same bits)", 0, 64, false, &Tuning::moe_mma_gemm_tokens, nullptr},
 };
 
 std::string ValueOf(const Tuning& t, const Setting& s) {
@@ -94,9 +92,6 @@ Status SetTuning(Tuning* t, std::string_view assignment) {
       if (name == "batch_gemv_rows" && v == 3) return InvalidArgument("--tune batch_gemv_rows: 0, 1, 2 or 4");
       if (name == "batch_gemv_tokens" && v != 4 && v != 8 && v != 16) {
         return InvalidArgument("--tune batch_gemv_tokens: 4, 8 or 16");
-      }
-      if (name == "moe_mma_gemm_tokens" && v != 0 && v != 32 && v != 64) {
-        return InvalidArgument("--tune moe_mma_gemm_tokens: 0, 32 or 64");
       }
       t->*s.i = v;
     }

@@ -70,13 +70,6 @@ struct Tuning {
   bool prompt_mma = true;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
-  // The MMA experts' list kernels (T > 16) with 1 or 2 resident blocks per SM (same bits); 2 took
-  // 1,024- and 8,192-token prefills from 166 to 136 ms and 1,729 to 1,501 ms (session 11).
-  int moe_mma_blocks_per_sm = 2;
-  // The MMA experts' expert products at T > 1 as a grouped GEMM (MoeParams::mma_gemm_tokens): 0 = the
-  // list kernels; 32 or 64 = that many (token, slot) pairs per block pass. Same bits either way; off
-  // until both are measured on the device (kernels_bench moe_gemm, issue 17).
-  int moe_mma_gemm_tokens = 0;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

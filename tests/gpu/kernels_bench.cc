@@ -480,7 +480,7 @@ int main(int argc, char** argv) {
       rows.push_back({fmt::format("moe grouped T{}", T), "E256 k8 F512 d2048", ms * 1e3,
                       2.0 * (size_t(E) * d + (touched + 1) * 3 * F * d)});
     }
-    // The MMA experts (MoeParams::mma, every T through the lists, batch 1 included).
+    // The MMA experts (MoeParams::mma): batch 1 on its own kernels, T > 1 the grouped GEMM over the lists.
     for (int T : {1, 2, 8, 64, 512, 1024, 4096}) {
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
       const double ms = TimeMs([&](int i) {
@@ -493,9 +493,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  // The MMA experts at prefill sizes, XS.2's layer: the list kernels (MoeParams::mma_gemm_tokens 0, with
-  // two resident blocks per SM, the default) against the grouped GEMM (32 and 64 pairs per block pass):
-  // the whole Moe (router, lists, gate/up, down, combine) and the router alone, whose difference is the
+  // The MMA experts at prefill sizes, XS.2's layer (the grouped GEMM, 64 pairs per block pass): the
+  // whole Moe (router, lists, gate/up, down, combine) and the router alone, whose difference is the
   // lists, the experts and the combine. Weight bytes: the experts uniform routing touches and the shared
   // expert; FLOP: 2 x 3 F d per (token, slot) pair and per token for the shared expert.
   struct MoeGemmRow {
@@ -523,7 +522,7 @@ int main(int argc, char** argv) {
     auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT));
     auto counter = Alloc(kMaxT * 4), ids = Alloc(size_t(kMaxT) * k * 4);
     CHECK_OK(counter.Fill(0));
-    auto params = [&](int i, int T, int gemm_tokens) {
+    auto params = [&](int i, int T) {
       const int l = i % layers;
       MoeParams p;
       p.x = xs.as<bf16>(), p.router_w = routers[l].as<bf16>(), p.router_bias = biases[l].as<bf16>();
@@ -534,7 +533,7 @@ int main(int argc, char** argv) {
       p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
       p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
       p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
-      p.mma = true, p.mma_blocks_per_sm = 2, p.mma_gemm_tokens = gemm_tokens;
+      p.mma = true;
       return p;
     };
     for (int T : {512, 2048, 8192}) {
@@ -542,22 +541,10 @@ int main(int argc, char** argv) {
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
       const double weight_bytes = 2.0 * (touched + 1) * 3 * F * d;
       const double flops = 2.0 * 3 * F * d * (double(T) * k + T);
-      const double router_ms = TimeMs([&](int i) { CHECK_OK(MoeRouter(params(i, T, 0), g_stream)); }, iters);
+      const double router_ms = TimeMs([&](int i) { CHECK_OK(MoeRouter(params(i, T), g_stream)); }, iters);
       moe_gemm.push_back({"router only", T, router_ms * 1e3, 0.0, 0.0});
-      std::vector<uint16_t> y_lists(size_t(T) * d), y_gemm(size_t(T) * d);
-      for (int gemm_tokens : {0, 32, 64}) {
-        const double ms = TimeMs([&](int i) { CHECK_OK(Moe(params(i, T, gemm_tokens), g_stream)); }, iters);
-        moe_gemm.push_back({gemm_tokens == 0 ? std::string("list kernels") : fmt::format("gemm {} pairs", gemm_tokens),
-                            T, ms * 1e3, weight_bytes, flops});
-        // The same bits as the list kernels (layer 0), checked here too at the benchmark's sizes.
-        CHECK_OK(Moe(params(0, T, gemm_tokens), g_stream));
-        cudaStreamSynchronize(g_stream);
-        CHECK_OK(yv.CopyToHost(gemm_tokens == 0 ? y_lists.data() : y_gemm.data(), y_gemm.size() * 2));
-        if (gemm_tokens != 0 && y_gemm != y_lists) {
-          std::fprintf(stderr, "moe_gemm: T %d: the grouped GEMM (%d pairs) differs from the list kernels\n", T, gemm_tokens);
-          return 1;
-        }
-      }
+      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(params(i, T), g_stream)); }, iters);
+      moe_gemm.push_back({"grouped gemm", T, ms * 1e3, weight_bytes, flops});
     }
   }
 

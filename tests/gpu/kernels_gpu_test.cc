@@ -7,6 +7,7 @@
 #include <set>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 
@@ -1177,19 +1178,56 @@ TEST(MoeGpu, MultiRowRouterMatchesOneRowRouter) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The MMA experts (MoeParams::mma): close to the reference per token (its router logits as the
-// override, so the selection is the kernel's own), run to run, and every token's row of a T-token
-// launch equals the token alone (through the batch-1 kernels and through the lists) and inside a
-// shuffled subset: the grouped
-// path's promise on the tensor-core product. Shapes: small, XS.2's (E 256, k 8, d 2048, F 512), and
-// odd ones (d not a multiple of 32, Fs of another chunk count).
+// The MMA experts (MoeParams::mma): T > 1 as a grouped GEMM over the lists, batch 1 on its own
+// kernels without the lists. Host copies of a small RandomMoeLayer's weights for the reference.
+struct HostMoeLayer {
+  std::vector<std::vector<bf16>> w;  // gate, up, down of each expert, then the shared expert's
+  std::vector<const bf16*> g, u, dn;
+  std::vector<bf16> router, bias;
+  explicit HostMoeLayer(const RandomMoeLayer& l) : g(l.E), u(l.E), dn(l.E) {
+    for (int e = 0; e <= l.E; ++e) {
+      const int f = e == l.E ? l.Fs : l.F;
+      for (int m = 0; m < 3; ++m) w.push_back(Download<bf16>(l.weights[3 * e + m], static_cast<size_t>(f) * l.d));
+    }
+    for (int e = 0; e < l.E; ++e) g[e] = w[3 * e].data(), u[e] = w[3 * e + 1].data(), dn[e] = w[3 * e + 2].data();
+    router = Download<bf16>(l.router, static_cast<size_t>(l.E) * l.d);
+    bias = Download<bf16>(l.bias, l.E);
+  }
+};
+
+// A token alone on the MMA experts (`one`: its launch just ran, 1 token, x_host its row, d_ws1 its
+// workspace, d_ids1 its ids, y1 its y) against ref::Moe with the kernel's router logits as the
+// override (the workspace starts with token 0's logits), so the selection is the kernel's own: the
+// same ids, y within the tensor-core product's tolerance of the reference's summation order.
+void ExpectMmaTokenNearReference(const HostMoeLayer& h, const MoeParams& one, const bf16* x_host,
+                                 const cuda::DeviceBuffer& d_ws1, const cuda::DeviceBuffer& d_ids1,
+                                 const std::vector<bf16>& y1, const std::string& what) {
+  const auto logits = Download<float>(d_ws1, one.num_experts);
+  std::vector<bf16> y_ref(one.d);
+  std::vector<int32_t> ids_ref(one.top_k);
+  std::vector<float> w_ref(one.top_k);
+  MoeParams r = one;
+  r.x = x_host, r.router_w = h.router.data(), r.router_bias = h.bias.data();
+  r.gate_w = h.g.data(), r.up_w = h.u.data(), r.down_w = h.dn.data();
+  const size_t E = h.g.size();
+  r.shared_gate_w = h.w[3 * E].data(), r.shared_up_w = h.w[3 * E + 1].data(), r.shared_down_w = h.w[3 * E + 2].data();
+  r.y = y_ref.data(), r.topk_ids = ids_ref.data(), r.topk_weights = w_ref.data();
+  ref::Moe(r, logits.data());
+  EXPECT_EQ(Download<int32_t>(d_ids1, one.top_k), ids_ref) << what;
+  ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe mma y, " + what);
+}
+
+// Close to the reference per token, run to run, and every token's row of a T-token launch equals the
+// token alone (through the batch-1 kernels and through the lists on the GEMM) and inside a shuffled
+// subset: the grouped path's promise on the tensor-core product. Shapes: small, XS.2's (E 256, k 8,
+// d 2048, F 512), and odd ones (d not a multiple of 32, Fs of another chunk count).
 TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
   SKIP_WITHOUT_GPU();
   struct Shape {
     int E, k, d, F, Fs, T;
   };
-  // T 200 over 16 experts: ~50 pairs per expert, so each block loops over several passes of 32 and the
-  // shared expert is cut into segments (MoeMmaLists).
+  // T 200 over 16 experts: ~50 pairs per expert and 200 shared-expert pairs, so the shared expert is
+  // cut into segments (MoeMmaLists).
   for (const Shape sh : {Shape{16, 4, 512, 128, 64, 40}, Shape{8, 3, 264, 96, 40, 21}, Shape{64, 8, 512, 128, 128, 33},
                          Shape{16, 4, 512, 128, 64, 200}, Shape{256, 8, 2048, 512, 512, 64}}) {
     SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " F " << sh.F << " Fs "
@@ -1210,29 +1248,9 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "run to run";
-    {  // two resident blocks per SM (fewer loads in flight per lane): the same bits
-      MoeParams two = p;
-      two.mma_blocks_per_sm = 2;
-      ASSERT_OK(Moe(two, nullptr));
-      Sync();
-      EXPECT_EQ(Download<bf16>(d_y, static_cast<size_t>(T) * sh.d), y_all) << "mma_blocks_per_sm 2";
-      two.mma_blocks_per_sm = 3;
-      EXPECT_FALSE(Moe(two, nullptr).ok());
-    }
-    // Host copies of the weights for the reference (small layers only).
-    const bool with_reference = sh.E <= 64;
-    std::vector<std::vector<bf16>> hw;
-    std::vector<const bf16*> hg(sh.E), hu(sh.E), hd(sh.E);
-    std::vector<bf16> router, bias;
-    if (with_reference) {
-      for (int e = 0; e <= sh.E; ++e) {
-        const int f = e == sh.E ? sh.Fs : sh.F;
-        for (int m = 0; m < 3; ++m) hw.push_back(Download<bf16>(layer.weights[3 * e + m], static_cast<size_t>(f) * sh.d));
-      }
-      for (int e = 0; e < sh.E; ++e) hg[e] = hw[3 * e].data(), hu[e] = hw[3 * e + 1].data(), hd[e] = hw[3 * e + 2].data();
-      router = Download<bf16>(layer.router, static_cast<size_t>(sh.E) * sh.d);
-      bias = Download<bf16>(layer.bias, sh.E);
-    }
+    // The reference for the small layers only.
+    std::unique_ptr<HostMoeLayer> host;
+    if (sh.E <= 64) host = std::make_unique<HostMoeLayer>(layer);
     auto d_y1 = Alloc(sh.d * 2), d_ids1 = Alloc(sh.k * 4), d_ws1 = Alloc(MoeWorkspaceBytes(sh.d, sh.E, sh.k, sh.F, sh.Fs, 1));
     for (int t = 0; t < T; t += 3) {
       MoeParams one = p;
@@ -1243,37 +1261,29 @@ TEST(MoeGpu, MmaExpertsMatchReferenceAndEveryTokenAlone) {
       Sync();
       const auto y1 = Download<bf16>(d_y1, sh.d);
       ASSERT_EQ(y1, Rows(y_all, sh.d, t, 1)) << "token " << t << " alone (batch-1 kernels, no lists)";
+      if (host && t <= 12) {
+        ExpectMmaTokenNearReference(*host, one, x.data() + static_cast<size_t>(t) * sh.d, d_ws1, d_ids1, y1,
+                                    "token " + std::to_string(t));
+      }
       MoeParams listed = one;
       listed.mma_batch1_lists = true;
       ASSERT_OK(Moe(listed, nullptr));
       Sync();
-      ASSERT_EQ(Download<bf16>(d_y1, sh.d), y1) << "token " << t << " alone through the lists";
-      if (!with_reference || t > 12) continue;
-      const auto logits = Download<float>(d_ws1, sh.E);  // the workspace starts with token 0's router logits
-      std::vector<bf16> y_ref(sh.d);
-      std::vector<int32_t> ids_ref(sh.k);
-      std::vector<float> w_ref(sh.k);
-      MoeParams r = one;
-      r.x = x.data() + static_cast<size_t>(t) * sh.d, r.router_w = router.data(), r.router_bias = bias.data();
-      r.gate_w = hg.data(), r.up_w = hu.data(), r.down_w = hd.data();
-      r.shared_gate_w = hw[3 * sh.E].data(), r.shared_up_w = hw[3 * sh.E + 1].data();
-      r.shared_down_w = hw[3 * sh.E + 2].data(), r.y = y_ref.data();
-      r.topk_ids = ids_ref.data(), r.topk_weights = w_ref.data();
-      ref::Moe(r, logits.data());
-      EXPECT_EQ(Download<int32_t>(d_ids1, sh.k), ids_ref) << "token " << t;
-      ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe mma y, token " + std::to_string(t));
+      ASSERT_EQ(Download<bf16>(d_y1, sh.d), y1) << "token " << t << " alone through the lists (GEMM)";
     }
     // A shuffled subset of the tokens in another batch: the same rows.
     ExpectShuffledSubsetGivesTheSameRows(p, x, y_all, 9);
   }
 }
 
-// The MMA experts as a grouped GEMM (MoeParams::mma_gemm_tokens 32 and 64) against the list kernels
-// (0), which are its validator, on `layer` at T tokens: the same ids and y bit for bit, run to run, and
-// token t (t % alone_step == 0) of the launch equals the token alone (the batch-1 kernels, and for
-// some through the lists on the GEMM). Each run starts from a poisoned workspace (BF16 NaN), so a
-// product the GEMM skipped would reach y as NaN instead of the previous run's value.
-void ExpectMmaGemmMatchesListKernels(const RandomMoeLayer& layer, int T, bool hot, int alone_step) {
+// The MMA experts on `layer` at T tokens: the ids a selection (and for `hot` the skewed one intended),
+// no element unwritten (every run starts from a poisoned workspace and y, BF16 NaN, so a product the
+// GEMM skipped would reach y as NaN instead of a previous run's value), the same ids and y run to run,
+// token t (t % alone_step == 0) of the launch equals the token alone (the batch-1 kernels; every
+// 97th also through the lists on the GEMM), the first four of those tokens and the last near the
+// reference (`host`), and a shuffled subset of the tokens in a batch of its own gives the same rows.
+void ExpectMmaExpertsMatchEveryTokenAlone(const RandomMoeLayer& layer, const HostMoeLayer& host, int T, bool hot,
+                                          int alone_step) {
   const int d = layer.d, k = layer.k;
   const auto x = RandomBf16(static_cast<size_t>(T) * d, 1100 + T);
   auto d_x = Upload(x);
@@ -1281,33 +1291,30 @@ void ExpectMmaGemmMatchesListKernels(const RandomMoeLayer& layer, int T, bool ho
   auto d_ws = Alloc(MoeWorkspaceBytes(d, layer.E, k, layer.F, layer.Fs, T)), d_counter = Alloc(T * 4, 0);
   MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>(), T);
   p.mma = true;
-  auto run = [&](int gemm_tokens, std::vector<bf16>* y, std::vector<int32_t>* ids) {
+  auto run = [&](std::vector<bf16>* y, std::vector<int32_t>* ids) {
     ASSERT_TRUE(d_ws.Fill(0xff).ok());
     ASSERT_TRUE(d_y.Fill(0xff).ok());
-    MoeParams q = p;
-    q.mma_gemm_tokens = gemm_tokens;
-    ASSERT_OK(Moe(q, nullptr));
+    ASSERT_OK(Moe(p, nullptr));
     Sync();
     *y = Download<bf16>(d_y, static_cast<size_t>(T) * d);
     *ids = Download<int32_t>(d_ids, static_cast<size_t>(T) * k);
   };
-  std::vector<bf16> y_old, y_new;
-  std::vector<int32_t> ids_old, ids_new;
-  ASSERT_NO_FATAL_FAILURE(run(0, &y_old, &ids_old));
-  for (size_t i = 0; i < y_old.size(); ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(y_old[i]))) << "unwritten " << i;
-  if (hot) {  // the routing is as skewed as intended: experts 0 and 1 in every token's selection
-    for (int t = 0; t < T; ++t) {
-      const auto first = ids_old.begin() + static_cast<size_t>(t) * k;
-      ASSERT_TRUE(std::count(first, first + k, 0) == 1 && std::count(first, first + k, 1) == 1) << "token " << t;
+  std::vector<bf16> y_all, y_again;
+  std::vector<int32_t> ids, ids_again;
+  ASSERT_NO_FATAL_FAILURE(run(&y_all, &ids));
+  for (size_t i = 0; i < y_all.size(); ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(y_all[i]))) << "unwritten " << i;
+  for (int t = 0; t < T; ++t) {  // k distinct experts per token
+    std::vector<int32_t> sel(ids.begin() + static_cast<size_t>(t) * k, ids.begin() + static_cast<size_t>(t + 1) * k);
+    std::sort(sel.begin(), sel.end());
+    ASSERT_TRUE(sel.front() >= 0 && sel.back() < layer.E && std::adjacent_find(sel.begin(), sel.end()) == sel.end())
+        << "token " << t;
+    if (hot) {  // the routing is as skewed as intended: experts 0 and 1 in every token's selection
+      ASSERT_TRUE(sel[0] == 0 && sel[1] == 1) << "token " << t;
     }
   }
-  for (int tokens : {32, 64}) {
-    ASSERT_NO_FATAL_FAILURE(run(tokens, &y_new, &ids_new));
-    ASSERT_EQ(ids_new, ids_old);
-    ExpectSameElements(y_new, y_old, "grouped GEMM (" + std::to_string(tokens) + " pairs per pass) vs list kernels");
-  }
-  ASSERT_NO_FATAL_FAILURE(run(64, &y_new, &ids_new));
-  ExpectSameElements(y_new, y_old, "grouped GEMM run to run");
+  ASSERT_NO_FATAL_FAILURE(run(&y_again, &ids_again));
+  ASSERT_EQ(ids_again, ids);
+  ExpectSameElements(y_again, y_all, "MMA experts run to run");
   auto d_y1 = Alloc(d * 2), d_ids1 = Alloc(k * 4), d_ws1 = Alloc(MoeWorkspaceBytes(d, layer.E, k, layer.F, layer.Fs, 1));
   for (int t = 0; t < T; t += alone_step) {
     MoeParams one = p;
@@ -1316,22 +1323,30 @@ void ExpectMmaGemmMatchesListKernels(const RandomMoeLayer& layer, int T, bool ho
     one.y = d_y1.as<bf16>(), one.topk_ids = d_ids1.as<int32_t>(), one.workspace = d_ws1.data();
     ASSERT_OK(Moe(one, nullptr));
     Sync();
-    ASSERT_EQ(Download<bf16>(d_y1, d), Rows(y_old, d, t, 1)) << "token " << t << " alone";
+    const auto y1 = Download<bf16>(d_y1, d);
+    ASSERT_EQ(y1, Rows(y_all, d, t, 1)) << "token " << t << " alone";
+    ASSERT_EQ(Download<int32_t>(d_ids1, k), std::vector<int32_t>(ids.begin() + static_cast<size_t>(t) * k,
+                                                                  ids.begin() + static_cast<size_t>(t + 1) * k))
+        << "token " << t << " alone: ids";
+    if (t / alone_step < 4 || t + alone_step >= T) {
+      ExpectMmaTokenNearReference(host, one, x.data() + static_cast<size_t>(t) * d, d_ws1, d_ids1, y1,
+                                  "token " + std::to_string(t));
+    }
     if (t % (97 * alone_step) != 0) continue;
     one.mma_batch1_lists = true;
-    one.mma_gemm_tokens = 32;
     ASSERT_TRUE(d_ws1.Fill(0xff).ok());
     ASSERT_OK(Moe(one, nullptr));
     Sync();
-    ASSERT_EQ(Download<bf16>(d_y1, d), Rows(y_old, d, t, 1)) << "token " << t << " alone through the lists, GEMM";
+    ASSERT_EQ(Download<bf16>(d_y1, d), y1) << "token " << t << " alone through the lists (GEMM)";
   }
+  ExpectShuffledSubsetGivesTheSameRows(p, x, y_all, 1100 + T);
 }
 
-struct MmaGemmShape {
+struct MmaExpertsShape {
   int E, k, d, F, Fs;
   bool hot;  // experts 0 and 1 get a router bias of +2 (sigmoid scores are in (0, 1)): in every selection
 };
-RandomMoeLayer MmaGemmLayer(const MmaGemmShape& sh) {
+RandomMoeLayer MmaExpertsLayer(const MmaExpertsShape& sh) {
   RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 11000, 1102, 1103);
   if (sh.hot) {
     auto bias = RandomBf16(sh.E, 1103, 0.05f);
@@ -1341,41 +1356,35 @@ RandomMoeLayer MmaGemmLayer(const MmaGemmShape& sh) {
   return layer;
 }
 
-// The grouped GEMM gives the list kernels' bits at T 2, 17, 128, 1,000 and 4,096 over random
-// routings, and every token alone. Shapes: XS.2's splits (d 2,048, F 512: gate/up k_split 8, down 2;
-// Fs 256: the shared expert's other chunk count), an odd one (d 264: an odd chunk count and a padded
-// chunk; F 96 and Fs 40: partial row tiles; k_split 1) and one whose router bias favours two experts
-// (lists of T pairs: many passes per block; most experts empty).
-TEST(MoeGpu, MmaGemmMatchesListKernelsBitForBit) {
+// The grouped GEMM at prefill sizes (T 2, 17, 128, 1,000 over random routings): every token alone and
+// near the reference. Shapes: XS.2's splits (d 2,048, F 512: gate/up k_split 8, down 2; Fs 256: the
+// shared expert's other chunk count), an odd one (d 264: an odd chunk count and a padded chunk; F 96
+// and Fs 40: partial row tiles; k_split 1) and one whose router bias favours two experts (lists of T
+// pairs: many passes per block; most experts empty).
+TEST(MoeGpu, MmaExpertsAtPrefillSizesMatchReferenceAndEveryTokenAlone) {
   SKIP_WITHOUT_GPU();
-  for (const MmaGemmShape sh : {MmaGemmShape{16, 4, 2048, 512, 256, false}, MmaGemmShape{8, 3, 264, 96, 40, false},
-                                MmaGemmShape{64, 8, 512, 128, 64, true}}) {
-    const RandomMoeLayer layer = MmaGemmLayer(sh);
-    for (int T : {2, 17, 128, 1000, 4096}) {
+  for (const MmaExpertsShape sh : {MmaExpertsShape{16, 4, 2048, 512, 256, false},
+                                   MmaExpertsShape{8, 3, 264, 96, 40, false}, MmaExpertsShape{64, 8, 512, 128, 64, true}}) {
+    const RandomMoeLayer layer = MmaExpertsLayer(sh);
+    const HostMoeLayer host(layer);
+    for (int T : {2, 17, 128, 1000}) {
       SCOPED_TRACE(testing::Message() << "E " << sh.E << " k " << sh.k << " d " << sh.d << " F " << sh.F << " Fs "
                                       << sh.Fs << (sh.hot ? " hot experts" : "") << " T " << T);
-      ExpectMmaGemmMatchesListKernels(layer, T, sh.hot, 1);
+      ExpectMmaExpertsMatchEveryTokenAlone(layer, host, T, sh.hot, 1);
     }
   }
-  // Token tiles other than 32 and 64 are refused.
-  const RandomMoeLayer layer(8, 3, 264, 96, 40, 11000, 1102, 1103);
-  auto d_x = Upload(RandomBf16(2 * 264, 1104)), d_y = Alloc(2 * 264 * 2), d_ids = Alloc(2 * 3 * 4);
-  auto d_ws = Alloc(MoeWorkspaceBytes(264, 8, 3, 96, 40, 2)), d_counter = Alloc(8, 0);
-  MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_ws.data(), d_counter.as<uint32_t>(), 2);
-  p.mma = true;
-  p.mma_gemm_tokens = 48;
-  EXPECT_FALSE(Moe(p, nullptr).ok());
 }
 
 // The same checks at sizes for compute-sanitizer (memcheck, racecheck): the odd and the hot shape, a
 // few tokens, several passes per block, a token alone every 5th.
-TEST(MoeGpu, MmaGemmSanitizerSizes) {
+TEST(MoeGpu, MmaExpertsSanitizerSizes) {
   SKIP_WITHOUT_GPU();
-  for (const MmaGemmShape sh : {MmaGemmShape{8, 3, 264, 96, 40, false}, MmaGemmShape{16, 4, 512, 128, 64, true}}) {
-    const RandomMoeLayer layer = MmaGemmLayer(sh);
+  for (const MmaExpertsShape sh : {MmaExpertsShape{8, 3, 264, 96, 40, false}, MmaExpertsShape{16, 4, 512, 128, 64, true}}) {
+    const RandomMoeLayer layer = MmaExpertsLayer(sh);
+    const HostMoeLayer host(layer);
     for (int T : {2, 17, 150}) {
       SCOPED_TRACE(testing::Message() << "E " << sh.E << " d " << sh.d << (sh.hot ? " hot experts" : "") << " T " << T);
-      ExpectMmaGemmMatchesListKernels(layer, T, sh.hot, 5);
+      ExpectMmaExpertsMatchEveryTokenAlone(layer, host, T, sh.hot, 5);
     }
   }
 }

@@ -1364,19 +1364,15 @@ inline Status MoeFp8Setup(const MoeParams& p, MoeFp8Maps* m) {
 }
 
 // ---- The MMA experts (MoeParams::mma): the grouped path above (router, lists, combine) with each
-// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh), and at batch 1
-// the same products over the router's selection without the lists (MoeMmaGateUpKernel<1, true>,
-// MoeMmaDownCombineKernel), so a token's bits do not depend on which tokens share its experts. Splits: gate
-// and up use MmaKSplitFor(ffn, d) for the routed and the shared expert alike; down uses
-// MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks too: functions of the
-// shapes only. The h, routed and shared buffers and every rounding are the CUDA-core grouped path's.
+// expert product on the tensor-core product's arithmetic (ops.h 5b, mma_product.cuh). T > 1 (and
+// mma_batch1_lists) run the expert products as a grouped GEMM over the lists (MoeMmaGemmBody below);
+// batch 1 runs the same products over the router's selection without the lists
+// (MoeMmaDirectGateUpKernel, MoeMmaDownCombineKernel), so a token's bits do not depend on which tokens
+// share its experts. Splits: gate and up use MmaKSplitFor(ffn, d) for the routed and the shared
+// expert alike; down uses MmaKSplitFor(d, ffn), halved until it divides the shared expert's chunks
+// too: functions of the shapes only. The h, routed and shared buffers and every rounding are the
+// CUDA-core grouped path's.
 constexpr int kMoeMmaWarps = 8;
-// Chunks of each weight row a lane loads before using any (MmaSliceDots' U; the order, and so the
-// bits, do not depend on it): 8 for one token column, 4 for more, 2 with two resident blocks per SM.
-template <int NT, int kMinBlocks>
-constexpr int MoeMmaChunksInFlight() {
-  return NT == 1 ? 8 : kMinBlocks > 1 ? 2 : 4;
-}
 
 inline int MoeMmaGateUpSplit(int d, int ffn) { return MmaKSplitFor(ffn, d); }
 inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
@@ -1385,25 +1381,8 @@ inline int MoeMmaDownSplit(int d, int ffn, int shared_ffn) {
   return ks;
 }
 
-// Pair columns j = 0 .. NT-1 of lane (gq, c): pair first + 8j + gq of the block's `count` pairs
-// (pair_of(i, &t, &slot)); its x row (or h vector) through vec(t, slot), offset by c pieces; zeros
-// past the count.
-template <int NT, typename PairOfFn, typename Vec>
-__device__ __forceinline__ void MoeMmaColumns(int first, int count, int gq, int c, const uint4* (&xr)[NT],
-                                              bool (&live)[NT], PairOfFn&& pair_of, Vec&& vec) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int i = first + 8 * j + gq;
-    live[j] = i < count;
-    int t = 0, slot = 0;
-    if (live[j]) pair_of(i, &t, &slot);
-    xr[j] = vec(t, slot) + c;
-  }
-}
-
 // Adds the ks slices' partial sums (warp w's in registers) in ascending order into the slice-0 warp's
-// registers; false for the other warps. Every warp of the block calls it (a barrier), and again for a
-// next pass only after MoeMmaPassDone.
+// registers; false for the other warps. Every warp of the block calls it (a barrier).
 template <int NM, int NT>
 __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], float (*s_part)[NM * NT * 4][32], int ks,
                                                 int warp, int lane) {
@@ -1425,14 +1404,10 @@ __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], float (
         for (int e = 0; e < 4; ++e) acc[m][j][e] += s_part[warp + k][(m * NT + j) * 4 + e][lane];
   return true;
 }
-// The end of a pass: the partial sums are read before the next pass writes them.
-__device__ __forceinline__ void MoeMmaPassDone(int ks) {
-  if (ks > 1) __syncthreads();
-}
 
 // The lists' grid: blockIdx.z < shared_segments is the shared expert over tokens [z L, z L + L), the
 // others listed expert z - shared_segments (GroupRowOf row 1 + that); blockIdx.x = p takes the passes
-// p, p + P, ... (8 NT pairs each) of its list, P = gridDim.x. P and L come from the expected pairs per
+// p, p + P, ... (cols pairs each) of its list, P = gridDim.x. P and L come from the expected pairs per
 // routed expert (T k / E), so a block has about one list's worth of work and few blocks have none
 // (a grid sized for the longest possible list, T passes per expert, was mostly empty blocks).
 struct MoeMmaLists {
@@ -1460,49 +1435,26 @@ __device__ __forceinline__ bool MoeMmaListOf(const MoeParams& a, const MoeGroupW
   return GroupRowOf(a, g, 1 + z - l.shared_segments, gr);
 }
 
-// Grid (P, ceil(ceil(Fmax / 16) / (8 / ks)), shared_segments + min(E, T k)) (MoeMmaLists). Warp w:
-// the 16-row tile blockIdx.y * (8 / ks) + w / ks of both gate and up (the two products of a (row,
-// pair) land in the same lane, so SiLU * up needs no exchange), slice w % ks.
-// h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token t's workspace.
-// kDirect (T = 1, NT = 1): no lists; block row z is slot z - 1 of the router's selection (its expert
-// pointers from the router's workspace) or the shared expert (z = 0), whose weights are loaded before
-// the wait. The same product per (row, pair), so the same bits as through the lists.
-// kMinBlocks 2 (MoeParams::mma_blocks_per_sm, NT 4 only): two resident blocks per SM, registers capped
-// for it and two chunks in flight per lane instead of four (the chunks' order, and so the bits, unchanged).
-template <int NT, bool kDirect, int kMinBlocks = 1>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
+// Batch 1 (T = 1), no lists. Grid (1, ceil(ceil(Fmax / 16) / (8 / ks)), k + 1): block row z is slot
+// z - 1 of the router's selection (its expert pointers from the router's workspace) or the shared
+// expert (z = 0), whose weights are loaded before the wait. Warp w: the 16-row tile
+// blockIdx.y * (8 / ks) + w / ks of both gate and up (the two products of a row land in the same
+// lane, so SiLU * up needs no exchange), slice w % ks; the token is column 0 of the B tile.
+// h(slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)), into token 0's workspace: per element the grouped
+// GEMM's chunks, slices and roundings, so its bits.
+__global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDirectGateUpKernel(MoeParams a, int ks) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
   AllowDependents();
-  const MoeGroupWs g = MoeGroupWorkspace(a);
-  const MoeWs ws0 = MoeWorkspace(a, 0);
-  __shared__ float s_part[kMoeMmaWarps][2 * NT * 4][32];
-  GroupRows gr;
-  int token0 = 0;
-  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
-  if constexpr (kDirect) {
-    gr.expert = blockIdx.z == 0 ? -1 : static_cast<int>(blockIdx.z) - 1;  // direct: the slot, not the expert
-    gr.count = 1;
-  } else {
-    WaitForPrerequisites();
-    if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
-  }
-  const bool shared = gr.expert < 0;
+  const MoeWs ws = MoeWorkspace(a, 0);
+  __shared__ float s_part[kMoeMmaWarps][2 * 4][32];
+  const bool shared = blockIdx.z == 0;
+  const int slot = shared ? a.top_k : static_cast<int>(blockIdx.z) - 1;
   const int F = shared ? a.shared_ffn : a.ffn;
   const int tiles_per_block = kMoeMmaWarps / ks;
-  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) {
-    if (kDirect) WaitForPrerequisites();
+  if (static_cast<int>(blockIdx.y) * tiles_per_block * 16 >= F) {  // block-uniform
+    WaitForPrerequisites();
     return;
   }
-  auto pair_of = [&](int i, int* t, int* slot) {
-    if constexpr (kDirect) {
-      *t = 0, *slot = shared ? a.top_k : gr.expert;
-    } else if (shared) {
-      *t = token0 + i, *slot = a.top_k;
-    } else {
-      PairOf(a, g, gr, i, t, slot);
-    }
-  };
-  constexpr int U = MoeMmaChunksInFlight<NT, kMinBlocks>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
   const int slice = warp % ks;
   const int r0 = (blockIdx.y * tiles_per_block + warp / ks) * 16;
@@ -1510,11 +1462,9 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaGateUpKer
   const bf16 *gate_w, *up_w;
   if (shared) {
     gate_w = a.shared_gate_w, up_w = a.shared_up_w;
-  } else if constexpr (kDirect) {
-    WaitForPrerequisites();  // the router's selection
-    gate_w = LoadPointerFromL2(&ws0.rows[gr.expert]), up_w = LoadPointerFromL2(&ws0.rows[a.top_k + gr.expert]);
   } else {
-    gate_w = a.gate_w[gr.expert], up_w = a.up_w[gr.expert];
+    WaitForPrerequisites();  // the router's selection
+    gate_w = LoadPointerFromL2(&ws.rows[slot]), up_w = LoadPointerFromL2(&ws.rows[a.top_k + slot]);
   }
   const uint4* gate = reinterpret_cast<const uint4*>(gate_w);
   const uint4* up = reinterpret_cast<const uint4*>(up_w);
@@ -1523,106 +1473,22 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaGateUpKer
   const uint4* wa[2] = {gate + ra, up + ra};
   const uint4* wb[2] = {gate + rb, up + rb};
   const bool live_a[2] = {la, la}, live_b[2] = {lb, lb};
-  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
-    const uint4* xr[NT];
-    bool tok_live[NT];
-    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int) {
-      return reinterpret_cast<const uint4*>(a.x + static_cast<size_t>(t) * a.d);
-    });
-    float acc[2][NT][4];
+  const uint4* xr[1] = {reinterpret_cast<const uint4*>(a.x) + c};
+  const bool tok_live[1] = {gq == 0};  // column 0: the token; the other columns are zeros
+  float acc[2][1][4] = {{{0.0f, 0.0f, 0.0f, 0.0f}}, {{0.0f, 0.0f, 0.0f, 0.0f}}};
+  // The shared expert's first weights go out before the wait (they need no router).
+  MmaSliceDots<2, 1, 8>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
+    if (shared) WaitForPrerequisites();
+  });
+  if (MoeMmaAddSlices<2, 1>(acc, s_part, ks, warp, lane) && c == 0) {  // column 0: elements 0 and 2 of lane (gq, 0)
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
-    // The direct shared expert's first weights go out before the wait (they need no router).
-    MmaSliceDots<2, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [&] {
-      if (kDirect && shared) WaitForPrerequisites();
-    });
-    if (MoeMmaAddSlices<2, NT>(acc, s_part, ks, warp, lane)) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int f = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
-          if (f >= F || i >= gr.count) continue;
-          int t, slot;
-          pair_of(i, &t, &slot);
-          const float gv = RoundBf16(acc[0][j][e]), uv = RoundBf16(acc[1][j][e]);
-          const float act = RoundBf16(gv / (1.0f + expf(-gv)));
-          const MoeWs ws = MoeWorkspace(a, t);
-          ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
-        }
+    for (int e = 0; e < 4; e += 2) {
+      const int f = r0 + gq + (e >= 2 ? 8 : 0);
+      if (f >= F) continue;
+      const float gv = RoundBf16(acc[0][0][e]), uv = RoundBf16(acc[1][0][e]);
+      const float act = RoundBf16(gv / (1.0f + expf(-gv)));
+      ws.h[static_cast<size_t>(slot) * ws.h_stride + f] = FloatToBf16Bits(act * uv);
     }
-    MoeMmaPassDone(ks);
-  }
-}
-
-// Grid (P, ceil(ceil(d / 16) / (8 / ks)), shared_segments + min(E, T k)), as the gate/up kernel, over
-// the down matrices [d, F] and the pairs' h vectors: bf16(bf16(o) * w(t, slot)) into routed, the
-// shared expert's bf16(o) into shared; MoeCombineKernel adds them.
-template <int NT, int kMinBlocks = 1>
-__global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
-  DL_TIMELINE_SCOPE(kMoeDown);
-  AllowDependents();
-  WaitForPrerequisites();
-  const MoeGroupWs g = MoeGroupWorkspace(a);
-  __shared__ float s_part[kMoeMmaWarps][NT * 4][32];
-  GroupRows gr;
-  int token0 = 0;
-  const int first0 = blockIdx.x * 8 * NT, step = gridDim.x * 8 * NT;
-  if (!MoeMmaListOf(a, g, lists, blockIdx.z, &gr, &token0) || first0 >= gr.count) return;  // block-uniform
-  const bool shared = gr.expert < 0;
-  const int F = shared ? a.shared_ffn : a.ffn;
-  auto pair_of = [&](int i, int* t, int* slot) {
-    if (shared) {
-      *t = token0 + i, *slot = a.top_k;
-    } else {
-      PairOf(a, g, gr, i, t, slot);
-    }
-  };
-  constexpr int U = MoeMmaChunksInFlight<NT, kMinBlocks>();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, c = lane & 3;
-  const int slice = warp % ks;
-  const int r0 = (blockIdx.y * (kMoeMmaWarps / ks) + warp / ks) * 16;
-  const int n8 = F / 8, per = (F + kMmaChunk - 1) / kMmaChunk / ks;
-  const uint4* down = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
-  const bool live_a[1] = {r0 + gq < a.d}, live_b[1] = {r0 + gq + 8 < a.d};
-  const uint4* wa[1] = {down + static_cast<size_t>(live_a[0] ? r0 + gq : 0) * n8 + c};
-  const uint4* wb[1] = {down + static_cast<size_t>(live_b[0] ? r0 + gq + 8 : 0) * n8 + c};
-  for (int first = first0; first < gr.count; first += step) {  // block-uniform trip count
-    const uint4* xr[NT];
-    bool tok_live[NT];
-    MoeMmaColumns<NT>(first, gr.count, gq, c, xr, tok_live, pair_of, [&](int t, int slot) {
-      const MoeWs ws = MoeWorkspace(a, t);
-      return reinterpret_cast<const uint4*>(ws.h + static_cast<size_t>(slot) * ws.h_stride);
-    });
-    float acc[1][NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][j][e] = 0.0f;
-    MmaSliceDots<1, NT, U>(wa, wb, live_a, live_b, xr, tok_live, n8, slice * per, (slice + 1) * per, c, acc, [] {});
-    if (MoeMmaAddSlices<1, NT>(acc, s_part, ks, warp, lane)) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = r0 + gq + (e >= 2 ? 8 : 0), i = first + 8 * j + 2 * c + (e & 1);
-          if (row >= a.d || i >= gr.count) continue;
-          int t, slot;
-          pair_of(i, &t, &slot);
-          const float o = RoundBf16(acc[0][j][e]);
-          if (shared) {
-            g.shared[static_cast<size_t>(t) * a.d + row] = FloatToBf16Bits(o);
-          } else {
-            const float w = __ldcg(&MoeWorkspace(a, t).weights[slot]);
-            g.routed[(static_cast<size_t>(t) * a.top_k + slot) * a.d + row] = FloatToBf16Bits(RoundBf16(o * w));
-          }
-        }
-    }
-    MoeMmaPassDone(ks);
   }
 }
 
@@ -1630,7 +1496,7 @@ __global__ void __launch_bounds__(kMoeMmaWarps * 32, kMinBlocks) MoeMmaDownKerne
 // output rows 16b .. 16b + 15; its 8 warps take the (k + 1) ks tasks (product, slice; product 0 the
 // shared expert, whose weights need no router and go out before the wait, product p > 0 slot p - 1)
 // in turn, w, w + 8, ...; each task's 16 sums go to shared memory, then thread r adds
-// row r's slices in order (MoeMmaAddSlices' sum: the grouped down kernel's o, bit for bit) and
+// row r's slices in order (MoeMmaAddSlices' order: the grouped GEMM's o, bit for bit) and
 // combines the slots in order with MoeCombineKernel's roundings.
 constexpr int kMoeMmaMaxTasks = (kMoeMaxTopK + 1) * 8;
 __global__ void __launch_bounds__(kMoeMmaWarps * 32) MoeMmaDownCombineKernel(MoeParams a, int ks) {
@@ -1695,54 +1561,31 @@ inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
   const int fmax = std::max(p.ffn, p.shared_ffn);
   const int tiles_per_block = kMoeMmaWarps / gu_ks;
   const dim3 block(kMoeMmaWarps * 32);
-  LaunchDependent(MoeMmaGateUpKernel<1, true>, dim3(1, ((fmax + 15) / 16 + tiles_per_block - 1) / tiles_per_block, p.top_k + 1),
-                  block, s, p, gu_ks, MoeMmaLists{});
+  LaunchDependent(MoeMmaDirectGateUpKernel, dim3(1, ((fmax + 15) / 16 + tiles_per_block - 1) / tiles_per_block, p.top_k + 1),
+                  block, s, p, gu_ks);
   LaunchDependent(MoeMmaDownCombineKernel, dim3((p.d + 15) / 16), block, s, p, dn_ks);
 }
 
-template <int NT>
-Status LaunchMoeMma(const MoeParams& p, cudaStream_t s) {
-  const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
-  const int fmax = std::max(p.ffn, p.shared_ffn);
-  int passes = 1;
-  const MoeMmaLists lists = MoeMmaListsFor(p, 8 * NT, &passes);
-  const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
-  if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
-  auto blocks = [](int rows, int ks) { return ((rows + 15) / 16 + kMoeMmaWarps / ks - 1) / (kMoeMmaWarps / ks); };
-  const dim3 block(kMoeMmaWarps * 32);
-  const dim3 gu_grid(passes, blocks(fmax, gu_ks), rows_z), dn_grid(passes, blocks(p.d, dn_ks), rows_z);
-  if (NT == 4 && p.mma_blocks_per_sm == 2) {
-    LaunchDependent(MoeMmaGateUpKernel<NT, false, 2>, gu_grid, block, s, p, gu_ks, lists);
-    LaunchDependent(MoeMmaDownKernel<NT, 2>, dn_grid, block, s, p, dn_ks, lists);
-  } else {
-    LaunchDependent(MoeMmaGateUpKernel<NT, false>, gu_grid, block, s, p, gu_ks, lists);
-    LaunchDependent(MoeMmaDownKernel<NT>, dn_grid, block, s, p, dn_ks, lists);
-  }
-  return Status::Ok();
-}
-
-// ---- The MMA experts as a grouped GEMM (MoeParams::mma_gemm_tokens > 0): the lists of the grouped
+// ---- The MMA experts as a grouped GEMM (T > 1, or mma_batch1_lists): the lists of the grouped
 // path, and per block one expert (or a shared-expert segment, MoeMmaLists), a tile of its output
-// rows and kTok of its (token, slot) pairs per pass. Both the weight tile and the pairs' vectors go
+// rows and kGemmTokens of its (token, slot) pairs per pass. Both the weight tile and the pairs' vectors go
 // through a ring of kGemmStages shared-memory stages (cp.async, kGemmStageChunks chunks of 32 per
-// stage): every weight row is read once per pass of kTok pairs and every x row (h vector) once per
-// block, where the list kernels above re-read the vectors per warp from L2 and keep few bytes in
-// flight. Warp (wm, wn) of the 4 x 2 warps: two A tiles of 16 rows (gate and up rows 16 wm .. + 16
-// of the block's 64 F rows, or down rows 32 wm .. + 32 of its 128 d rows) x kTok / 2 pair columns.
-// The arithmetic per output element is MmaSliceDots' exactly (ops.h 5b): lane (g, c) takes the same
-// 16-byte pieces (chunk q: piece 4q + c of rows g and g + 8 and of column g) into MmaChunk, chunks
-// in ascending order from a zero accumulator per slice of chunks / ks, the slices' sums added in
-// ascending order (as MoeMmaAddSlices), the same roundings: the list kernels' bits, which the tests
-// check. The K loop is the shape's (chunks, ks), never the pair count's; row f sits at f % 16 of its
-// A tile and pair i at column i % 8 of its B tile, as in the list kernels.
+// stage): every weight row is read once per pass of kGemmTokens pairs and every x row (h vector) once
+// per block. Warp (wm, wn) of the 4 x 2 warps: two A tiles of 16 rows (gate and up rows 16 wm .. + 16
+// of the block's 64 F rows, or down rows 32 wm .. + 32 of its 128 d rows) x kGemmTokens / 2 pair
+// columns. The arithmetic per output element is MmaSliceDots' exactly (ops.h 5b): lane (g, c) takes
+// the same 16-byte pieces (chunk q: piece 4q + c of rows g and g + 8 and of column g) into MmaChunk,
+// chunks in ascending order from a zero accumulator per slice of chunks / ks, the slices' sums added
+// in ascending order (as MoeMmaAddSlices), the same roundings: the batch-1 kernels' bits, so a token
+// alone equals the token in any batch (the tests check it). The K loop is the shape's (chunks, ks),
+// never the pair count's; row f sits at f % 16 of its A tile and pair i at column i % 8 of its B tile.
 constexpr int kGemmThreads = 256;
+constexpr int kGemmTokens = 64;      // (token, slot) pairs per block pass
 constexpr int kGemmRows = 128;       // A rows per block: 64 gate + 64 up rows (gate/up), 128 down rows
 constexpr int kGemmStageChunks = 2;  // 128 bytes of each row per stage
 constexpr int kGemmStages = 4;
 constexpr int kGemmPieces = kGemmStageChunks * 4;  // 16-byte pieces of a row per stage
-constexpr size_t MoeMmaGemmSmem(int tok) {
-  return static_cast<size_t>(kGemmStages) * kGemmStageChunks * (kGemmRows + tok) * 64;
-}
+constexpr size_t kGemmSmem = static_cast<size_t>(kGemmStages) * kGemmStageChunks * (kGemmRows + kGemmTokens) * 64;
 
 // Shared memory: kGemmStages stages of [kGemmStageChunks][kGemmRows][4] A pieces then
 // [kGemmStageChunks][kTok][4] B pieces (a warp's fragment load, 8 rows x 64 bytes, is 512 contiguous
@@ -1750,9 +1593,9 @@ constexpr size_t MoeMmaGemmSmem(int tok) {
 // 16-byte stores. Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
 // Gate/up: h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)); down: bf16(bf16(o) * w(t, slot)) into
 // routed, the shared expert's bf16(o) into shared.
-template <bool kGateUp, int kTok, bool kSplit>
+template <bool kGateUp, bool kSplit>
 __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const MoeMmaLists& lists) {
-  static_assert(kTok == 32 || kTok == 64, "token tile");
+  constexpr int kTok = kGemmTokens;
   constexpr int NT = kTok / 16;           // 8-column B tiles per warp
   constexpr int kBCopies = kTok / 32;     // B rows a thread copies per stage
   constexpr int kACopies = kGemmRows / 32;
@@ -1915,7 +1758,7 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
     // The outputs go through shared memory, [kTok][kOutRows + 8] BF16 (the pad puts a warp's four
     // column pairs on different banks), and leave as 16-byte stores along each pair's output row.
     constexpr int kOutRows = kGateUp ? kGemmRows / 2 : kGemmRows, kOutStride = kOutRows + 8;
-    static_assert(static_cast<size_t>(kTok) * kOutStride * 2 <= MoeMmaGemmSmem(kTok), "output tile fits the ring");
+    static_assert(static_cast<size_t>(kTok) * kOutStride * 2 <= kGemmSmem, "output tile fits the ring");
     uint16_t* s_out = reinterpret_cast<uint16_t*>(s_ring);
     auto sum = [&](int m, int j, int e) {
       if constexpr (kSplit) {
@@ -1955,40 +1798,39 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   }
 }
 
-template <int kTok, bool kSplit>
+template <bool kSplit>
 __global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
-  MoeMmaGemmBody<true, kTok, kSplit>(a, ks, lists);
+  MoeMmaGemmBody<true, kSplit>(a, ks, lists);
 }
-template <int kTok, bool kSplit>
+template <bool kSplit>
 __global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeDown);
-  MoeMmaGemmBody<false, kTok, kSplit>(a, ks, lists);
+  MoeMmaGemmBody<false, kSplit>(a, ks, lists);
 }
 
-// Gate/up then down of the grouped GEMM (the lists already launched), kTok pairs per block pass.
-template <int kTok>
-Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
+// Gate/up then down of the grouped GEMM (the lists already launched), kGemmTokens pairs per block pass.
+inline Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
   const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
   const int fmax = std::max(p.ffn, p.shared_ffn);
   int passes = 1;
-  const MoeMmaLists lists = MoeMmaListsFor(p, kTok, &passes);
+  const MoeMmaLists lists = MoeMmaListsFor(p, kGemmTokens, &passes);
   const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
   if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
   const dim3 block(kGemmThreads);
   const dim3 gu_grid(passes, (fmax + kGemmRows / 2 - 1) / (kGemmRows / 2), rows_z);
   const dim3 dn_grid(passes, (p.d + kGemmRows - 1) / kGemmRows, rows_z);
-  constexpr size_t smem = MoeMmaGemmSmem(kTok);
+  constexpr size_t smem = kGemmSmem;
   if (gu_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<kTok, true>, gu_grid, block, smem, s, p, gu_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<true>, gu_grid, block, smem, s, p, gu_ks, lists);
   } else {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<kTok, false>, gu_grid, block, smem, s, p, gu_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false>, gu_grid, block, smem, s, p, gu_ks, lists);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_gate_up");
   if (dn_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<kTok, true>, dn_grid, block, smem, s, p, dn_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmDownKernel<true>, dn_grid, block, smem, s, p, dn_ks, lists);
   } else {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<kTok, false>, dn_grid, block, smem, s, p, dn_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmDownKernel<false>, dn_grid, block, smem, s, p, dn_ks, lists);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_down");
   return Status::Ok();
@@ -2001,12 +1843,6 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
   *fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() || p.shared_up_fp8.on() ||
          p.shared_down_fp8.on();
   if (*fp8) DL_RETURN_IF_ERROR(MoeFp8Setup(p, fp8_maps));
-  if (p.mma_blocks_per_sm < 1 || p.mma_blocks_per_sm > 2) {
-    return InvalidArgument("moe: mma_blocks_per_sm {} (1 or 2)", p.mma_blocks_per_sm);
-  }
-  if (p.mma_gemm_tokens != 0 && p.mma_gemm_tokens != 32 && p.mma_gemm_tokens != 64) {
-    return InvalidArgument("moe: mma_gemm_tokens {} (0 = the list kernels, 32 or 64)", p.mma_gemm_tokens);
-  }
   if (*fp8 && p.mma) {
     return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
   }
@@ -2098,18 +1934,7 @@ Status Moe(const MoeParams& p, Stream stream) {
     }
     dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
-    if (p.mma_gemm_tokens == 32) {
-      DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm<32>(p, s));
-    } else if (p.mma_gemm_tokens == 64) {
-      DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm<64>(p, s));
-    } else if (T <= 8) {
-      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<1>(p, s));
-    } else if (T <= 16) {
-      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<2>(p, s));
-    } else {
-      DL_RETURN_IF_ERROR(dev::LaunchMoeMma<4>(p, s));
-    }
-    DL_KERNEL_LAUNCH_CHECK("moe_mma_gate_up_down");
+    DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm(p, s));
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_combine");
     return Status::Ok();
