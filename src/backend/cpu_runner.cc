@@ -127,9 +127,11 @@ void CpuRunner::Resize(Act a, int64_t rows, int64_t width) {
 
 Status CpuRunner::Embed(const WeightRef& table) {
   const int64_t d = cfg_.hidden_size, n = batch_->num_rows();
-  residual_.assign(static_cast<size_t>(n * d), 0.0f);
-  // A vocab-parallel slice holds rows [embed_vocab_begin, + rows): other tokens' rows stay 0 here and
-  // come from their rank through the all-reduce (x + 0 is exact, so both embedding modes agree).
+  // A vocab-parallel slice holds rows [embed_vocab_begin, + rows): other tokens' rows are -0 here and
+  // come from their rank through the all-reduce, which sums from rank 0's value in rank order. -0 is
+  // the exact identity, x + (-0) = x for every x; +0 would turn a table's -0 into +0 (-0 + +0 = +0),
+  // so with it the two embedding modes could differ in a zero's sign.
+  residual_.assign(static_cast<size_t>(n * d), weights_.embed_vocab_parallel ? -0.0f : 0.0f);
   const int64_t first = weights_.embed_vocab_begin, held = table.rows();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t tok = batch_->tokens[i] - first;

@@ -62,6 +62,9 @@ struct CudaRunner::Impl final : LagunaOps {
   int tp_size = 1, rank = 0;
   comm::DeviceCommunicator* comm = nullptr;
   std::vector<Slice> vocab_slices;  // [tp]: every rank's LM head rows
+  // The embedding rows this rank holds: the whole table (replicated, and tp 1) or its vocab-parallel
+  // slice, whose lookup the forward's AllReduce(kEmbedding) completes.
+  Slice embed_rows;
   int64_t vocab_stride = 0;
   cuda::DeviceBuffer local_logits, gathered_logits;
   int64_t collectives_last_forward = 0;
@@ -162,9 +165,11 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
   const int64_t D = c.head_dim;
+  embed_rows = Slice{0, c.vocab_size};
   if (tp_size == 1) {
     DL_ASSIGN_OR_RETURN(weights, CudaWeights::Upload(ck, opt.synthetic_seed, s()));
   } else {
+    embed_rows = plan->ranks[rank].embed_vocab;  // ShardHostWeights cuts the table to these rows
     // The rank's slices of the host weights (row slices are views, column slices copies the shard
     // owns until the upload is done).
     DL_ASSIGN_OR_RETURN(auto shard, ShardHostWeights(ck.config(), HostLagunaWeights(ck.weights()), *plan, rank));
@@ -379,9 +384,16 @@ kernels::FusedInputNorm CudaRunner::Impl::TakeFusedNorm(bf16* u_out) {
 }
 
 Status CudaRunner::Impl::Embed(const WeightRef& table) {
-  return kernels::EmbedLookup({Data(table), ws.ids, ws.residual[cur], T, static_cast<int>(cfg.hidden_size),
-                               static_cast<int>(cfg.vocab_size)},
-                              s());
+  if (table.rows() != embed_rows.size) {
+    return Internal("embedding table of {} rows, the rank holds {}", table.rows(), embed_rows.size);
+  }
+  kernels::EmbedParams p{Data(table), ws.ids, ws.residual[cur], T, static_cast<int>(cfg.hidden_size),
+                         static_cast<int>(cfg.vocab_size)};
+  if (embed_rows.size != cfg.vocab_size) {  // vocab-parallel: [T, d] rows of other ranks' tokens are -0
+    p.slice_begin = static_cast<int>(embed_rows.begin);
+    p.slice_rows = static_cast<int>(embed_rows.size);
+  }
+  return kernels::EmbedLookup(p, s());
 }
 
 Status CudaRunner::Impl::AddRmsNorm(const WeightRef& weight, bool add_delta) {
@@ -661,8 +673,11 @@ Status CudaRunner::Impl::GatherLogits() {
 
 Status CudaRunner::Impl::AllReduce(PartialSum what) {
   if (tp_size == 1) return Status::Ok();
-  if (what != PartialSum::kDelta) {
-    return Internal("CUDA tensor parallelism: a vocab-parallel embedding is not built (refused at creation)");
+  if (what == PartialSum::kEmbedding) {
+    // The vocab-parallel lookup's [T, d] BF16 residual: each token's row from the one rank holding it,
+    // -0 from the others, so the sum is that row bit for bit (kernels/elementwise.h, EmbedParams).
+    return comm->AllReduceSum(ws.residual[cur], static_cast<int64_t>(T) * cfg.hidden_size, comm::DeviceElem::kBF16,
+                              s());
   }
   // kDelta [T, d] BF16: each rank's partial sum, added in FP32 and rounded once (in rank order with the
   // in-process device communicator; NCCL's own order otherwise).

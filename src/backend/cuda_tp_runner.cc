@@ -38,10 +38,6 @@ std::vector<int> TpRankDevices(int tp, int gpus) {
 Status CheckCudaTensorParallel(const Checkpoint& ck, const TensorParallelPlan& plan) {
   const ModelConfig& c = ck.config();
   const int tp = plan.tp_size;
-  if (plan.embedding == EmbeddingMode::kVocabParallel) {
-    return Unimplemented("--embedding vocab-parallel on the CUDA backend is not built yet (the lookup of a rank's "
-                         "rows); use --embedding replicated");
-  }
   if (ck.weights().embed.data == nullptr) {
     return InvalidArgument("CUDA tensor parallelism shards the host weights; this checkpoint is shape-only (weights "
                            "generated on one device): give a checkpoint or host synthetic weights");

@@ -8,15 +8,24 @@
 
 namespace dl::kernels {
 
-// out[t, :] = table[ids[t], :] for t < T. Ids come from device memory so a captured decode graph
-// can feed the previous step's argmax straight back in. table: [V, d] BF16, out: [T, d].
+// out[t, :] = table[ids[t] - slice_begin, :] for t < T. Ids come from device memory so a captured
+// decode graph can feed the previous step's argmax straight back in. table: [slice_rows, d] BF16 (the
+// rows [slice_begin, slice_begin + slice_rows) of the [V, d] embedding; the whole table by default),
+// out: [T, d].
+// A vocab-parallel rank (model/shard_plan.h) holds a slice: a token outside it gets a row of BF16 -0,
+// and the forward's all-reduce adds the one rank's row that holds it. The sum starts from rank 0's
+// value and adds in FP32, rounded once to BF16: x + (-0) = x for every x, +0 and -0 included (a +0
+// filler would turn a table's -0 into +0), and the BF16 rounding of a BF16 value is itself, so the
+// sum is the replicated lookup bit for bit, in any order of addition.
 struct EmbedParams {
   const bf16* table = nullptr;
   const int32_t* ids = nullptr;  // [T] device
   bf16* out = nullptr;
   int num_tokens = 1;
   int d = 0;      // % 8 == 0
-  int vocab = 0;  // ids outside [0, vocab) produce zeros (validated on the host before the copy)
+  int vocab = 0;  // ids outside [0, vocab) produce +0 rows (validated on the host before the copy)
+  int slice_begin = 0;  // first vocabulary id the table holds
+  int slice_rows = -1;  // rows held; -1: the whole table, [0, vocab) (the replicated lookup)
 };
 Status EmbedLookup(const EmbedParams& p, Stream stream);
 

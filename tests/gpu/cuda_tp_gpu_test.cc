@@ -20,12 +20,16 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda_tp_runner.h"
+#include "comm/device_communicator.h"
 #include "cuda/device.h"
 #include "engine/engine.h"
 #include "engine/scheduler.h"
+#include "kernels/elementwise.h"
+#include "model/shard_plan.h"
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
 #include "tests/gpu/gpu_skip.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace dl {
 namespace {
@@ -277,6 +281,117 @@ TEST(CudaTpGpuTest, EveryRankIssuesTheCollectivesOfThePlan) {
   }
 }
 
+// --embedding vocab-parallel, the kernel's part: each rank's EmbedLookup over its slice of an uneven
+// split (37 rows: [0, 19) and [19, 37)) gives the table's row for the tokens it holds and BF16 -0 for
+// the others, and the all-reduce's rule (comm::RankOrderSum: rank order, FP32, one BF16 rounding) sums
+// the ranks' outputs to the replicated lookup bit for bit, a table's -0 and +0 entries included.
+// Invalid ids give +0 rows in both modes.
+TEST(CudaTpGpuTest, VocabParallelEmbeddingLookupSumsToTheReplicatedLookupBitForBit) {
+  SKIP_WITHOUT_GPU();
+  using namespace kernels::gpu_test;
+  using kernels::bf16;
+  constexpr int V = 37, d = 16, kRanks = 2;
+  std::vector<bf16> table = RandomBf16(static_cast<size_t>(V) * d, 19);
+  table[5 * d + 3] = 0x8000;   // -0 held by rank 0
+  table[20 * d + 0] = 0x8000;  // -0 held by rank 1
+  table[7 * d + 1] = 0x0000;   // +0
+  const std::vector<int32_t> ids = {0, 5, 18, 19, 20, 36, 7, 37, -1, 20};
+  const int T = static_cast<int>(ids.size());
+  const cuda::DeviceBuffer dev_ids = Upload(ids);
+  auto lookup = [&](const std::vector<bf16>& rows, int begin, int count) {
+    const cuda::DeviceBuffer t = Upload(rows);
+    cuda::DeviceBuffer out = Alloc(static_cast<size_t>(T) * d * 2);
+    kernels::EmbedParams p{t.as<bf16>(), dev_ids.as<int32_t>(), out.as<bf16>(), T, d, V};
+    if (count >= 0) {
+      p.slice_begin = begin;
+      p.slice_rows = count;
+    }
+    EXPECT_TRUE(kernels::EmbedLookup(p, nullptr).ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return Download<bf16>(out, static_cast<size_t>(T) * d);
+  };
+  const std::vector<bf16> replicated = lookup(table, 0, -1);
+  std::vector<std::vector<bf16>> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    const Slice v = SplitEvenly(V, kRanks, r);
+    ranks.push_back(lookup(Rows(table, d, static_cast<int>(v.begin), static_cast<int>(v.size)),
+                           static_cast<int>(v.begin), static_cast<int>(v.size)));
+    for (int t = 0; t < T; ++t) {
+      const bool valid = ids[t] >= 0 && ids[t] < V, held = ids[t] >= v.begin && ids[t] < v.end();
+      for (int j = 0; j < d; ++j) {
+        const bf16 want = held ? table[static_cast<size_t>(ids[t]) * d + j] : valid ? bf16{0x8000} : bf16{0};
+        ASSERT_EQ(ranks[r][static_cast<size_t>(t) * d + j], want) << "rank " << r << " token " << ids[t] << " col " << j;
+      }
+    }
+  }
+  for (size_t i = 0; i < replicated.size(); ++i) {
+    std::vector<float> per_rank;
+    for (int r = 0; r < kRanks; ++r) per_rank.push_back(Bf16ToFloat(ranks[r][i]));
+    const bf16 sum = FloatToBf16(comm::RankOrderSum(per_rank, comm::DeviceElem::kBF16));
+    ASSERT_EQ(sum, replicated[i]) << "token " << ids[i / d] << " col " << i % d;
+  }
+  // Why -0: with a +0 filler the table's -0 of a row rank 1 holds would come back as +0.
+  EXPECT_EQ(FloatToBf16(comm::RankOrderSum({0.0f, -0.0f}, comm::DeviceElem::kBF16)), bf16{0});
+}
+
+// --embedding vocab-parallel through the engine (issue 19): TP=2 on one GPU, in graphs, greedy tokens
+// and every step's logits bit-identical to --embedding replicated (the all-reduced lookup is the
+// replicated one bit for bit, above), and each rank's forward and decode graph issue one collective
+// more: the embedding's all-reduce.
+TEST(CudaTpGpuTest, TwoRanksOnOneGpuVocabParallelEmbeddingIsBitIdenticalToReplicated) {
+  SKIP_WITHOUT_GPU();
+  const std::string model = "tiny_fixed_routing";
+  const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
+  GenerateOptions g;
+  g.max_tokens = 8;
+  g.ignore_eos = true;
+  g.keep_step_logits = true;
+  std::vector<GenerateResult> runs;
+  std::vector<nlohmann::json> described;
+  for (EmbeddingMode mode : {EmbeddingMode::kReplicated, EmbeddingMode::kVocabParallel}) {
+    EngineOptions o;
+    o.model_dir = GoldenDir(model).string();
+    o.backend = BackendKind::kCuda;
+    o.kv_dtype = DType::kBF16;
+    o.page_size = 16;
+    o.max_seq_len = 256;
+    o.allow_fallback = true;
+    o.tp = 2;
+    o.embedding = mode;
+    auto e = LoadEngine(o);
+    ASSERT_TRUE(e.ok()) << EmbeddingModeName(mode) << ": " << e.status().ToString();
+    auto r = GenerateGreedy(**e, gp.prompt, g);
+    ASSERT_TRUE(r.ok()) << EmbeddingModeName(mode) << ": " << r.status().ToString();
+    runs.push_back(std::move(r).value());
+    described.push_back((*e)->runner->Describe());
+    EXPECT_EQ(described.back()["tensor_parallel"]["embedding"], EmbeddingModeName(mode));
+  }
+  const GenerateResult &rep = runs[0], &vp = runs[1];
+  EXPECT_EQ(vp.tokens, rep.tokens);
+  ASSERT_EQ(vp.step_logits.size(), rep.step_logits.size());
+  ASSERT_FALSE(rep.step_logits.empty());
+  for (size_t st = 0; st < rep.step_logits.size(); ++st) {
+    ASSERT_EQ(vp.step_logits[st].size(), rep.step_logits[st].size());
+    for (size_t i = 0; i < rep.step_logits[st].size(); ++i) {
+      ASSERT_EQ(Bits(vp.step_logits[st][i]), Bits(rep.step_logits[st][i])) << "step " << st << " logit " << i;
+    }
+  }
+  const auto& d_rep = described[0];
+  const auto& d_vp = described[1];
+  const int64_t layers = d_rep["tensor_parallel"]["all_reduces_per_forward"].get<int64_t>() / 2;
+  EXPECT_EQ(d_vp["tensor_parallel"]["all_reduces_per_forward"], 2 * layers + 1);
+  ASSERT_EQ(d_vp["topology"].size(), 2u) << d_vp.dump();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(d_vp["tensor_parallel"]["ranks"][r]["collectives_last_forward"].get<int64_t>(),
+              d_rep["tensor_parallel"]["ranks"][r]["collectives_last_forward"].get<int64_t>() + 1)
+        << "rank " << r;
+    EXPECT_EQ(d_rep["topology"][r]["collectives"], 2 * layers + 1) << "rank " << r << ": " << d_rep.dump();
+    EXPECT_EQ(d_vp["topology"][r]["collectives"], 2 * layers + 2) << "rank " << r << ": " << d_vp.dump();
+    EXPECT_GT(d_vp["topology"][r]["kernel_nodes"].get<int>(), 0) << "rank " << r << ": no captured decode graph";
+  }
+  std::printf("[tp] vocab-parallel graphs: %s\n", d_vp["topology"].dump().c_str());
+}
+
 // A rank whose forward fails ends the group: the step fails naming it, no rank hangs, and every later
 // step is refused with the same error.
 TEST(CudaTpGpuTest, AFailedRankEndsTheGroup) {
@@ -300,7 +415,7 @@ TEST(CudaTpGpuTest, AFailedRankEndsTheGroup) {
       << again.status().ToString();
 }
 
-// Refusals name what is wrong: widths a rank's kernels cannot take, a vocab-parallel embedding.
+// Refusals name what is wrong: widths a rank's kernels cannot take.
 TEST(CudaTpGpuTest, ShardsTheKernelsCannotRunAreRefused) {
   SKIP_WITHOUT_GPU();
   EngineOptions o;
@@ -314,11 +429,6 @@ TEST(CudaTpGpuTest, ShardsTheKernelsCannotRunAreRefused) {
   ASSERT_FALSE(four.ok());
   EXPECT_NE(four.status().ToString().find("shared_expert_intermediate_size is 4"), std::string::npos)
       << four.status().ToString();
-  o.tp = 2;
-  o.embedding = EmbeddingMode::kVocabParallel;
-  auto vp = LoadEngine(o);
-  ASSERT_FALSE(vp.ok());
-  EXPECT_NE(vp.status().ToString().find("vocab-parallel"), std::string::npos) << vp.status().ToString();
 }
 
 }  // namespace

@@ -13,16 +13,21 @@ namespace dl::kernels {
 namespace {
 
 __global__ void EmbedKernel(const __nv_bfloat16* __restrict__ table, const int32_t* __restrict__ ids,
-                            __nv_bfloat16* __restrict__ out, int d, int vocab) {
+                            __nv_bfloat16* __restrict__ out, int d, int vocab, int slice_begin,
+                            int slice_end) {
   DL_TIMELINE_SCOPE(kEmbed);
   dev::AllowDependents();
   dev::WaitForPrerequisites();
   const int t = blockIdx.x;
   const int id = ids[t];
   const bool valid = id >= 0 && id < vocab;
-  const uint4* src = reinterpret_cast<const uint4*>(table + static_cast<int64_t>(valid ? id : 0) * d);
+  const bool held = valid && id >= slice_begin && id < slice_end;
+  // Invalid ids: +0 (as ever). Valid ids another rank holds: BF16 -0 in all 8 lanes, the identity of
+  // the all-reduce's FP32 sum (elementwise.h).
+  const uint4 fill = valid ? make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u) : make_uint4(0, 0, 0, 0);
+  const uint4* src = reinterpret_cast<const uint4*>(table + static_cast<int64_t>(held ? id - slice_begin : 0) * d);
   uint4* dst = reinterpret_cast<uint4*>(out + static_cast<int64_t>(t) * d);
-  for (int i = threadIdx.x; i < d / 8; i += blockDim.x) dst[i] = valid ? src[i] : make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < d / 8; i += blockDim.x) dst[i] = held ? src[i] : fill;
 }
 
 __global__ void SiluMulKernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
@@ -92,9 +97,14 @@ Status LaunchStatus(const char* what) {
 
 Status EmbedLookup(const EmbedParams& p, Stream stream) {
   if (p.d % 8 != 0 || p.num_tokens <= 0) return InvalidArgument("EmbedLookup: bad shape");
+  const int rows = p.slice_rows < 0 ? p.vocab : p.slice_rows;
+  if (p.slice_begin < 0 || p.slice_rows < -1 || p.slice_begin > p.vocab - rows) {
+    return InvalidArgument("EmbedLookup: rows [{}, +{}) are not a slice of the vocabulary of {}", p.slice_begin,
+                           rows, p.vocab);
+  }
   dev::LaunchDependent(EmbedKernel, dim3(p.num_tokens), dim3(128), stream,
                        reinterpret_cast<const __nv_bfloat16*>(p.table), p.ids,
-                       reinterpret_cast<__nv_bfloat16*>(p.out), p.d, p.vocab);
+                       reinterpret_cast<__nv_bfloat16*>(p.out), p.d, p.vocab, p.slice_begin, p.slice_begin + rows);
   return LaunchStatus("EmbedLookup");
 }
 
