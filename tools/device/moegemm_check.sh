@@ -23,13 +23,9 @@ while [ $# -gt 0 ]; do
   shift
 done
 t0=$(date +%s)
-dl_configure build > "$OUT/configure.log" 2>&1 || { echo "CONFIGURE FAILED"; tail -30 "$OUT/configure.log"; exit 1; }
 targets="kernels_gpu_test kernels_bench"
 [ "$E2E" = 1 ] && targets="$targets decodelab"
-if ! ninja -C build $targets > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; grep -B2 -A6 -E "error" "$OUT/build.log" | head -80; exit 1
-fi
-echo "build: $(( $(date +%s) - t0 )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
+dl_build "$OUT" $targets || exit 1
 obj=$(find build -name 'moe.cu.o' | head -1)
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 if [ -n "$obj" ] && [ -x "$CUOBJDUMP" ]; then
