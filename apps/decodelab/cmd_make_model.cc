@@ -64,17 +64,9 @@ int RunMakeDrafter(const MakeModelFlags& f) {
     target = *c;
   }
   WriteDflashOptions o;
-  o.config = DflashConfigFor(target, f.num_layers > 0 ? f.num_layers : 2, f.block_size);
   o.layout = f.dflash_layout == "zlab" ? DflashLayout::kZlab : DflashLayout::kPoolside;
-  if (o.layout == DflashLayout::kZlab) {
-    // z-lab's family: no gate, context without the layer norm, bidirectional full-attention blocks.
-    DflashConfig& c = o.config;
-    c.family = DflashFamily::kZlab;
-    c.model_type = "qwen3";
-    c.per_head_gate = c.context_input_norm = c.aux_hidden_norms = false;
-    c.layer_types.assign(c.layer_types.size(), LayerType::kFull);
-    c.block_causal.assign(c.block_causal.size(), false);
-  }
+  o.config = DflashConfigFor(target, f.num_layers > 0 ? f.num_layers : 2, f.block_size,
+                             o.layout == DflashLayout::kZlab ? DflashFamily::kZlab : DflashFamily::kLaguna);
   o.seed = f.seed;
   o.out_dir = f.out;
   if (Status st = o.config.CheckTarget(target); !st.ok()) return ReportError(st);

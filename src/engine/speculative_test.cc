@@ -402,16 +402,8 @@ std::string WriteTinyDrafter(const DflashDir& dir, const std::string& name, bool
   auto target = ShapeConfig("tiny");
   EXPECT_TRUE(target.ok());
   WriteDflashOptions o;
-  o.config = DflashConfigFor(*target, 2, block);
-  if (zlab) {
-    DflashConfig& c = o.config;
-    c.family = DflashFamily::kZlab;
-    c.model_type = "qwen3";
-    c.per_head_gate = c.context_input_norm = c.aux_hidden_norms = false;
-    c.layer_types.assign(c.layer_types.size(), LayerType::kFull);
-    c.block_causal.assign(c.block_causal.size(), false);
-    o.layout = DflashLayout::kZlab;
-  }
+  o.config = DflashConfigFor(*target, 2, block, zlab ? DflashFamily::kZlab : DflashFamily::kLaguna);
+  if (zlab) o.layout = DflashLayout::kZlab;
   o.seed = 5;
   o.out_dir = dir / name;
   EXPECT_TRUE(WriteSyntheticDflash(o).ok());

@@ -586,7 +586,8 @@ Result<DflashCheckpoint> DflashCheckpoint::Open(const std::string& dir) {
 
 // ---- synthetic drafters ----
 
-DflashConfig DflashConfigFor(const ModelConfig& t, int64_t num_draft_layers, int64_t block_size) {
+DflashConfig DflashConfigFor(const ModelConfig& t, int64_t num_draft_layers, int64_t block_size,
+                             DflashFamily family) {
   DflashConfig c;
   c.family = DflashFamily::kLaguna;
   c.model_type = "laguna";
@@ -615,6 +616,13 @@ DflashConfig DflashConfigFor(const ModelConfig& t, int64_t num_draft_layers, int
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = n == 1 ? L - 1 : (1 + i * (L - 2) / (n - 1));
     if (c.target_layer_ids.empty() || id > c.target_layer_ids.back()) c.target_layer_ids.push_back(std::min(id, L - 1));
+  }
+  if (family == DflashFamily::kZlab) {
+    c.family = DflashFamily::kZlab;
+    c.model_type = "qwen3";
+    c.per_head_gate = c.context_input_norm = c.aux_hidden_norms = false;
+    c.layer_types.assign(c.layer_types.size(), LayerType::kFull);
+    c.block_causal.assign(c.block_causal.size(), false);
   }
   return c;
 }

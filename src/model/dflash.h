@@ -131,9 +131,11 @@ class DflashCheckpoint {
 };
 
 // A random drafter matching `target` (hidden size, vocabulary, tap ids spread over its layers) for
-// tests and `make-model --shape tiny-dflash` / `--dflash-for DIR`: Laguna family (the config
-// Poolside ships, gating per-head, all layers sliding with the target's window, causal blocks).
-DflashConfig DflashConfigFor(const ModelConfig& target, int64_t num_draft_layers = 2, int64_t block_size = 8);
+// tests and `make-model --shape tiny-dflash` / `--dflash-for DIR`. Laguna family: the config Poolside
+// ships (gating per head, all layers sliding with the target's window, causal blocks); z-lab family:
+// no gate, the context without its layer norm, bidirectional full-attention blocks.
+DflashConfig DflashConfigFor(const ModelConfig& target, int64_t num_draft_layers = 2, int64_t block_size = 8,
+                             DflashFamily family = DflashFamily::kLaguna);
 
 struct WriteDflashOptions {
   DflashConfig config;
