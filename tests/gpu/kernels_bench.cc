@@ -106,6 +106,48 @@ struct Row {
 
 }  // namespace
 
+// XS.2's MoE layers for the `moe` and `moe_gemm` sections: E 256 experts of F 512 over d 2048 (top-8),
+// `layers` layers' experts (their pointer tables as the engine keeps them), routers, biases, shared
+// experts of F, `max_t` input rows and the outputs, workspace and counters of a launch of max_t rows.
+struct BenchMoeLayers {
+  static constexpr int E = 256, k = 8, d = 2048, F = 512;
+  int layers, max_t;
+  std::vector<cuda::DeviceBuffer> experts, ptr_arrays, routers, biases, shared;
+  cuda::DeviceBuffer xs, yv, ws, counter, ids;
+  BenchMoeLayers(int layers_, int max_t_, uint64_t x_seed) : layers(layers_), max_t(max_t_) {
+    for (int l = 0; l < layers; ++l) {
+      std::vector<const bf16*> gp(E), up(E), dp(E);
+      for (int e = 0; e < E; ++e) {
+        experts.push_back(Random(size_t(3) * F * d, 1000 + l * E + e, 0.02f));
+        const bf16* base = experts.back().as<bf16>();
+        gp[e] = base, up[e] = base + size_t(F) * d, dp[e] = base + size_t(2) * F * d;
+      }
+      ptr_arrays.push_back(Upload(gp)), ptr_arrays.push_back(Upload(up)), ptr_arrays.push_back(Upload(dp));
+      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
+      biases.push_back(Random(E, 60 + l, 0.05f));
+      shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
+    }
+    xs = Random(size_t(max_t) * d, x_seed, 1.0f);
+    yv = Alloc(size_t(max_t) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, max_t));
+    counter = Alloc(size_t(max_t) * 4), ids = Alloc(size_t(max_t) * k * 4);
+    CHECK_OK(counter.Fill(0));
+  }
+  // Launch i of a timed graph: layer i % layers, T rows from input row x_row.
+  MoeParams Params(int i, int top_k, int T, int x_row = 0) const {
+    const int l = i % layers;
+    MoeParams p;
+    p.x = xs.as<bf16>() + size_t(x_row) * d, p.router_w = routers[l].as<bf16>(), p.router_bias = biases[l].as<bf16>();
+    p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
+    p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
+    p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
+    p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
+    p.d = d, p.num_experts = E, p.top_k = top_k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
+    p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
+    p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+    return p;
+  }
+};
+
 int main(int argc, char** argv) {
   // Optional: one section only (gemv, gemv_batch, gemv_fp8, mma, norm, rope, attn, attn_prefill, moe, moe_gemm,
   // router, moe_fp8, argmax); the copy row always runs.
@@ -427,44 +469,10 @@ int main(int argc, char** argv) {
 
   // MoE, XS.2 layer: E 256, top-8, F 512, shared 512, d 2048; 2 layers' experts, 16 inputs.
   if (want("moe")) {
-    const int E = 256, k = 8, d = 2048, F = 512;
-    const int layers = 2;
-    std::vector<cuda::DeviceBuffer> experts;
-    std::vector<cuda::DeviceBuffer> ptr_arrays;
-    std::vector<cuda::DeviceBuffer> routers, biases, shared;
-    for (int l = 0; l < layers; ++l) {
-      std::vector<const bf16*> gp(E), up(E), dp(E);
-      for (int e = 0; e < E; ++e) {
-        experts.push_back(Random(size_t(3) * F * d, 1000 + l * E + e, 0.02f));
-        const bf16* base = experts.back().as<bf16>();
-        gp[e] = base, up[e] = base + size_t(F) * d, dp[e] = base + size_t(2) * F * d;
-      }
-      ptr_arrays.push_back(Upload(gp)), ptr_arrays.push_back(Upload(up));
-      ptr_arrays.push_back(Upload(dp));
-      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
-      biases.push_back(Random(E, 60 + l, 0.05f));
-      shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
-    }
-    const int kMaxT = 4096;  // the MMA experts' prefill rows
-    auto xs = Random(size_t(kMaxT) * d, 80, 1.0f);
-    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT)), counter = Alloc(kMaxT * 4);
-    auto ids = Alloc(size_t(kMaxT) * k * 4);
-    CHECK_OK(counter.Fill(0));
-    // Launch i of a timed graph: layer i % layers, input row i % 16 (batch 1) or rows [0, T).
-    auto moe_params = [&](int i, int top_k, int T) {
-      const int l = i % layers;
-      MoeParams p;
-      p.x = xs.as<bf16>() + (T == 1 ? size_t(i % 16) * d : 0), p.router_w = routers[l].as<bf16>();
-      p.router_bias = biases[l].as<bf16>();
-      p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
-      p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
-      p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
-      p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
-      p.d = d, p.num_experts = E, p.top_k = top_k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
-      p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
-      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
-      return p;
-    };
+    const BenchMoeLayers m(2, 4096, 80);  // 4,096: the MMA experts' prefill rows
+    const int E = m.E, k = m.k, d = m.d, F = m.F;
+    // Launch i of a timed graph: layer i % 2, input row i % 16 (batch 1) or rows [0, T).
+    auto moe_params = [&](int i, int top_k, int T) { return m.Params(i, top_k, T, T == 1 ? i % 16 : 0); };
     // top-k 8 is the model; 1 and 4 separate the fixed cost (router, launches, chains) from the
     // per-slot streaming cost.
     for (int top_k : {k, 4, 1}) {
@@ -504,35 +512,10 @@ int main(int argc, char** argv) {
   };
   std::vector<MoeGemmRow> moe_gemm;
   if (want("moe_gemm")) {
-    const int E = 256, k = 8, d = 2048, F = 512, kMaxT = 8192, layers = 2;
-    std::vector<cuda::DeviceBuffer> experts, ptr_arrays, routers, biases, shared;
-    for (int l = 0; l < layers; ++l) {
-      std::vector<const bf16*> gp(E), up(E), dp(E);
-      for (int e = 0; e < E; ++e) {
-        experts.push_back(Random(size_t(3) * F * d, 1000 + l * E + e, 0.02f));
-        const bf16* base = experts.back().as<bf16>();
-        gp[e] = base, up[e] = base + size_t(F) * d, dp[e] = base + size_t(2) * F * d;
-      }
-      ptr_arrays.push_back(Upload(gp)), ptr_arrays.push_back(Upload(up)), ptr_arrays.push_back(Upload(dp));
-      routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
-      biases.push_back(Random(E, 60 + l, 0.05f));
-      shared.push_back(Random(size_t(3) * F * d, 70 + l, 0.02f));
-    }
-    auto xs = Random(size_t(kMaxT) * d, 81, 1.0f);
-    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT));
-    auto counter = Alloc(kMaxT * 4), ids = Alloc(size_t(kMaxT) * k * 4);
-    CHECK_OK(counter.Fill(0));
+    const BenchMoeLayers m(2, 8192, 81);
+    const int E = m.E, k = m.k, d = m.d, F = m.F;
     auto params = [&](int i, int T) {
-      const int l = i % layers;
-      MoeParams p;
-      p.x = xs.as<bf16>(), p.router_w = routers[l].as<bf16>(), p.router_bias = biases[l].as<bf16>();
-      p.gate_w = ptr_arrays[3 * l].as<const bf16*>(), p.up_w = ptr_arrays[3 * l + 1].as<const bf16*>();
-      p.down_w = ptr_arrays[3 * l + 2].as<const bf16*>();
-      p.shared_gate_w = shared[l].as<bf16>(), p.shared_up_w = p.shared_gate_w + size_t(F) * d;
-      p.shared_down_w = p.shared_gate_w + size_t(2) * F * d;
-      p.d = d, p.num_experts = E, p.top_k = k, p.ffn = F, p.shared_ffn = F, p.alpha = 2.5f;
-      p.num_tokens = T, p.topk_ids = ids.as<int32_t>();
-      p.y = yv.as<bf16>(), p.workspace = ws.data(), p.counter = counter.as<uint32_t>();
+      MoeParams p = m.Params(i, k, T);
       p.mma = true;
       return p;
     };
