@@ -85,6 +85,31 @@ __device__ __forceinline__ uint16_t GateAndRound(const AttentionParams& a, int t
 // Stage 4 for query heads kvh*G .. kvh*G+G-1 of token t, kThreads threads, over the chunks [0, used)
 // that hold visible keys (the grid's later chunks are empty, and every chunk below `used` holds at
 // least one visible key, so l_c >= 1): m = max_c m_c, w_c = exp(m_c - m), l = sum l_c w_c,
+// Stage 2 of both kernels, one warp over one (row, query head)'s C scores in shared memory: the chunk
+// max m (masked keys are -inf), the scores replaced in place by p = exp(s - m) (0 for masked keys)
+// and l = sum p, lane j's keys j, j + 32, ... in order, then the warp butterflies. One piece for the
+// one-row and the multi-row kernel, so a prompt row's partials are a decode row's by construction.
+template <int C>
+__device__ __forceinline__ void WarpChunkSoftmax(float* p, int lane, float* m_out, float* l_out) {
+  float v[C / 32];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < C / 32; ++j) {
+    v[j] = p[lane + 32 * j];
+    mx = fmaxf(mx, v[j]);
+  }
+  mx = WarpMax(mx);
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < C / 32; ++j) {
+    const float e = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
+    p[lane + 32 * j] = e;
+    sum += e;
+  }
+  *m_out = mx;
+  *l_out = WarpSum(sum);
+}
+
 // o = sum o_c w_c (ascending c), out = gate(bf16(o / l)). This block is the kernel's critical path,
 // so its loads go out in one round: the first kBatch chunks' partials, the gates and, up to C chunks,
 // every (l_c, m_c) into shared memory; longer contexts take further tiles of C chunks.
@@ -416,22 +441,8 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   // ---- Stage 2: chunk softmax statistics, warp w for query heads w, w + 8, ... (G > 8: S 2.1's
   // sliding layers, G 9, give warp 0 a second head).
   for (int g = warp; g < G; g += kWarps) {
-    float v[C / 32];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < C / 32; ++j) {
-      v[j] = s_p[g][lane + 32 * j];
-      mx = fmaxf(mx, v[j]);
-    }
-    mx = WarpMax(mx);
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < C / 32; ++j) {
-      const float e = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
-      s_p[g][lane + 32 * j] = e;
-      sum += e;
-    }
-    sum = WarpSum(sum);
+    float mx, sum;
+    WarpChunkSoftmax<C>(s_p[g], lane, &mx, &sum);
     if (lane == 0) {
       if constexpr (kCluster) {
         s_cm[g] = mx, s_cl[g] = sum;
@@ -702,22 +713,8 @@ __global__ void __launch_bounds__(256, 2)
       // ---- Stage 2: per (row, head), one warp: chunk max and sum of exp, as SplitAttentionKernel.
       for (int task = warp; task < nt * G; task += kWarps) {
         const int rb = task / G, g = task % G;
-        float v[C / 32];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < C / 32; ++j) {
-          v[j] = s_p[rb][g][lane + 32 * j];
-          mx = fmaxf(mx, v[j]);
-        }
-        mx = WarpMax(mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < C / 32; ++j) {
-          const float e = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
-          s_p[rb][g][lane + 32 * j] = e;
-          sum += e;
-        }
-        sum = WarpSum(sum);
+        float mx, sum;
+        WarpChunkSoftmax<C>(s_p[rb][g], lane, &mx, &sum);
         if (lane == 0) {
           const int row = s_rows[i0 + rb];
           const size_t pi = part(t0 + row, g, chunk - s_start[row] / C);
