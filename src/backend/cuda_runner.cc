@@ -111,6 +111,9 @@ struct CudaRunner::Impl final : LagunaOps {
 
   explicit Impl(const ModelConfig& c) : cfg(c) {}
   cudaStream_t s() const { return stream.get(); }
+  // Whether a row's product follows its class (prompt rows on the tensor-core product, generated rows
+  // on the CUDA cores): then RowRun::mma marks the prompt rows.
+  bool mma_products_only_for_prompts() const { return !opt.tuning.mma_products && opt.tuning.prompt_mma; }
   bool Skips(std::string_view op) const {
     return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
   }
@@ -269,7 +272,7 @@ Status CudaRunner::Impl::Stage(const ForwardBatch& b, GraphKey* key, bool* graph
   // Each row's product: its class (prompt or generated, BatchSequence::prompt_length) decides, so a
   // row gets the same product whatever else is in the batch and however its prompt was chunked.
   std::vector<char> row_mma(static_cast<size_t>(rows), opt.tuning.mma_products ? 1 : 0);
-  if (!opt.tuning.mma_products && opt.tuning.prompt_mma) {
+  if (mma_products_only_for_prompts()) {
     for (const BatchSequence& sq : b.seqs) {
       for (int32_t i = sq.first_row; i < sq.first_row + sq.num_rows; ++i) row_mma[i] = positions[i] < sq.prompt_length;
     }
@@ -548,6 +551,26 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.cluster_max_chunks = opt.tuning.attention_cluster_max_chunks;
   ap.multi_row_min_tokens = opt.tuning.attention_multi_row_min_tokens;
   ap.release_after_wait = opt.tuning.late(LateRelease::kAttention);
+  // Prompt rows (where prompt_mma makes them their own class) on the tensor-core prompt kernel, each
+  // run of consecutive rows of one class in its own launch; otherwise one launch of the split kernel.
+  if (mma_products_only_for_prompts() && opt.tuning.prompt_attention) {
+    for (const RowRun& run : row_runs) {
+      kernels::AttentionParams rp = ap;
+      const size_t b = static_cast<size_t>(run.begin);
+      rp.q = ap.q + b * H * D;
+      rp.out = ap.out + b * H * D;
+      rp.gate = ap.gate + b * ap.gate_stride;
+      rp.positions = ap.positions + b;
+      if (ap.token_seq) rp.token_seq = ap.token_seq + b;
+      if (ap.history) rp.history = ap.history + b;
+      rp.num_tokens = run.count;
+      const kernels::AttnKind kind = run.mma ? kernels::AttnKind::kPrompt : kernels::AttnKind::kDecode;
+      DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, rp, s(), kind)
+                             .WithContext(fmt::format("layer {}, {} rows {}..{}", l, kernels::AttnKindName(kind),
+                                                      run.begin, run.begin + run.count - 1)));
+    }
+    return Status::Ok();
+  }
   return kernels::RunAttention(L.attn, ap, s()).WithContext(fmt::format("layer {}", l));
 }
 

@@ -234,7 +234,7 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   ASSERT_TRUE(SetTuning(&t, "mma_tiled_min_tokens=16").ok());
   EXPECT_EQ(t.mma_tiled_min_tokens, 16);
   EXPECT_EQ(SetTuning(&t, "mma_tiled_min_tokens=0").code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(TuningString(t).find("mma_products=1 prompt_mma=1 mma_tiled_min_tokens=16"), std::string::npos);
+  EXPECT_NE(TuningString(t).find("mma_products=1 prompt_mma=1 prompt_attention=1 mma_tiled_min_tokens=16"), std::string::npos);
   // Prompt rows on the tensor-core product: on by default, 0 or 1.
   EXPECT_TRUE(Tuning{}.prompt_mma);
   ASSERT_TRUE(SetTuning(&t, "prompt_mma=0").ok());

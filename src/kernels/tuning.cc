@@ -32,6 +32,7 @@ constexpr Setting kSettings[] = {
     {"batch_gemv_tokens", "batched GEMV: tokens per pass over the weights (4, 8 or 16)", 4, 16, false, &Tuning::batch_gemv_tokens, nullptr},
     {"mma_products", "linear layers on the tensor-core product at every row count (other bits than 0, the same for every batch)", 0, 1, true, nullptr, &Tuning::mma_products},
     {"prompt_mma", "prompt rows on the tensor-core product, generated rows on mma_products' choice (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_mma},
+    {"prompt_attention", "prompt rows' attention on the tensor-core prompt kernel when prompt_mma is on (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_attention},
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
 };
 

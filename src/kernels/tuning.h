@@ -68,6 +68,10 @@ struct Tuning {
   // chunk, so every promise holds per class; a prompt row no longer equals a decode row at the same
   // position bit for bit (docs/exactness.md, "Prompt rows and generated rows").
   bool prompt_mma = true;
+  // Prompt rows' attention (where prompt_mma makes them a class of their own) on the tensor-core
+  // prompt kernel (AttnKind::kPrompt: flash-style, BF16 P), generated rows' on the split-KV kernel.
+  // 0: prompt rows on the split-KV kernel too (its other bits for prompt rows).
+  bool prompt_attention = true;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
 

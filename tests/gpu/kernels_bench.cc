@@ -405,11 +405,13 @@ int main(int argc, char** argv) {
   // KV, page 32): a prompt of T tokens at positions 0..T-1 over a cache of T tokens, the one-row kernel
   // (multi_row_min_tokens = 0) against the multi-row kernel (1); the same bits (kernels_gpu_test). K/V
   // bytes: what the blocks load from L2/HBM (each block its keys: one row's visible keys for the
-  // one-row kernel, the union of its rows' for the multi-row one). Printed as its own table.
+  // one-row kernel, the union of its rows' for the multi-row one). The tensor-core prompt kernel
+  // (AttnKind::kPrompt) beside them, with its TFLOP/s: 4 D flops per (row, query head, visible key),
+  // scores and values. Printed as its own table.
   struct PrefillRow {
     std::string layer;
     int T;
-    double us_one, us_multi, bytes_one, bytes_multi;
+    double us_one, us_multi, bytes_one, bytes_multi, us_prompt, flops;
   };
   std::vector<PrefillRow> prefill;
   if (want("attn_prefill")) {
@@ -446,10 +448,13 @@ int main(int argc, char** argv) {
           p.multi_row_min_tokens = multi;
           us[multi] = 1e3 * TimeMs([&](int) { CHECK_OK(RunAttention(*kernel, p, g_stream)); }, iters);
         }
+        const double us_prompt =
+            1e3 * TimeMs([&](int) { CHECK_OK(RunAttention(*kernel, p, g_stream, AttnKind::kPrompt)); }, iters);
         // Keys each kernel's blocks load (K and V rows of D bytes, per KV head).
         auto start_of = [&](int pos) { return sliding ? std::max(0, pos - W + 1) : 0; };
         double keys_one = 0, keys_multi = 0;
         for (int t = 0; t < T; ++t) keys_one += t - start_of(t) + 1;
+        const double flops = 4.0 * D * H * keys_one;
         for (int t0 = 0; t0 < T; t0 += kAttnMultiRows) {
           const int t1 = std::min(T, t0 + kAttnMultiRows) - 1;
           for (int c = start_of(t0) / kAttnChunk; c <= t1 / kAttnChunk; ++c) {  // the union per chunk
@@ -462,7 +467,8 @@ int main(int argc, char** argv) {
           }
         }
         const double per_key = 2.0 * K * D;  // K and V, FP8
-        prefill.push_back({sliding ? "sliding G8 W512" : "full G6", T, us[0], us[1], keys_one * per_key, keys_multi * per_key});
+        prefill.push_back({sliding ? "sliding G8 W512" : "full G6", T, us[0], us[1], keys_one * per_key,
+                           keys_multi * per_key, us_prompt, flops});
       }
     }
   }
@@ -652,11 +658,12 @@ int main(int argc, char** argv) {
 
   if (!prefill.empty()) {
     std::printf("\nattn_prefill (FP8 KV, page 32, 8 KV heads, D 128; multi-row: %d rows per block)\n", kAttnMultiRows);
-    std::printf("%-16s %5s %12s %12s %8s %14s %14s\n", "layer", "T", "one-row us", "multi-row us", "speedup",
-                "one-row KV MB", "multi-row KV MB");
+    std::printf("%-16s %5s %12s %12s %8s %14s %14s %10s %9s\n", "layer", "T", "one-row us", "multi-row us", "speedup",
+                "one-row KV MB", "multi-row KV MB", "prompt us", "TFLOP/s");
     for (const PrefillRow& r : prefill) {
-      std::printf("%-16s %5d %12.1f %12.1f %7.2fx %14.1f %14.1f\n", r.layer.c_str(), r.T, r.us_one, r.us_multi,
-                  r.us_one / r.us_multi, r.bytes_one / 1e6, r.bytes_multi / 1e6);
+      std::printf("%-16s %5d %12.1f %12.1f %7.2fx %14.1f %14.1f %10.1f %9.1f\n", r.layer.c_str(), r.T, r.us_one,
+                  r.us_multi, r.us_one / r.us_multi, r.bytes_one / 1e6, r.bytes_multi / 1e6, r.us_prompt,
+                  r.flops / (r.us_prompt * 1e6));
     }
   }
   if (!moe_gemm.empty()) {

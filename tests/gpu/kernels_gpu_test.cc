@@ -7,11 +7,13 @@
 #include <set>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
 
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include "base/dtype.h"
 #include "base/rng.h"
@@ -193,7 +195,8 @@ struct AttnRun {
 // Runs `kernel` for T queries at positions first..first+T-1 over `c`; returns output and reference.
 AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
                 int first, int T, int max_position, bool per_element_gate, uint64_t key,
-                bool want_ref = true, int cluster_max_chunks = AttentionParams{}.cluster_max_chunks) {
+                bool want_ref = true, int cluster_max_chunks = AttentionParams{}.cluster_max_chunks,
+                AttnKind kind = AttnKind::kDecode) {
   const int D = c.D;
   auto q = RandomBf16(static_cast<size_t>(max_position + 1) * H * D, key, 1.5f);
   const int gate_w = per_element_gate ? H * D : H;
@@ -222,7 +225,7 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
   p.counters = d_counters.as<uint32_t>();
   AttnRun r;
-  const Status st = RunAttention(kernel, p, nullptr);
+  const Status st = RunAttention(kernel, p, nullptr, kind);
   EXPECT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   r.out = Download<bf16>(d_o, static_cast<size_t>(T) * H * D);
@@ -303,6 +306,54 @@ TEST(AttentionGpu, BitIdenticalAcrossPageSizesAndPrefillChunking) {
       }
       for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[i], outs[0]) << "page sizes differ";
     }
+  }
+}
+
+// The tensor-core prompt kernel (AttnKind::kPrompt), every built preset: against the reference; the
+// same rows prefilled whole and as chunks of 37, 100 and 512 rows give the same bits (tiles of 16
+// rows then start at other rows, and a row's key tiles start at other tiles); run to run; and the same
+// bits at every built page size. Prompts longer than the sliding window (1,300 tokens over W 512; 300
+// over the tiny presets' W 8), with rows at the prompt's end, where the window bites.
+TEST(AttentionGpu, PromptKernelMatchesReferenceAndIsChunkAndPageInvariant) {
+  SKIP_WITHOUT_GPU();
+  std::map<std::string, std::vector<bf16>> by_shape;  // (D, G, kv, window) -> the whole prompt's rows
+  for (const PresetInfo& info : AllPresets()) {
+    if (!info.built) continue;
+    SCOPED_TRACE(info.name);
+    const AttnPresetKey& k = info.key;
+    const auto [K, H, window] = TestShapeOf(k);
+    const int tokens = k.head_dim == 128 ? 1300 : 300;
+    Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, tokens, 33, 0.5f, 0.25f);
+    auto kernel = ResolveAttention(k);
+    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
+    const int T = k.head_dim == 128 ? 600 : 200, first = tokens - T;
+    const bool per_element = k.group == 4;
+    auto run = [&](int f, int n, bool ref) {
+      return RunAttn(*kernel, c, H, k.window, window, f, n, tokens - 1, per_element, 43, ref,
+                     AttentionParams{}.cluster_max_chunks, AttnKind::kPrompt);
+    };
+    AttnRun whole = run(first, T, false);
+    EXPECT_EQ(run(first, T, false).out, whole.out) << "run to run";
+    // Against the reference (on the host, so over the last 40 rows only: three tiles, one partial):
+    // BF16 probabilities in the P V product (each off by up to 2^-9 relative) leave the split
+    // kernel's tolerance (2e-3 absolute, 1/64 relative) enough room. The 40 rows as a launch of their
+    // own also give the whole prompt's bits.
+    const int tail = 40;
+    AttnRun last = run(tokens - tail, tail, true);
+    ExpectClose(last.out, last.ref, 2e-3f, 1.0f / 64, info.name + " prompt kernel vs reference");
+    EXPECT_EQ(last.out, Rows(whole.out, static_cast<size_t>(H) * k.head_dim, T - tail, tail)) << "last rows alone";
+    for (int chunk : {37, 100, 512}) {
+      std::vector<bf16> joined;
+      for (int f = first; f < tokens; f += chunk) {
+        const AttnRun part = run(f, std::min(chunk, tokens - f), false);
+        joined.insert(joined.end(), part.out.begin(), part.out.end());
+      }
+      EXPECT_EQ(joined, whole.out) << "prompt chunks of " << chunk;
+    }
+    const std::string shape = fmt::format("d{}_g{}_{}_{}", k.head_dim, k.group, KvDtypeName(k.kv_dtype),
+                                          WindowKindName(k.window));
+    auto [it, first_page_size] = by_shape.emplace(shape, whole.out);
+    if (!first_page_size) EXPECT_EQ(whole.out, it->second) << "page sizes differ";
   }
 }
 
@@ -1491,7 +1542,8 @@ TEST(SampleRowsGpu, MatchesTheReferenceRuleAndIsBatchInvariant) {
 
 // Rows of several sequences in one launch (the batch's block tables, one row per sequence) give each
 // sequence the bits of its own launch: RoPE-append into one shared pool and attention over it, for a
-// sliding and a global preset.
+// sliding and a global preset, with either kernel kind (the prompt kernel then has rows of both
+// sequences in one 16-row tile).
 TEST(AttentionGpu, RowsOfSeveralSequencesMatchTheirOwnLaunches) {
   SKIP_WITHOUT_GPU();
   const int K = 8, D = 128, P = 32, pages = 64;
@@ -1541,40 +1593,45 @@ TEST(AttentionGpu, RowsOfSeveralSequencesMatchTheirOwnLaunches) {
     const int T = 5;
     auto qkv_rows = RandomBf16(static_cast<size_t>(T) * stride, 150);
     auto gate_rows = RandomBf16(static_cast<size_t>(T) * H, 151);
-    auto attend = [&](int first, int n, bool batched) {
-      auto d_qkv = Upload(std::vector<bf16>(qkv_rows.begin() + static_cast<size_t>(first) * stride,
-                                            qkv_rows.begin() + static_cast<size_t>(first + n) * stride));
-      auto d_pos = Upload(std::vector<int32_t>(pos.begin() + first, pos.begin() + first + n));
-      auto d_seq = Upload(std::vector<int32_t>(seq.begin() + first, seq.begin() + first + n));
-      auto d_hist = Upload(std::vector<int32_t>(history.begin() + first, history.begin() + first + n));
-      auto d_gate = Upload(std::vector<bf16>(gate_rows.begin() + static_cast<size_t>(first) * H,
-                                             gate_rows.begin() + static_cast<size_t>(first + n) * H));
-      auto q_out = Alloc(static_cast<size_t>(n) * H * D * 2), out = Alloc(static_cast<size_t>(n) * H * D * 2);
-      const int32_t* table = d_tables.as<int32_t>() + (batched ? 0 : seq[first] * max_pages);
-      EXPECT_TRUE(rope(d_qkv, d_pos, batched ? d_seq.as<int32_t>() : nullptr, table, n, q_out).ok());
-      AttentionParams a;
-      a.q = q_out.as<bf16>(), a.k_pool = d_kp.data(), a.v_pool = d_vp.data(), a.block_table = table;
-      a.token_seq = batched ? d_seq.as<int32_t>() : nullptr, a.block_table_stride = batched ? max_pages : 0;
-      a.positions = d_pos.as<int32_t>(), a.history_stable = true, a.history = d_hist.as<int32_t>();
-      a.max_position = 1023, a.num_tokens = n, a.num_q_heads = H, a.num_kv_heads = K, a.head_dim = D;
-      a.page_size = P, a.kv_dtype = KvDtype::kFp8, a.window_kind = win, a.window = 512;
-      a.k_scale = 0.05f, a.v_scale = 0.03f, a.gate = d_gate.as<bf16>(), a.gate_stride = H, a.out = out.as<bf16>();
-      auto ws = Alloc(AttentionWorkspaceBytes(a)), counters = Alloc(static_cast<size_t>(n) * K * 4, 0);
-      a.workspace = ws.data(), a.workspace_bytes = ws.size(), a.counters = counters.as<uint32_t>();
-      EXPECT_TRUE(RunAttention(*kernel, a, nullptr).ok());
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      return Download<bf16>(out, static_cast<size_t>(n) * H * D);
-    };
-    const auto together = attend(0, T, true);
-    const auto k_together = Download<uint8_t>(d_kp, pool), v_together = Download<uint8_t>(d_vp, pool);
-    ASSERT_OK(d_kp.CopyFromHost(k_before.data(), pool));
-    ASSERT_OK(d_vp.CopyFromHost(v_before.data(), pool));
-    auto alone = attend(0, 3, false);
-    const auto alone1 = attend(3, 2, false);
-    alone.insert(alone.end(), alone1.begin(), alone1.end());
-    EXPECT_EQ(together, alone) << "attention rows";
-    EXPECT_TRUE(Download<uint8_t>(d_kp, pool) == k_together && Download<uint8_t>(d_vp, pool) == v_together)
-        << "the appended K/V land in the same slots";
+    for (AttnKind kind : {AttnKind::kDecode, AttnKind::kPrompt}) {
+      SCOPED_TRACE(AttnKindName(kind));
+      ASSERT_OK(d_kp.CopyFromHost(k_before.data(), pool));
+      ASSERT_OK(d_vp.CopyFromHost(v_before.data(), pool));
+      auto attend = [&](int first, int n, bool batched) {
+        auto d_qkv = Upload(std::vector<bf16>(qkv_rows.begin() + static_cast<size_t>(first) * stride,
+                                              qkv_rows.begin() + static_cast<size_t>(first + n) * stride));
+        auto d_pos = Upload(std::vector<int32_t>(pos.begin() + first, pos.begin() + first + n));
+        auto d_seq = Upload(std::vector<int32_t>(seq.begin() + first, seq.begin() + first + n));
+        auto d_hist = Upload(std::vector<int32_t>(history.begin() + first, history.begin() + first + n));
+        auto d_gate = Upload(std::vector<bf16>(gate_rows.begin() + static_cast<size_t>(first) * H,
+                                               gate_rows.begin() + static_cast<size_t>(first + n) * H));
+        auto q_out = Alloc(static_cast<size_t>(n) * H * D * 2), out = Alloc(static_cast<size_t>(n) * H * D * 2);
+        const int32_t* table = d_tables.as<int32_t>() + (batched ? 0 : seq[first] * max_pages);
+        EXPECT_TRUE(rope(d_qkv, d_pos, batched ? d_seq.as<int32_t>() : nullptr, table, n, q_out).ok());
+        AttentionParams a;
+        a.q = q_out.as<bf16>(), a.k_pool = d_kp.data(), a.v_pool = d_vp.data(), a.block_table = table;
+        a.token_seq = batched ? d_seq.as<int32_t>() : nullptr, a.block_table_stride = batched ? max_pages : 0;
+        a.positions = d_pos.as<int32_t>(), a.history_stable = true, a.history = d_hist.as<int32_t>();
+        a.max_position = 1023, a.num_tokens = n, a.num_q_heads = H, a.num_kv_heads = K, a.head_dim = D;
+        a.page_size = P, a.kv_dtype = KvDtype::kFp8, a.window_kind = win, a.window = 512;
+        a.k_scale = 0.05f, a.v_scale = 0.03f, a.gate = d_gate.as<bf16>(), a.gate_stride = H, a.out = out.as<bf16>();
+        auto ws = Alloc(AttentionWorkspaceBytes(a)), counters = Alloc(static_cast<size_t>(n) * K * 4, 0);
+        a.workspace = ws.data(), a.workspace_bytes = ws.size(), a.counters = counters.as<uint32_t>();
+        EXPECT_TRUE(RunAttention(*kernel, a, nullptr, kind).ok());
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return Download<bf16>(out, static_cast<size_t>(n) * H * D);
+      };
+      const auto together = attend(0, T, true);
+      const auto k_together = Download<uint8_t>(d_kp, pool), v_together = Download<uint8_t>(d_vp, pool);
+      ASSERT_OK(d_kp.CopyFromHost(k_before.data(), pool));
+      ASSERT_OK(d_vp.CopyFromHost(v_before.data(), pool));
+      auto alone = attend(0, 3, false);
+      const auto alone1 = attend(3, 2, false);
+      alone.insert(alone.end(), alone1.begin(), alone1.end());
+      EXPECT_EQ(together, alone) << "attention rows";
+      EXPECT_TRUE(Download<uint8_t>(d_kp, pool) == k_together && Download<uint8_t>(d_vp, pool) == v_together)
+          << "the appended K/V land in the same slots";
+    }
   }
 }
 

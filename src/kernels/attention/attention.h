@@ -122,17 +122,27 @@ std::vector<PresetInfo> AllPresets();
 // Names of the presets compiled into this binary.
 std::vector<std::string> BuiltPresetNames();
 
+// The two kernels every preset builds. kDecode: the split-KV kernel (and its multi-row form), CUDA
+// cores, the same bits for a row whatever launch it is in; decode, verify and every generated row.
+// kPrompt: the tensor-core prompt kernel (prompt_attention_kernel.cuh), rows of a prompt chunk:
+// another exactness class (BF16 probabilities), chunk-, page- and batch-invariant within itself.
+enum class AttnKind { kDecode, kPrompt };
+const char* AttnKindName(AttnKind kind);
+
 using AttentionLaunchFn = Status (*)(const AttentionParams&, Stream);
 struct AttentionKernel {
   std::string name;       // canonical preset name, or "attn_generic_fallback"
   bool fallback = false;  // true for the slow generic path: a run using it is not a speed result
-  AttentionLaunchFn launch = nullptr;
+  AttentionLaunchFn launch = nullptr;         // AttnKind::kDecode
+  AttentionLaunchFn launch_prompt = nullptr;  // AttnKind::kPrompt (the fallback: the same generic kernel)
 };
 // The preset's launcher. A key not built is NotFound, naming the key and listing the built presets,
 // unless allow_fallback, which returns the generic slow kernel marked fallback = true.
 Result<AttentionKernel> ResolveAttention(const AttnPresetKey& key, bool allow_fallback = false);
-// Validates p and runs the kernel (attention, chunk merge and gate in one launch).
-Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream);
+// Validates p and runs the kernel of that kind (attention, chunk merge and gate in one launch). The
+// prompt kind needs no workspace or counters.
+Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream,
+                    AttnKind kind = AttnKind::kDecode);
 
 // Checks shapes, pointers and workspace against the preset/kernel; shared by launchers.
 Status ValidateAttentionParams(const AttentionParams& p);

@@ -14,6 +14,7 @@ Status LaunchAttentionFallback(const AttentionParams& p, Stream stream);
 #define DL_BUILT_PRESET(name, d, g, p, kv, win) \
   namespace presets {                           \
   Status Launch_##name(const AttentionParams&, Stream); \
+  Status Launch_##name##_prompt(const AttentionParams&, Stream); \
   }
 #include "kernels/attention/attention_presets_built.inc"
 #undef DL_BUILT_PRESET
@@ -39,15 +40,19 @@ struct BuiltRow {
   const char* name;
   AttnPresetKey key;
   AttentionLaunchFn launch;
+  AttentionLaunchFn launch_prompt;
 };
 const BuiltRow kBuilt[] = {
-#define DL_BUILT_PRESET(name, d, g, p, kv, win) {#name, {d, g, p, kv, win}, &presets::Launch_##name},
+#define DL_BUILT_PRESET(name, d, g, p, kv, win) \
+  {#name, {d, g, p, kv, win}, &presets::Launch_##name, &presets::Launch_##name##_prompt},
 #include "kernels/attention/attention_presets_built.inc"
 #undef DL_BUILT_PRESET
-    {nullptr, {}, nullptr},  // keeps the array non-empty in CPU-only builds
+    {nullptr, {}, nullptr, nullptr},  // keeps the array non-empty in CPU-only builds
 };
 
 }  // namespace
+
+const char* AttnKindName(AttnKind kind) { return kind == AttnKind::kPrompt ? "prompt" : "decode"; }
 
 std::string CanonicalName(const AttnPresetKey& k) {
   return fmt::format("attn_d{}_g{}_p{}_{}_{}", k.head_dim, k.group, k.page_size,
@@ -87,10 +92,10 @@ std::vector<std::string> BuiltPresetNames() {
 
 Result<AttentionKernel> ResolveAttention(const AttnPresetKey& key, bool allow_fallback) {
   for (const BuiltRow& b : kBuilt) {
-    if (b.name && b.key == key) return AttentionKernel{b.name, false, b.launch};
+    if (b.name && b.key == key) return AttentionKernel{b.name, false, b.launch, b.launch_prompt};
   }
   if (allow_fallback) {
-    return AttentionKernel{"attn_generic_fallback", true, &LaunchAttentionFallback};
+    return AttentionKernel{"attn_generic_fallback", true, &LaunchAttentionFallback, &LaunchAttentionFallback};
   }
   const std::vector<std::string> built = BuiltPresetNames();
   const bool in_table = std::any_of(std::begin(kTable), std::end(kTable),
@@ -163,15 +168,19 @@ Status ValidateAttentionParams(const AttentionParams& p) {
   return Status::Ok();
 }
 
-Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream) {
+Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Stream stream, AttnKind kind) {
   DL_RETURN_IF_ERROR(ValidateAttentionParams(p));
-  if (!kernel.launch) return InvalidArgument("attention kernel {} has no launcher", kernel.name);
+  const AttentionLaunchFn launch = kind == AttnKind::kPrompt ? kernel.launch_prompt : kernel.launch;
+  if (!launch) {
+    return InvalidArgument("attention kernel {} has no {} launcher", kernel.name, AttnKindName(kind));
+  }
   if (!kernel.fallback) {
     const std::string want = CanonicalName(PresetKeyOf(p));
     if (want != kernel.name) {
       return InvalidArgument("attention kernel {} cannot run parameters of preset {}", kernel.name,
                              want);
     }
+    if (kind == AttnKind::kPrompt) return launch(p, stream);  // no workspace, no counters, any row count
     const size_t need = AttentionWorkspaceBytes(p);
     if (!p.workspace || p.workspace_bytes < need) {
       return InvalidArgument("attention ({}): workspace of {} bytes, need {}", kernel.name,
@@ -197,7 +206,7 @@ Status RunAttention(const AttentionKernel& kernel, const AttentionParams& p, Str
           kernel.name, p.num_tokens, kAttnMaxGridRows, p.multi_row_min_tokens);
     }
   }
-  return kernel.launch(p, stream);
+  return launch(p, stream);
 }
 
 }  // namespace dl::kernels
