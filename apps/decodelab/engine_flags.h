@@ -25,7 +25,7 @@ struct EngineFlags {
   std::string kv_scales;
   int page_size = 16;
   int max_seq_len = 4096;
-  int prefill_chunk = 512;
+  int prefill_chunk = 2048;
   std::vector<std::string> tune;  // --tune name=value (kernels/tuning.h)
   int tp = 1;                          // --tp (docs/tensor-parallel.md)
   std::string embedding = "replicated";  // --embedding vocab-parallel|replicated

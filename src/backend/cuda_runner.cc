@@ -552,26 +552,33 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.multi_row_min_tokens = opt.tuning.attention_multi_row_min_tokens;
   ap.release_after_wait = opt.tuning.late(LateRelease::kAttention);
   // Prompt rows (where prompt_mma makes them their own class) on the tensor-core prompt kernel, each
-  // run of consecutive rows of one class in its own launch; otherwise one launch of the split kernel.
-  if (mma_products_only_for_prompts() && opt.tuning.prompt_attention) {
-    for (const RowRun& run : row_runs) {
-      kernels::AttentionParams rp = ap;
-      const size_t b = static_cast<size_t>(run.begin);
-      rp.q = ap.q + b * H * D;
-      rp.out = ap.out + b * H * D;
-      rp.gate = ap.gate + b * ap.gate_stride;
-      rp.positions = ap.positions + b;
-      if (ap.token_seq) rp.token_seq = ap.token_seq + b;
-      if (ap.history) rp.history = ap.history + b;
-      rp.num_tokens = run.count;
-      const kernels::AttnKind kind = run.mma ? kernels::AttnKind::kPrompt : kernels::AttnKind::kDecode;
-      DL_RETURN_IF_ERROR(kernels::RunAttention(L.attn, rp, s(), kind)
-                             .WithContext(fmt::format("layer {}, {} rows {}..{}", l, kernels::AttnKindName(kind),
-                                                      run.begin, run.begin + run.count - 1)));
+  // run of consecutive rows of one class in its own launch; otherwise every row on the split kernel.
+  // Split-kernel launches take at most z.max_split_attention_rows rows (the workspace's size).
+  const bool prompt_kernel = mma_products_only_for_prompts() && opt.tuning.prompt_attention;
+  auto launch = [&](int32_t begin, int32_t count, kernels::AttnKind kind) {
+    kernels::AttentionParams rp = ap;
+    const size_t b = static_cast<size_t>(begin);
+    rp.q = ap.q + b * H * D;
+    rp.out = ap.out + b * H * D;
+    rp.gate = ap.gate + b * ap.gate_stride;
+    rp.positions = ap.positions + b;
+    if (ap.token_seq) rp.token_seq = ap.token_seq + b;
+    if (ap.history) rp.history = ap.history + b;
+    rp.num_tokens = count;
+    return kernels::RunAttention(L.attn, rp, s(), kind)
+        .WithContext(fmt::format("layer {}, {} rows {}..{}", l, kernels::AttnKindName(kind), begin, begin + count - 1));
+  };
+  for (const RowRun& run : row_runs) {
+    if (prompt_kernel && run.mma) {
+      DL_RETURN_IF_ERROR(launch(run.begin, run.count, kernels::AttnKind::kPrompt));
+      continue;
     }
-    return Status::Ok();
+    for (int32_t b = run.begin; b < run.begin + run.count; b += z.max_split_attention_rows) {
+      const int32_t n = std::min(z.max_split_attention_rows, run.begin + run.count - b);
+      DL_RETURN_IF_ERROR(launch(b, n, kernels::AttnKind::kDecode));
+    }
   }
-  return kernels::RunAttention(L.attn, ap, s()).WithContext(fmt::format("layer {}", l));
+  return Status::Ok();
 }
 
 Status CudaRunner::Impl::SiluMul() {

@@ -57,7 +57,7 @@ Result<CudaWorkspace> CudaWorkspace::Create(const ModelConfig& c, const CudaWork
     max_qkvg = std::max(max_qkvg, c.qkvg_width(l));
     max_attn = std::max(max_attn, H * D);
     kernels::AttentionParams ap;
-    ap.num_tokens = z.max_rows;
+    ap.num_tokens = std::min(z.max_rows, z.max_split_attention_rows);
     ap.num_q_heads = static_cast<int>(H);
     ap.num_kv_heads = static_cast<int>(K);
     ap.head_dim = static_cast<int>(D);

@@ -27,6 +27,11 @@ struct CudaWorkspaceSizes {
   int32_t max_seq_len = 1;
   int32_t max_adjustments = 1 << 16;  // logit adjustments of one forward
   int32_t max_taps = 0;     // hidden-state taps
+  // Rows of one split-KV attention launch (AttnKind::kDecode): its workspace holds partials for
+  // every (row, query head, chunk of max_seq_len), so the runner launches longer runs of such rows
+  // in pieces of this many (a row's bits do not depend on its launch) and the workspace stays the
+  // same size whatever the prefill chunk.
+  int32_t max_split_attention_rows = 512;
 };
 
 // Device pointers of the workspace. Inputs (written by one host-to-device copy from the pinned
