@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
 // chains over c ascending, taking chunk c's values from lane c % kAttnMergeLanes by shuffle:
 // m = max_c m_c (order-free), l = fmaf(l_c, w_c, l), o = fmaf(o_c, w_c, o) from 0, out = gate(bf16(o / l)):
 // MergeChunks' bits. Loads per round: 8 lanes x 4 chunks per column (4 keeps the kernel at 64
-// registers, 4 blocks per SM; 6 spills), against MergeChunks' 8 chunks per output on one block: a 32K
+// registers, 4 blocks per SM; 6 made it spill), against MergeChunks' 8 chunks per output on one block: a 32K
 // context (256 chunks) takes 8 rounds plus 1 for the maximum (32 chunks per lane: 4-byte loads), on 8
 // SMs, instead of 33 on one.
 inline constexpr int kAttnMergeLanes = 8;
