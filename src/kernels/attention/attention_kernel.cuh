@@ -279,10 +279,11 @@ __device__ __forceinline__ void ChunkScores(const uint4 (&kv)[kLoads], const flo
   }
 }
 
-// Stage 3's arithmetic for the multi-chunk block: warp w owns query heads w, w + 8, ..., each lane
-// kDimsPerLane dims; o += p_k * v_k over all C keys of s_v ([C][D] KV elements) in ascending order;
-// store(g, d, o) takes each unscaled sum. SplitAttentionKernel's stage 3 is this loop written out in
-// place (as ChunkScores: the same chain, compared bit for bit by the tests).
+// Stage 3's arithmetic for the multi-chunk block: warp w owns query heads 2w and 2w + 1 (then 2w + 16,
+// ...), each lane kDimsPerLane dims of both; per (head, dim) o += p_k * v_k over all C keys of s_v
+// ([C][D] KV elements) in ascending order; store(g, d, o) takes each unscaled sum. The chain of every
+// (head, dim) is SplitAttentionKernel's stage 3 (one head per warp there; the same chains, compared
+// bit for bit by the tests).
 template <int D, int G, int C, KvDtype KV, typename Store>
 __device__ __forceinline__ void ChunkValues(const float (&s_p)[G][C], const unsigned char* s_v, int warp, int lane,
                                             Store&& store) {
@@ -290,27 +291,46 @@ __device__ __forceinline__ void ChunkValues(const float (&s_p)[G][C], const unsi
   constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
   constexpr int kRowBytes = D * kElemBytes;
   constexpr int kDimsPerLane = D >= 32 ? D / 32 : 1;
+  // Query heads per lane: one V load and conversion feeds kHeads heads' chains (the one-chunk kernel
+  // converts every V element once per head). Each (head, dim) chain is unchanged: acc = fmaf(p_k,
+  // v_k, acc) over the C keys in ascending order from 0.
+  constexpr int kHeads = 2;
+  constexpr int kHeadGroups = (G + kHeads - 1) / kHeads;
   const int d0 = lane * kDimsPerLane;
-  for (int g = warp; g < G && d0 < D; g += kWarps) {
-    float acc[kDimsPerLane];
+  for (int hg = warp; hg < kHeadGroups && d0 < D; hg += kWarps) {
+    const int g0 = hg * kHeads;
+    float acc[kHeads][kDimsPerLane];
 #pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) acc[e] = 0.0f;
+    for (int h = 0; h < kHeads; ++h)
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
     const unsigned char* vcol = s_v + d0 * kElemBytes;
 #pragma unroll 2
-    for (int k0 = 0; k0 < C; k0 += 8) {
-      const float4 p0 = *reinterpret_cast<const float4*>(&s_p[g][k0]);
-      const float4 p1 = *reinterpret_cast<const float4*>(&s_p[g][k0 + 4]);
-      const float pk[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-      float vf[8][kDimsPerLane];
+    for (int k0 = 0; k0 < C; k0 += 4) {
+      float4 p[kHeads];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) LoadKvDims<kDimsPerLane, KV>(vcol + (k0 + u) * kRowBytes, vf[u]);
+      for (int h = 0; h < kHeads; ++h) {  // past the last head (G odd): a copy of it, computed, not stored
+        p[h] = *reinterpret_cast<const float4*>(&s_p[min(g0 + h, G - 1)][k0]);
+      }
+      float vf[4][kDimsPerLane];
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
+      for (int u = 0; u < 4; ++u) LoadKvDims<kDimsPerLane, KV>(vcol + (k0 + u) * kRowBytes, vf[u]);
 #pragma unroll
-        for (int e = 0; e < kDimsPerLane; ++e) acc[e] = fmaf(pk[u], vf[u][e], acc[e]);
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) {
+          const float pk = u == 0 ? p[h].x : u == 1 ? p[h].y : u == 2 ? p[h].z : p[h].w;
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = fmaf(pk, vf[u][e], acc[h][e]);
+        }
+      }
     }
 #pragma unroll
-    for (int e = 0; e < kDimsPerLane; ++e) store(g, d0 + e, acc[e]);
+    for (int h = 0; h < kHeads; ++h) {
+      if (g0 + h >= G) break;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) store(g0 + h, d0 + e, acc[h][e]);
+    }
   }
 }
 
