@@ -17,6 +17,13 @@
 //      formula and order: the same bits).
 // The page size only changes address arithmetic: results are bit-identical across page sizes.
 //
+// Outside the cluster path, with AttentionParams::chunks_per_block > 1 (the default), the launch runs
+// MultiChunkAttentionKernel instead: the grid is ceil(chunks / chunks_per_block) blocks per (token, KV
+// head) in clusters of kAttnMergeCluster (chunk_blocks.h: a function of the launch shape only), block b
+// runs stages 1-3 above for chunks b, b + blocks, ... with the next chunk's loads in flight, and the
+// last cluster to arrive merges, each block a share of the outputs: the same partials, the same merge
+// formula and order, the same bits, without 258 near-empty blocks and a one-SM merge at 32K.
+//
 // From AttentionParams::multi_row_min_tokens rows on (prefill), the launch runs MultiRowAttentionKernel
 // instead: grid (chunk relative to a row group's first chunk, kv_head, group of kAttnMultiRows = 16
 // rows). The one-row kernel loads every key chunk once per query row (a prompt of T rows reads it T
@@ -36,6 +43,7 @@
 #include <cmath>
 
 #include "kernels/attention/attention.h"
+#include "kernels/attention/chunk_blocks.h"
 #include "kernels/cuda/bulk_copy.cuh"
 #include "kernels/cuda/device_utils.cuh"
 
@@ -214,6 +222,114 @@ __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       f[e] = KV == KvDtype::kFp8 ? Fp8ToFloat(p[e]) : Bf16BitsToFloat(reinterpret_cast<const uint16_t*>(p)[e]);
+    }
+  }
+}
+
+// Stage 1's arithmetic for the multi-chunk block, thread of key k, half `half` (kLoads 16-byte pieces
+// of its half of the key row in kv): per query head g the FMA chain over its dimensions in order
+// against s_q, then lower half + upper half (one shuffle), times score_scale; -inf for a key outside
+// the visible range. The lower half writes s_p[g][k]. SplitAttentionKernel's stage 1 is this code
+// written out in place (calling a helper there changed the one-chunk kernel's machine code for some
+// presets, which stays byte for byte as it was); the two must stay the same chains:
+// AttentionGpu.LongContext* and the multi-row tests compare them bit for bit.
+template <int D, int G, int C, KvDtype KV, int kLoads>
+__device__ __forceinline__ void ChunkScores(const uint4 (&kv)[kLoads], const float (&s_q)[G][D], float (&s_p)[G][C],
+                                            int k, int half, bool valid, bool active, float score_scale) {
+  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+  constexpr int kRowBytes = D * kElemBytes;
+  constexpr bool kSplitRow = kRowBytes % 32 == 0;
+  constexpr int kPartBytes = kSplitRow ? kRowBytes / 2 : kRowBytes;
+  constexpr int kPartDims = kPartBytes / kElemBytes;
+  constexpr int kVec = 16 / kElemBytes;
+  static_assert(kLoads == kPartBytes / 16, "one 16-byte piece per load");
+  float sc[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+  if (valid && active) {
+    const int dim0 = kSplitRow ? half * kPartDims : 0;
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) {
+      float kf[kVec];
+      if constexpr (KV == KvDtype::kFp8) {
+        Fp8x8ToFloat(make_uint2(kv[c].x, kv[c].y), kf);
+        Fp8x8ToFloat(make_uint2(kv[c].z, kv[c].w), kf + 8);
+      } else {
+        Bf16x8ToFloat(kv[c], kf);
+      }
+      const int d0 = dim0 + c * kVec;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          const float4 qv = *reinterpret_cast<const float4*>(&s_q[g][d0 + e]);
+          sc[g] = fmaf(qv.x, kf[e], sc[g]);
+          sc[g] = fmaf(qv.y, kf[e + 1], sc[g]);
+          sc[g] = fmaf(qv.z, kf[e + 2], sc[g]);
+          sc[g] = fmaf(qv.w, kf[e + 3], sc[g]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float other = __shfl_xor_sync(0xffffffffu, sc[g], 1);
+    const float dot = half == 0 ? sc[g] + other : other + sc[g];  // lower half + upper half
+    if (half == 0) s_p[g][k] = valid ? dot * score_scale : -INFINITY;
+  }
+}
+
+// Stage 3's arithmetic for the multi-chunk block: warp w owns query heads 2w and 2w + 1 (then 2w + 16,
+// ...), each lane kDimsPerLane dims of both; per (head, dim) o += p_k * v_k over all C keys of s_v
+// ([C][D] KV elements) in ascending order; store(g, d, o) takes each unscaled sum. The chain of every
+// (head, dim) is SplitAttentionKernel's stage 3 (one head per warp there; the same chains, compared
+// bit for bit by the tests).
+template <int D, int G, int C, KvDtype KV, typename Store>
+__device__ __forceinline__ void ChunkValues(const float (&s_p)[G][C], const unsigned char* s_v, int warp, int lane,
+                                            Store&& store) {
+  constexpr int kWarps = 256 / 32;
+  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+  constexpr int kRowBytes = D * kElemBytes;
+  constexpr int kDimsPerLane = D >= 32 ? D / 32 : 1;
+  // Query heads per lane: one V load and conversion feeds kHeads heads' chains (the one-chunk kernel
+  // converts every V element once per head). Each (head, dim) chain is unchanged: acc = fmaf(p_k,
+  // v_k, acc) over the C keys in ascending order from 0.
+  constexpr int kHeads = 2;
+  constexpr int kHeadGroups = (G + kHeads - 1) / kHeads;
+  const int d0 = lane * kDimsPerLane;
+  for (int hg = warp; hg < kHeadGroups && d0 < D; hg += kWarps) {
+    const int g0 = hg * kHeads;
+    float acc[kHeads][kDimsPerLane];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h)
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = 0.0f;
+    const unsigned char* vcol = s_v + d0 * kElemBytes;
+#pragma unroll 2
+    for (int k0 = 0; k0 < C; k0 += 4) {
+      float4 p[kHeads];
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {  // past the last head (G odd): a copy of it, computed, not stored
+        p[h] = *reinterpret_cast<const float4*>(&s_p[min(g0 + h, G - 1)][k0]);
+      }
+      float vf[4][kDimsPerLane];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) LoadKvDims<kDimsPerLane, KV>(vcol + (k0 + u) * kRowBytes, vf[u]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int h = 0; h < kHeads; ++h) {
+          const float pk = u == 0 ? p[h].x : u == 1 ? p[h].y : u == 2 ? p[h].z : p[h].w;
+#pragma unroll
+          for (int e = 0; e < kDimsPerLane; ++e) acc[h][e] = fmaf(pk, vf[u][e], acc[h][e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      if (g0 + h >= G) break;
+#pragma unroll
+      for (int e = 0; e < kDimsPerLane; ++e) store(g0 + h, d0 + e, acc[h][e]);
     }
   }
 }
@@ -491,6 +607,289 @@ __global__ void __launch_bounds__(256) SplitAttentionKernel(const AttentionParam
   arrive_and_merge();
   DL_ATTN_MARK(5);
   DL_ATTN_REPORT();
+}
+
+// ---- Long contexts: several chunks per block, merged by the last cluster ---------------------------------
+// Stage 4 of MultiChunkAttentionKernel in block `rank` of the `nblk` merging blocks of (token t, KV head
+// kvh): MergeChunks' formula and chunk order for every output this block owns. The G x D outputs are
+// G * D / 4 columns of 4 consecutive dims of one query head, split into nblk contiguous runs. A
+// column is taken by a group of kAttnMergeLanes lanes: lane q loads the partials of chunks c with
+// c % kAttnMergeLanes == q (kAttnMergeDepth chunks per round: one float4 of o_c, m_c, l_c each, all in
+// flight together) and computes w_c = exp(m_c - m); then every lane of the group runs the column's
+// chains over c ascending, taking chunk c's values from lane c % kAttnMergeLanes by shuffle:
+// m = max_c m_c (order-free), l = fmaf(l_c, w_c, l), o = fmaf(o_c, w_c, o) from 0, out = gate(bf16(o / l)):
+// MergeChunks' bits. Loads per round: 8 lanes x 4 chunks per column (4 keeps the kernel at 64
+// registers, 4 blocks per SM; 6 made it spill), against MergeChunks' 8 chunks per output on one block: a 32K
+// context (256 chunks) takes 8 rounds plus 1 for the maximum (32 chunks per lane: 4-byte loads), on 8
+// SMs, instead of 33 on one.
+inline constexpr int kAttnMergeLanes = 8;
+inline constexpr int kAttnMergeDepth = 4;
+inline constexpr int kAttnMaxDepth = 32;  // chunks per lane per round of the maximum
+template <int D, int G, int kThreads>
+__device__ __forceinline__ void MergeColumns(const AttentionParams& a, int t, int kvh, int num_chunks, int used,
+                                             const float* ws_o, const float* ws_m, const float* ws_l, int rank,
+                                             int nblk) {
+  constexpr int L = kAttnMergeLanes, R = kAttnMergeDepth;
+  constexpr int kCols = G * D / 4;
+  constexpr int kGroups = kThreads / L;  // column groups per block pass
+  static_assert(D % 4 == 0 && 32 % L == 0, "merge columns");
+  constexpr int kGroupsPerWarp = 32 / L;
+  const int H = a.num_q_heads;
+  const int q = threadIdx.x % L, group = threadIdx.x / L;
+  // This block's columns: a contiguous run of whole warps' worth (kGroupsPerWarp columns, of one head
+  // where D / 4 is a multiple of kGroupsPerWarp), so a warp's loads of a chunk are 64 contiguous bytes.
+  const int per_block = (kCols + nblk * kGroupsPerWarp - 1) / (nblk * kGroupsPerWarp) * kGroupsPerWarp;
+  const int first_col = rank * per_block, end_col = min(kCols, first_col + per_block);
+  // Every lane of a warp runs the same passes and rounds (used is the block's), so the width-L
+  // shuffles always have their whole warp; a warp without a column skips the pass, and a group past
+  // the last column computes its warp's first column unstored.
+  for (int j0 = first_col; j0 < end_col; j0 += kGroups) {
+    const int warp_col = j0 + (group / kGroupsPerWarp) * kGroupsPerWarp;
+    if (warp_col >= end_col) continue;  // uniform in the warp
+    const int col = j0 + group;
+    const bool have = col < end_col;
+    const int g = (have ? col : warp_col) * 4 / D, d0 = (have ? col : warp_col) * 4 % D;
+    const size_t row = (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks;  // (t, head)'s chunk 0
+    const float* m_row = ws_m + row;
+    const float* l_row = ws_l + row;
+    const float* o_col = ws_o + row * D + d0;  // chunk c at o_col + c * D (16-byte aligned)
+    float mx = -INFINITY;
+    for (int c0 = 0; c0 < used; c0 += L * kAttnMaxDepth) {
+      float mv[kAttnMaxDepth];
+#pragma unroll
+      for (int r = 0; r < kAttnMaxDepth; ++r) {
+        const int c = c0 + r * L + q;
+        mv[r] = c < used ? __ldcg(m_row + c) : -INFINITY;
+      }
+#pragma unroll
+      for (int r = 0; r < kAttnMaxDepth; ++r) mx = fmaxf(mx, mv[r]);
+    }
+#pragma unroll
+    for (int off = L / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off, L));
+    float l_acc = 0.0f, o_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c0 = 0; c0 < used; c0 += L * R) {
+      float w[R], l[R];
+      float4 o[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int c = c0 + r * L + q;
+        w[r] = l[r] = 0.0f;
+        o[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (c < used) {
+          w[r] = __ldcg(m_row + c);
+          l[r] = __ldcg(l_row + c);
+          o[r] = __ldcg(reinterpret_cast<const float4*>(o_col + static_cast<size_t>(c) * D));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (c0 + r * L + q < used) w[r] = expf(w[r] - mx);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int src = 0; src < L; ++src) {
+          if (c0 + r * L + src >= used) break;  // uniform: chunk c0 + r * L + src, ascending
+          const float wc = __shfl_sync(0xffffffffu, w[r], src, L);
+          const float lc = __shfl_sync(0xffffffffu, l[r], src, L);
+          const float ox = __shfl_sync(0xffffffffu, o[r].x, src, L);
+          const float oy = __shfl_sync(0xffffffffu, o[r].y, src, L);
+          const float oz = __shfl_sync(0xffffffffu, o[r].z, src, L);
+          const float ow = __shfl_sync(0xffffffffu, o[r].w, src, L);
+          l_acc = fmaf(lc, wc, l_acc);
+          o_acc[0] = fmaf(ox, wc, o_acc[0]);
+          o_acc[1] = fmaf(oy, wc, o_acc[1]);
+          o_acc[2] = fmaf(oz, wc, o_acc[2]);
+          o_acc[3] = fmaf(ow, wc, o_acc[3]);
+        }
+      }
+    }
+    if (have && q < 4) {  // lane e of the group writes dim d0 + e
+      const float oe = q == 0 ? o_acc[0] : q == 1 ? o_acc[1] : q == 2 ? o_acc[2] : o_acc[3];
+      const int h = kvh * G + g, d = d0 + q;
+      a.out[(static_cast<size_t>(t) * H + h) * D + d] = GateAndRound(a, t, h, d, oe / l_acc);
+    }
+  }
+}
+
+// The one-row kernel for long contexts (AttentionParams::chunks_per_block > 1, outside the cluster
+// path; layout from AttentionChunkLayout). Grid (blocks, kv_head, token), 256 threads, clusters of
+// kAttnMergeCluster blocks along x when kMergeCluster. Block b walks chunks b, b + blocks, ... below
+// the query's `used` chunks (the rest are empty: the grid is sized for max_position), and for each
+// runs SplitAttentionKernel's stages 1-3 unchanged (ChunkScores, WarpChunkSoftmax, ChunkValues: the
+// same chains in the same order), writing the chunk's partial to its slot. Software pipelining: the
+// next chunk's K half-rows are loaded into registers right after this chunk's scores, and its V rows
+// copied (cp.async) into the second V buffer before this chunk's softmax (one buffer where two do not
+// fit in static shared memory: then after this chunk's values). Each block owns its chunks, so it
+// loads q once. Stage 4: once every block of a cluster has written its partials (cluster barrier),
+// the cluster takes an arrival ticket (blocks / cluster per (token, KV head)); the last cluster's
+// blocks each merge a share of the outputs (MergeColumns). The ticket decides only who merges, never
+// the order; the last arrival puts the counter back to zero. Every block reaches both cluster
+// barriers (no early exit before them); nothing waits on a block outside its own cluster.
+template <int D, int G, int P, KvDtype KV, bool SLIDING, bool kMergeCluster>
+__global__ void __launch_bounds__(256) MultiChunkAttentionKernel(const AttentionParams a, int num_chunks) {
+  DL_TIMELINE_SCOPE(kAttention);
+  AllowDependentsAtStart(a.release_after_wait);
+  constexpr int C = kAttnChunk;
+  constexpr int kThreads = 256;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(C * 2 == kThreads, "stage 1 maps one key to each pair of threads");
+  static_assert(G >= 1 && P >= 2, "shape");
+  constexpr int kElemBytes = KV == KvDtype::kFp8 ? 1 : 2;
+  constexpr int kRowBytes = D * kElemBytes;
+  static_assert(kRowBytes % 16 == 0, "head dim: a key row must be whole 16-byte chunks");
+  constexpr bool kSplitRow = kRowBytes % 32 == 0;  // as SplitAttentionKernel
+  constexpr int kPartBytes = kSplitRow ? kRowBytes / 2 : kRowBytes;
+  constexpr int kLoads = kPartBytes / 16;
+  constexpr int kVBytes = C * kRowBytes;
+  // Two V buffers where they fit the 48 KB of static shared memory with s_q and s_p.
+  constexpr int kVBufs = 2 * kVBytes + 2 * G * (D + C) * 4 <= 46 * 1024 ? 2 : 1;
+
+  __shared__ __align__(16) float s_q[G][D];
+  __shared__ __align__(16) float s_p[G][C];
+  __shared__ __align__(16) unsigned char s_v[kVBufs][kVBytes];
+  __shared__ bool s_last;
+  const int t = blockIdx.z;
+  const int kvh = blockIdx.y;
+  const int nb = gridDim.x;
+  const int H = a.num_q_heads;
+  const int K = a.num_kv_heads;
+  const int pos = a.positions ? a.positions[t] : a.first_position + t;
+  const int start = SLIDING ? max(0, pos - a.window + 1) : 0;
+  const int used = pos / C - start / C + 1;  // chunks holding visible keys (slots 0 .. used-1)
+  const int mine = static_cast<int>(blockIdx.x) < used ? (used - 1 - static_cast<int>(blockIdx.x)) / nb + 1 : 0;
+
+  float* ws_o = static_cast<float*>(a.workspace);
+  const size_t n_part = static_cast<size_t>(a.num_tokens) * H * num_chunks;
+  float* ws_m = ws_o + n_part * D;
+  float* ws_l = ws_m + n_part;
+  auto part = [&](int g, int ci) { return (static_cast<size_t>(t) * H + kvh * G + g) * num_chunks + ci; };
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const float score_scale = a.softmax_scale * (KV == KvDtype::kFp8 ? a.k_scale : 1.0f);
+  const float v_scale = KV == KvDtype::kFp8 ? a.v_scale : 1.0f;
+  const char* k_base = static_cast<const char*>(a.k_pool);
+  const char* v_base = static_cast<const char*>(a.v_pool);
+  const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const bool active = kSplitRow || half == 0;
+  const int first = a.history ? a.history[t] : (a.positions ? a.positions[0] : a.first_position);
+  const int32_t* table = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
+  const int part_off = kSplitRow ? half * kPartBytes : 0;
+  // Key of this thread in chunk ci, and whether it is visible ([start, pos]: the chunk's [lo, hi]).
+  auto key_of = [&](int ci) { return (start / C + ci) * C + k; };
+  auto visible = [&](int s) { return s >= start && s <= pos; };
+  uint4 kv[kLoads];
+  auto load_k = [&](int s) {  // this thread's K half-row of visible key s into kv
+    const size_t off = ((static_cast<size_t>(table[s / P]) * P + s % P) * K + kvh) * kRowBytes + part_off;
+    const uint4* krow = reinterpret_cast<const uint4*>(k_base + off);
+#pragma unroll
+    for (int c = 0; c < kLoads; ++c) kv[c] = krow[c];
+  };
+  auto stage_v = [&](int s, bool valid, int buf) {  // V half-row into s_v[buf] (zeros when not visible)
+    unsigned char* dst = s_v[buf] + k * kRowBytes + part_off;
+    if (!active) return;
+    if (valid) {
+      const size_t off = ((static_cast<size_t>(table[s / P]) * P + s % P) * K + kvh) * kRowBytes + part_off;
+      const uint32_t v_sh = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(v_sh + 16 * c), "l"(v_base + off + 16 * c));
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kLoads; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0, 0, 0, 0);
+    }
+  };
+
+  // First chunk: keys written by earlier launches load before the wait on the previous kernel.
+  int ci = blockIdx.x;
+  int s = key_of(ci);
+  bool valid = mine > 0 && visible(s);
+  const bool early = a.history_stable && s < first;
+  if (valid && active && early) stage_v(s, true, 0), load_k(s);
+  WaitReleasing(a.release_after_wait);
+  if (mine > 0) {
+    if (!(valid && early)) stage_v(s, valid, 0);
+    if (valid && active && !early) load_k(s);
+    for (int i = threadIdx.x; i < G * D; i += kThreads) {
+      s_q[i / D][i % D] = Bf16BitsToFloat(a.q[(static_cast<size_t>(t) * H + kvh * G) * D + i]);
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  __syncthreads();  // s_q
+
+  for (int i = 0; i < mine; ++i, ci += nb) {
+    const int buf = kVBufs == 2 ? (i & 1) : 0;
+    // ---- Stage 1 of chunk ci (K in kv), then the next chunk's loads.
+    ChunkScores<D, G, C, KV>(kv, s_q, s_p, k, half, valid, active, score_scale);
+    const bool next = i + 1 < mine;
+    const int s_next = key_of(ci + nb);
+    const bool valid_next = next && visible(s_next);
+    if (valid_next && active) load_k(s_next);
+    if constexpr (kVBufs == 2) {
+      if (next) stage_v(s_next, valid_next, buf ^ 1);  // s_v[buf ^ 1]: free since the last iteration's barrier
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    __syncthreads();  // s_p scores
+
+    // ---- Stage 2.
+    for (int g = warp; g < G; g += kWarps) {
+      float mx, sum;
+      WarpChunkSoftmax<C>(s_p[g], lane, &mx, &sum);
+      if (lane == 0) {
+        ws_m[part(g, ci)] = mx;
+        ws_l[part(g, ci)] = sum;
+      }
+    }
+    if constexpr (kVBufs == 2) {
+      asm volatile("cp.async.wait_group 1;" ::: "memory");  // this chunk's V (the next one's may fly)
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // probabilities and this chunk's V rows
+
+    // ---- Stage 3.
+    ChunkValues<D, G, C, KV>(s_p, s_v[buf], warp, lane,
+                             [&](int g, int d, float acc) { ws_o[part(g, ci) * D + d] = acc * v_scale; });
+    __syncthreads();  // s_p and s_v[buf] consumed
+    if constexpr (kVBufs == 1) {
+      if (next) stage_v(s_next, valid_next, 0);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    s = s_next;
+    valid = valid_next;
+  }
+
+  // ---- Stage 4: arrival per cluster; the last cluster merges.
+  __syncthreads();  // this block's partials written
+  if (threadIdx.x == 0) __threadfence();
+  int rank = 0, nmerge = 1;
+  if constexpr (kMergeCluster) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    rank = static_cast<int>(cluster.block_rank());
+    nmerge = static_cast<int>(cluster.num_blocks());
+    cluster.sync();  // every block of the cluster has written (and fenced) its partials
+    if (rank == 0 && threadIdx.x == 0) {
+      __threadfence();
+      const unsigned arrivals = static_cast<unsigned>(nb / nmerge);
+      const bool last = atomicAdd(&a.counters[t * K + kvh], 1u) == arrivals - 1;
+      if (last) a.counters[t * K + kvh] = 0u;  // every arrival is in: back to zero for the next launch
+      for (int r = 0; r < nmerge; ++r) *cluster.map_shared_rank(&s_last, r) = last;
+    }
+    cluster.sync();  // s_last set in every block
+  } else {
+    if (threadIdx.x == 0) {
+      const bool last = atomicAdd(&a.counters[t * K + kvh], 1u) == static_cast<unsigned>(nb) - 1;
+      if (last) a.counters[t * K + kvh] = 0u;
+      s_last = last;
+    }
+    __syncthreads();
+  }
+  if (!s_last) return;
+  __threadfence();
+  MergeColumns<D, G, kThreads>(a, t, kvh, num_chunks, used, ws_o, ws_m, ws_l, rank, nmerge);
 }
 
 // ---- The multi-row kernel (prefill) -------------------------------------------------------------------
@@ -816,11 +1215,51 @@ Status LaunchMultiRowAttention(const AttentionParams& p, Stream stream) {
   return Status::Ok();
 }
 
+// The multi-chunk one-row kernel (AttnChunkKind::kMultiChunk): grid (layout.blocks, K, T), clusters of
+// layout.cluster blocks along x where the device has them.
+template <int D, int G, int P, KvDtype KV, bool SLIDING>
+Status LaunchMultiChunkAttention(const AttentionParams& p, const AttnChunkLayout& layout, Stream stream) {
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {  // the merge loads partials as float4
+    return InvalidArgument("attention ({}): the workspace must be 16-byte aligned for chunks_per_block {}",
+                           CanonicalName(PresetKeyOf(p)), p.chunks_per_block);
+  }
+  const dim3 grid(layout.blocks, p.num_kv_heads, p.num_tokens);
+  const unsigned cluster = static_cast<unsigned>(layout.cluster);
+  auto launch = [&](auto kernel) -> cudaError_t {
+    static const bool carveout = [&] {  // as LaunchSplitAttention: a hint, a failure changes nothing else
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared) !=
+          cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      return true;
+    }();
+    (void)carveout;
+    return dev::LaunchDependentCluster(kernel, grid, dim3(256), 0, cluster, reinterpret_cast<cudaStream_t>(stream), p,
+                                       layout.chunks);
+  };
+  const cudaError_t e = cluster > 0 ? launch(dev::MultiChunkAttentionKernel<D, G, P, KV, SLIDING, true>)
+                                    : launch(dev::MultiChunkAttentionKernel<D, G, P, KV, SLIDING, false>);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Internal("launching {} ({} chunks per block) failed: {}", CanonicalName(PresetKeyOf(p)), layout.per_block,
+                    cudaGetErrorString(e));
+  }
+  DL_KERNEL_LAUNCH_CHECK(CanonicalName(PresetKeyOf(p)) + " (multi-chunk)");
+  return Status::Ok();
+}
+
 template <int D, int G, int P, KvDtype KV, bool SLIDING>
 Status LaunchSplitAttention(const AttentionParams& params, Stream stream) {
   AttentionParams p = params;
   if (p.softmax_scale <= 0.0f) p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  if (p.chunks_per_block < 1) {
+    return InvalidArgument("attention ({}): chunks_per_block {} must be >= 1", CanonicalName(PresetKeyOf(p)),
+                           p.chunks_per_block);
+  }
   if (AttentionUsesMultiRow(p)) return LaunchMultiRowAttention<D, G, P, KV, SLIDING>(p, stream);
+  const AttnChunkLayout layout = AttentionChunkLayout(p, dev::DeviceHasClusters());
+  if (layout.kind == AttnChunkKind::kMultiChunk) return LaunchMultiChunkAttention<D, G, P, KV, SLIDING>(p, layout, stream);
   const int num_chunks = AttentionMaxChunks(p);
   dim3 grid(num_chunks, p.num_kv_heads, p.num_tokens);
   // The SMs attention runs on keep the largest shared-memory carveout, so the next kernel's blocks
