@@ -550,7 +550,6 @@ Status CudaRunner::Impl::Attention(int32_t l) {
   ap.counters = ws.attn_counters;
   ap.cluster_max_chunks = opt.tuning.attention_cluster_max_chunks;
   ap.multi_row_min_tokens = opt.tuning.attention_multi_row_min_tokens;
-  ap.chunks_per_block = opt.tuning.attention_chunks_per_block;
   ap.release_after_wait = opt.tuning.late(LateRelease::kAttention);
   // Prompt rows (where prompt_mma makes them their own class) on the tensor-core prompt kernel, each
   // run of consecutive rows of one class in its own launch; otherwise every row on the split kernel.

@@ -11,7 +11,6 @@
 #include "base/dtype.h"
 #include "base/rng.h"
 #include "kernels/attention/attention.h"
-#include "kernels/attention/chunk_blocks.h"
 #include "kernels/ops.h"
 #include "kernels/tuning.h"
 #include "kernels/reference/reference.h"
@@ -152,57 +151,6 @@ TEST(Registry, MultiRowGridCoversARowGroupAndTheThresholdDecides) {
   EXPECT_FALSE(AttentionUsesMultiRow(p)) << "decode stays on the one-row kernel";
 }
 
-// The one-row kernel's chunk layout (chunk_blocks.h): a function of the launch shape only. The cluster
-// path keeps its chunks (sliding layers, 5 chunks); chunks_per_block 1 is one chunk per block; above 1,
-// ceil(chunks / chunks_per_block) blocks rounded up to whole merge clusters, every chunk covered.
-TEST(Registry, ChunkLayoutDependsOnTheLaunchShapeOnly) {
-  AttentionParams p;
-  p.num_tokens = 1, p.num_q_heads = 48, p.num_kv_heads = 8, p.head_dim = 128;
-  p.max_position = 33023;  // the engine's graph bound for a 32K context: 258 chunk slots
-  EXPECT_EQ(Tuning{}.attention_chunks_per_block, AttentionParams{}.chunks_per_block);
-  ASSERT_EQ(AttentionParams{}.chunks_per_block, 4);
-  AttnChunkLayout l = AttentionChunkLayout(p, true);
-  EXPECT_EQ(l.kind, AttnChunkKind::kMultiChunk);
-  EXPECT_EQ(l.chunks, 258);
-  EXPECT_EQ(l.blocks, 72);  // ceil(258 / 4) = 65, rounded up to 9 clusters of 8
-  EXPECT_EQ(l.cluster, kAttnMergeCluster);
-  EXPECT_EQ(l.per_block, 4);
-  const size_t ws = AttentionWorkspaceBytes(p);
-  for (int cpb : {2, 3, 5, 8, 64}) {
-    p.chunks_per_block = cpb;
-    for (bool clusters : {true, false}) {
-      l = AttentionChunkLayout(p, clusters);
-      EXPECT_EQ(l.kind, AttnChunkKind::kMultiChunk) << cpb;
-      EXPECT_EQ(l.blocks % std::max(l.cluster, 1), 0) << cpb;
-      EXPECT_GE(l.blocks * cpb, l.chunks) << "every chunk has a block, " << cpb;
-      EXPECT_LE(l.per_block, cpb) << cpb;
-      EXPECT_EQ(l.cluster, clusters ? kAttnMergeCluster : 0);
-    }
-    const int blocks = AttentionChunkLayout(p, true).blocks;
-    p.num_tokens = 64;  // the batch changes neither the layout nor the partial slots per row
-    EXPECT_EQ(AttentionChunkLayout(p, true).blocks, blocks) << cpb;
-    p.num_tokens = 1;
-    EXPECT_EQ(AttentionWorkspaceBytes(p), ws);
-  }
-  p.chunks_per_block = 1;  // one chunk per block, one merging block
-  l = AttentionChunkLayout(p, true);
-  EXPECT_EQ(l.kind, AttnChunkKind::kTicket);
-  EXPECT_EQ(l.blocks, 258);
-  EXPECT_EQ(l.cluster, 0);
-  // Sliding layers (window 512: 5 chunks) keep the cluster path whatever chunks_per_block is.
-  p.window_kind = WindowKind::kSliding, p.window = 512, p.chunks_per_block = 4;
-  l = AttentionChunkLayout(p, true);
-  EXPECT_EQ(l.kind, AttnChunkKind::kCluster);
-  EXPECT_EQ(l.blocks, 5);
-  EXPECT_EQ(l.cluster, 5);
-  p.cluster_max_chunks = 0;  // without the cluster path: one merge cluster, 3 of its blocks empty
-  l = AttentionChunkLayout(p, true);
-  EXPECT_EQ(l.kind, AttnChunkKind::kMultiChunk);
-  EXPECT_EQ(l.blocks, 8);
-  EXPECT_EQ(l.per_block, 1);
-  EXPECT_EQ(AttentionChunkLayout(p, false).blocks, 2);
-}
-
 // RunAttention's launch checks, through a stand-in launcher (no GPU needed): a negative threshold, more
 // rows than the one-row kernel's grid takes, more row groups than the multi-row kernel's; what passes
 // reaches the launcher.
@@ -274,10 +222,6 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   EXPECT_EQ(SetTuning(&t, "attention_multi_row_min_tokens=-1").code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(SetTuning(&t, "attention_multi_row_min_tokens=0").ok());
   EXPECT_EQ(t.attention_multi_row_min_tokens, 0);
-  EXPECT_EQ(SetTuning(&t, "attention_chunks_per_block=0").code(), StatusCode::kInvalidArgument);
-  ASSERT_TRUE(SetTuning(&t, "attention_chunks_per_block=1").ok());
-  EXPECT_EQ(t.attention_chunks_per_block, 1);
-  EXPECT_NE(TuningString(t).find("attention_chunks_per_block=1"), std::string::npos);
   EXPECT_EQ(SetTuning(&t, "batch_gemv_tokens=5").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(SetTuning(&t, "stream_gemv").code(), StatusCode::kInvalidArgument);
   EXPECT_NE(SetTuning(&t, "stream_ring_kb=abc").message().find("stream_ring_kb"), std::string::npos);

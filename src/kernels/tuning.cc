@@ -21,7 +21,6 @@ constexpr Setting kSettings[] = {
     {"l2_prefetch", "warm L2 before each PDL wait with the small data read right after it", 0, 1, true, nullptr, &Tuning::l2_prefetch},
     {"attention_cluster_max_chunks", "attention merges up to this many key chunks in a cluster (0 = never)", 0, 8, false, &Tuning::attention_cluster_max_chunks, nullptr},
     {"attention_multi_row_min_tokens", "attention: the multi-row (prefill) kernel from this many rows on (0 = never; same bits)", 0, 1 << 30, false, &Tuning::attention_multi_row_min_tokens, nullptr},
-    {"attention_chunks_per_block", "attention (one-row kernel): key chunks per block at most, merged by the last cluster of blocks (1 = one chunk per block; same bits)", 1, 64, false, &Tuning::attention_chunks_per_block, nullptr},
     {"stream_gemv", "batch-1 dense GEMVs stream weights through shared memory (TMA bulk copies)", 0, 1, true, nullptr, &Tuning::stream_gemv},
     {"stream_ring_kb", "streaming GEMV: shared-memory ring size", 8, 200, false, &Tuning::stream_ring_kb, nullptr},
     {"stream_stage_kb", "streaming GEMV: bytes per bulk copy", 1, 128, false, &Tuning::stream_stage_kb, nullptr},

@@ -42,10 +42,6 @@ struct Tuning {
   // a launch on (0 = never): prefill. Same bits either way. Kernel bench (docs/performance.md,
   // session 11): 0.27x the one-row kernel at 128 rows (too few blocks), 1.1-1.5x from 1,024.
   int attention_multi_row_min_tokens = 512;
-  // Attention (one-row kernel, outside the cluster path): a block computes up to this many key
-  // chunks' partials, and the last cluster of blocks merges them (1 = one chunk per block, one
-  // merging block). Same bits for every value; long contexts need fewer, fuller blocks.
-  int attention_chunks_per_block = 4;
   // Batch-1 dense GEMVs stream their weights through shared memory with TMA bulk copies.
   bool stream_gemv = true;
   int stream_ring_kb = 128;

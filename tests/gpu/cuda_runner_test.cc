@@ -359,35 +359,6 @@ TEST(CudaRunnerTest, TokensIdenticalAcrossPageSizesChunksAndGraphs) {
   }
 }
 
-// Tuning::attention_chunks_per_block moves only who computes which attention chunk and who merges:
-// tokens and logits are bit-identical for one chunk per block (one merging block) and the multi-chunk
-// layouts (the last cluster of blocks merges), on a 700-token prompt and its decode (8 chunk slots per
-// full layer at max_seq_len 1024), FP8 and BF16 caches, graphs; with prompt_attention off the prompt's
-// second chunk (188 rows) runs the one-row kernel too.
-TEST(CudaRunnerTest, AttentionChunksPerBlockKeepsTheBits) {
-  SKIP_WITHOUT_GPU();
-  auto ck = MakeSyntheticCheckpoint(SmallXs2Geometry(), 17, DType::kBF16);
-  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
-  const auto prompt = LongPrompt(700, ck->config().vocab_size);
-  for (DType kv : {DType::kF8E4M3, DType::kBF16}) {
-    for (bool prompt_attention : {true, false}) {
-      kernels::Tuning one;
-      one.attention_chunks_per_block = 1;
-      one.prompt_attention = prompt_attention;
-      const Transcript reference = Generate(*ck, kv, 32, 512, true, prompt, 24, one);
-      for (int cpb : {2, kernels::Tuning{}.attention_chunks_per_block, 8}) {
-        kernels::Tuning t = one;
-        t.attention_chunks_per_block = cpb;
-        const Transcript r = Generate(*ck, kv, 32, 512, true, prompt, 24, t);
-        EXPECT_EQ(r.tokens, reference.tokens)
-            << DTypeName(kv) << " prompt_attention " << prompt_attention << " chunks_per_block " << cpb;
-        EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
-            << DTypeName(kv) << " prompt_attention " << prompt_attention << " chunks_per_block " << cpb;
-      }
-    }
-  }
-}
-
 // The batch-shaped engine's promise on the GPU, with XS.2's attention geometry (D 128, 48/64 heads, the
 // 512 window, which prompts up to 700 tokens wrap): every sequence's tokens and the logits of every
 // row that produced one (greedy and seeded top-k/top-p sampling) are bit-identical alone and under

@@ -19,7 +19,6 @@
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "kernels/attention/attention.h"
-#include "kernels/attention/chunk_blocks.h"
 #include "kernels/elementwise.h"
 #include "kernels/ops.h"
 #include "kernels/sampling.h"
@@ -402,67 +401,6 @@ int main(int argc, char** argv) {
     rows.push_back({c.label, kernel->name, ms * 1e3, 2.0 * keys * K * D * esz});
   }
 
-  // Decode at long contexts, as the engine launches it (issue 17): one row, XS.2's full layer (G 6, 8 KV
-  // heads, D 128), FP8 KV, page 32, the grid sized for max_position 33023 (the engine's graph bound), at
-  // contexts 1K, 8K and 32K, for chunks_per_block 1 (one chunk per block, one merging block), the
-  // default and a sweep; 4 rotating caches (> L2). The floor: the row's K and V bytes at 4.2 TB/s.
-  struct LongDecodeRow {
-    int ctx, cpb, blocks;
-    double us, floor_us;
-  };
-  std::vector<LongDecodeRow> long_decode;
-  if (want("attn")) {
-    const AttnPresetKey key{128, 6, 32, KvDtype::kFp8, WindowKind::kGlobal};
-    auto kernel = ResolveAttention(key);
-    if (!kernel.ok()) {
-      std::printf("skip attn long decode: %s\n", kernel.status().message().c_str());
-    } else {
-      constexpr int K = 8, D = 128, P = 32, H = K * 6, kBound = 33023, kCopies = 4;
-      const int pages = (kBound + 1 + P - 1) / P;
-      const size_t pool = size_t(pages) * P * K * D;
-      std::vector<int32_t> table(pages);
-      std::iota(table.begin(), table.end(), 0);
-      std::shuffle(table.begin(), table.end(), std::mt19937(3));
-      auto d_t = Upload(table);
-      std::vector<cuda::DeviceBuffer> kp, vp;
-      for (int l = 0; l < kCopies; ++l) {
-        kp.push_back(Alloc(pool)), vp.push_back(Alloc(pool));
-        CHECK_OK(kp.back().Fill(0x3a));  // FP8 codes 1.25 / 0.8125: finite, non-zero
-        CHECK_OK(vp.back().Fill(0x35));
-      }
-      auto q = Random(H * D, 18, 1.0f), g = Random(H, 19, 1.0f), o = Alloc(H * D * 2);
-      auto d_pos = Alloc(4);
-      AttentionParams p;
-      p.q = q.as<bf16>(), p.block_table = d_t.as<int32_t>(), p.positions = d_pos.as<int32_t>();
-      p.max_position = kBound, p.num_q_heads = H, p.num_kv_heads = K, p.head_dim = D, p.page_size = P;
-      p.kv_dtype = KvDtype::kFp8, p.window_kind = WindowKind::kGlobal, p.k_scale = p.v_scale = 0.1f;
-      p.gate = g.as<bf16>(), p.gate_stride = H, p.out = o.as<bf16>(), p.release_after_wait = true;
-      auto ws = Alloc(AttentionWorkspaceBytes(p)), counters = Alloc(K * 4);
-      CHECK_OK(counters.Fill(0));
-      p.workspace = ws.data(), p.workspace_bytes = ws.size(), p.counters = counters.as<uint32_t>();
-      const int default_cpb = AttentionParams{}.chunks_per_block;
-      std::vector<int> cpbs = {1, default_cpb};
-      for (int c : {2, 3, 5, 6, 8}) {
-        if (c != default_cpb) cpbs.push_back(c);
-      }
-      for (int ctx : {1024, 8192, 32768}) {
-        const int32_t pos = ctx - 1;
-        CHECK_OK(d_pos.CopyFromHost(&pos, 4));
-        for (int cpb : cpbs) {
-          p.chunks_per_block = cpb;
-          const double ms = TimeMs([&](int i) {
-            AttentionParams a = p;
-            a.k_pool = kp[i % kCopies].data(), a.v_pool = vp[i % kCopies].data();
-            CHECK_OK(RunAttention(*kernel, a, g_stream));
-          }, 200);
-          const double bytes = 2.0 * ctx * K * D;  // K and V, one byte each
-          long_decode.push_back({ctx, cpb, AttentionChunkLayout(p, info->major >= 9).blocks, ms * 1e3,
-                                 bytes / 4.2e12 * 1e6});
-        }
-      }
-    }
-  }
-
   // Prefill attention at XS.2 shapes (full layer G 6, sliding layer G 8 W 512; 8 KV heads, D 128, FP8
   // KV, page 32): a prompt of T tokens at positions 0..T-1 over a cache of T tokens, the one-row kernel
   // (multi_row_min_tokens = 0) against the multi-row kernel (1); the same bits (kernels_gpu_test). K/V
@@ -718,16 +656,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (!long_decode.empty()) {
-    std::printf("\nattn long decode (T 1, G 6 full layer, FP8 KV, page 32, max_position 33023; default "
-                "chunks_per_block %d; floor = K+V bytes / 4.2 TB/s)\n", AttentionParams{}.chunks_per_block);
-    std::printf("%-7s %16s %12s %10s %10s %8s\n", "ctx", "chunks_per_block", "blocks/head", "us/call", "floor us",
-                "%floor");
-    for (const LongDecodeRow& r : long_decode) {
-      std::printf("%-7d %16d %12d %10.2f %10.2f %7.1f%%\n", r.ctx, r.cpb, r.blocks, r.us, r.floor_us,
-                  100.0 * r.floor_us / r.us);
-    }
-  }
   if (!prefill.empty()) {
     std::printf("\nattn_prefill (FP8 KV, page 32, 8 KV heads, D 128; multi-row: %d rows per block)\n", kAttnMultiRows);
     std::printf("%-16s %5s %12s %12s %8s %14s %14s %10s %9s\n", "layer", "T", "one-row us", "multi-row us", "speedup",

@@ -196,7 +196,7 @@ struct AttnRun {
 AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
                 int first, int T, int max_position, bool per_element_gate, uint64_t key,
                 bool want_ref = true, int cluster_max_chunks = AttentionParams{}.cluster_max_chunks,
-                AttnKind kind = AttnKind::kDecode, int chunks_per_block = AttentionParams{}.chunks_per_block) {
+                AttnKind kind = AttnKind::kDecode) {
   const int D = c.D;
   auto q = RandomBf16(static_cast<size_t>(max_position + 1) * H * D, key, 1.5f);
   const int gate_w = per_element_gate ? H * D : H;
@@ -220,7 +220,6 @@ AttnRun RunAttn(const AttentionKernel& kernel, const Cache& c, int H, WindowKind
   p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
   p.out = d_o.as<bf16>();
   p.cluster_max_chunks = cluster_max_chunks;
-  p.chunks_per_block = chunks_per_block;
   auto d_ws = Alloc(AttentionWorkspaceBytes(p));
   auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size();
@@ -413,15 +412,10 @@ TEST(AttentionGpu, ClusterMergeMatchesTicketMerge) {
         AttentionParams probe;
         probe.max_position = bound, probe.window_kind = k.window, probe.window = window;
         ASSERT_LE(AttentionMaxChunks(probe), kAttnMaxClusterChunks);
-        AttnRun ticket =
-            RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, 0, AttnKind::kDecode, 1);
+        AttnRun ticket = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, 0);
         AttnRun cluster = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false,
                                   kAttnMaxClusterChunks);
         EXPECT_EQ(cluster.out, ticket.out) << "first " << first << " T " << T << " bound " << bound;
-        // Without the cluster path, the multi-chunk layout (default chunks_per_block; 1-8 chunks: one
-        // merge cluster, blocks past the chunks empty) gives the same bits too.
-        AttnRun multi = RunAttn(*kernel, c, H, k.window, window, first, T, bound, k.group == 4, 43, false, 0);
-        EXPECT_EQ(multi.out, ticket.out) << "multi-chunk, first " << first << " T " << T << " bound " << bound;
       }
     }
   }
@@ -468,9 +462,7 @@ struct MultiRowCase {
   int max_position = 0;
 };
 struct MultiRowResult {
-  // one_row: one chunk per block (chunks_per_block 1); multi_chunk: the one-row kernel with the default
-  // chunks_per_block (the multi-chunk layout outside the cluster path); multi_row: the multi-row kernel.
-  std::vector<bf16> one_row, multi_chunk, multi_row, ref;
+  std::vector<bf16> one_row, multi_row, ref;
 };
 // `tables`: [num_seqs, stride] block tables over the pool of `c` (c.table when there is one sequence).
 MultiRowResult RunOneRowAndMultiRow(const AttentionKernel& kernel, const Cache& c, const std::vector<int32_t>& tables,
@@ -499,20 +491,17 @@ MultiRowResult RunOneRowAndMultiRow(const AttentionKernel& kernel, const Cache& 
   p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size(), p.counters = d_counters.as<uint32_t>();
   p.out = d_o.as<bf16>();
   MultiRowResult r;
-  const int default_cpb = AttentionParams{}.chunks_per_block;
-  for (auto [min_tokens, cpb, dst] : {std::tuple{0, 1, &r.one_row}, std::tuple{0, default_cpb, &r.multi_chunk},
-                                      std::tuple{1, default_cpb, &r.multi_row}}) {
+  for (int min_tokens : {0, 1}) {
     EXPECT_TRUE(d_o.Fill(0xff).ok());     // poison: an output left unwritten is NaN and differs
     EXPECT_TRUE(d_ws.Fill(0xff).ok());
     p.multi_row_min_tokens = min_tokens;
-    p.chunks_per_block = cpb;
     const Status st = RunAttention(kernel, p, nullptr);
     EXPECT_TRUE(st.ok()) << st.message();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    *dst = Download<bf16>(d_o, q_n);
+    (min_tokens ? r.multi_row : r.one_row) = Download<bf16>(d_o, q_n);
     const auto left = Download<uint32_t>(d_counters, static_cast<size_t>(T) * c.K);
     EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()))
-        << "tickets handed back (multi_row_min_tokens " << min_tokens << ", chunks_per_block " << cpb << ")";
+        << "tickets handed back (multi_row_min_tokens " << min_tokens << ")";
   }
   if (want_ref) {
     const auto q = Download<bf16>(d_q, q_n), g = Download<bf16>(d_g, g_n);
@@ -555,20 +544,17 @@ TEST(AttentionGpu, MultiRowKernelMatchesOneRowKernelBitForBit) {
           const MultiRowResult r = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window, Prompt(first, T),
                                                         k.group == 4, 300 + T + first, false);
           EXPECT_EQ(r.multi_row, r.one_row);
-          EXPECT_EQ(r.multi_chunk, r.one_row);
         }
       }
       // A grid sized for a larger bound (a captured graph's max_position): still the same bits.
       const MultiRowResult big = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window,
                                                       Prompt(1000, 100, 600), k.group == 4, 77, false);
       EXPECT_EQ(big.multi_row, big.one_row) << "max_position bound 1699";
-      EXPECT_EQ(big.multi_chunk, big.one_row) << "max_position bound 1699";
       // Against the CPU reference (the tolerance of EveryBuiltPresetMatchesReference).
       const bool cheap = k.head_dim < 128;
       const MultiRowResult r = RunOneRowAndMultiRow(*kernel, c, c.table, 0, H, k.window, window,
                                                     cheap ? Prompt(990, 37) : Prompt(0, 37), k.group == 4, 78, true);
       EXPECT_EQ(r.multi_row, r.one_row);
-      EXPECT_EQ(r.multi_chunk, r.one_row);
       ExpectClose(r.multi_row, r.ref, 2e-3f, 1.0f / 64, info.name + " multi-row vs reference");
     }
   }
@@ -619,133 +605,7 @@ TEST(AttentionGpu, MultiRowKernelTakesRowsOfSeveralSequences) {
       const MultiRowResult r = RunOneRowAndMultiRow(*kernel, pool, tables, stride, H, k.window, window, mc,
                                                     k.group == 4, 500 + window, D < 128);
       EXPECT_EQ(r.multi_row, r.one_row);
-      EXPECT_EQ(r.multi_chunk, r.one_row);
       if (D < 128) ExpectClose(r.multi_row, r.ref, 2e-3f, 1.0f / 64, info.name + " mixed batch vs reference");
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Long contexts (issue 17): the multi-chunk layout of the one-row kernel (chunks_per_block > 1: block b
-// walks chunks b, b + blocks, ..., the last cluster of blocks merges) against one chunk per block
-// (chunks_per_block 1: one merging block) and the multi-row kernel, bit for bit, with the engine's
-// grid bound (max_position 33023: 258 chunk slots), for decode rows deep in a 32K context and a launch
-// of rows far apart; and against the CPU reference. Every configuration runs the same q, gate and
-// cache; outputs and workspace are poisoned before each run and the tickets must come back to zero.
-struct LongConfig {
-  int chunks_per_block;
-  int multi_row_min_tokens;  // 0: the one-row kernel
-  int cluster_max_chunks;
-};
-std::vector<bf16> RunLongConfig(const AttentionKernel& kernel, const Cache& c, int H, WindowKind win, int window,
-                                const std::vector<int32_t>& positions, int max_position, const LongConfig& cfg,
-                                bool per_element_gate, uint64_t key, std::vector<bf16>* ref = nullptr) {
-  const int D = c.D, T = static_cast<int>(positions.size());
-  const int gate_w = per_element_gate ? H * D : H;
-  const size_t q_n = static_cast<size_t>(T) * H * D, g_n = static_cast<size_t>(T) * gate_w;
-  auto d_q = Alloc(q_n * 2), d_g = Alloc(g_n * 2);
-  EXPECT_TRUE(FillRandomBf16(d_q.as<bf16>(), q_n, key, 1.5f, nullptr).ok());
-  EXPECT_TRUE(FillRandomBf16(d_g.as<bf16>(), g_n, key + 1, 1.0f, nullptr).ok());
-  auto d_k = Upload(c.k), d_v = Upload(c.v), d_t = Upload(c.table), d_pos = Upload(positions);
-  AttentionParams p;
-  p.q = d_q.as<bf16>(), p.k_pool = d_k.data(), p.v_pool = d_v.data(), p.block_table = d_t.as<int32_t>();
-  p.positions = d_pos.as<int32_t>(), p.max_position = max_position;
-  p.history_stable = true;  // the whole cache is written before the launch: early loads before the wait
-  p.history = d_pos.as<int32_t>();
-  p.num_tokens = T, p.num_q_heads = H, p.num_kv_heads = c.K, p.head_dim = D, p.page_size = c.P;
-  p.kv_dtype = c.kv, p.window_kind = win, p.window = window, p.k_scale = 0.5f, p.v_scale = 0.25f;
-  p.gate = d_g.as<bf16>(), p.gate_stride = gate_w, p.gate_per_element = per_element_gate;
-  p.chunks_per_block = cfg.chunks_per_block, p.multi_row_min_tokens = cfg.multi_row_min_tokens;
-  p.cluster_max_chunks = cfg.cluster_max_chunks;
-  auto d_ws = Alloc(AttentionWorkspaceBytes(p));  // poisoned (0xff: NaN)
-  auto d_counters = Alloc(static_cast<size_t>(T) * c.K * 4, 0);
-  auto d_o = Alloc(q_n * 2);  // poisoned: an output left unwritten is NaN and differs
-  p.workspace = d_ws.data(), p.workspace_bytes = d_ws.size(), p.counters = d_counters.as<uint32_t>();
-  p.out = d_o.as<bf16>();
-  const Status st = RunAttention(kernel, p, nullptr);
-  EXPECT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto left = Download<uint32_t>(d_counters, static_cast<size_t>(T) * c.K);
-  EXPECT_EQ(std::count(left.begin(), left.end(), 0u), static_cast<long>(left.size()))
-      << "tickets handed back (chunks_per_block " << cfg.chunks_per_block << ")";
-  std::vector<bf16> out = Download<bf16>(d_o, q_n);
-  if (ref) {
-    const auto q = Download<bf16>(d_q, q_n), g = Download<bf16>(d_g, g_n);
-    ref->assign(q_n, bf16{});
-    AttentionParams h = p;
-    h.q = q.data(), h.k_pool = c.k.data(), h.v_pool = c.v.data(), h.block_table = c.table.data();
-    h.positions = positions.data(), h.history = nullptr, h.gate = g.data(), h.out = ref->data();
-    ref::Attention(h);
-  }
-  return out;
-}
-
-TEST(AttentionGpu, LongContextMultiChunkMatchesOneChunkPerBlockAndMultiRow) {
-  SKIP_WITHOUT_GPU();
-  constexpr int kTokens = 32768, kBound = 33023;  // the engine's graph bound for a 32K context
-  const int default_cpb = AttentionParams{}.chunks_per_block;
-  ASSERT_GT(default_cpb, 1) << "the default takes the multi-chunk layout";
-  for (const PresetInfo& info : AllPresets()) {
-    if (!info.built || info.key.window != WindowKind::kGlobal) continue;
-    SCOPED_TRACE(info.name);
-    const AttnPresetKey& k = info.key;
-    const auto [K, H, window] = TestShapeOf(k);
-    const Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, kTokens, 95, 0.5f, 0.25f);
-    auto kernel = ResolveAttention(k);
-    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
-    const bool pe = k.group == 4;
-    // Decode rows alone, and one launch of rows far apart (their `used` chunks differ: 157, 256, 1, 9).
-    for (const std::vector<int32_t>& positions :
-         {std::vector<int32_t>{20000}, std::vector<int32_t>{kTokens - 1}, std::vector<int32_t>{20000, 32767, 5, 1100}}) {
-      SCOPED_TRACE(testing::Message() << positions.size() << " rows, first at " << positions[0]);
-      const uint64_t key = 600 + positions[0] + positions.size();
-      std::vector<bf16> ref;
-      const bool want_ref = positions.size() == 1 && positions[0] == kTokens - 1;
-      const std::vector<bf16> one = RunLongConfig(*kernel, c, H, k.window, window, positions, kBound, {1, 0, 5}, pe, key,
-                                                  want_ref ? &ref : nullptr);
-      ASSERT_EQ(std::count(one.begin(), one.end(), bf16{0xffff}), 0) << "every output written";
-      for (int cpb : {2, 3, default_cpb, 8, 64}) {
-        EXPECT_EQ(RunLongConfig(*kernel, c, H, k.window, window, positions, kBound, {cpb, 0, 5}, pe, key), one)
-            << "chunks_per_block " << cpb;
-      }
-      // The grid sized for the context itself (fewer chunk slots) and the multi-row kernel: the same bits.
-      const int tight = *std::max_element(positions.begin(), positions.end());
-      EXPECT_EQ(RunLongConfig(*kernel, c, H, k.window, window, positions, tight, {default_cpb, 0, 5}, pe, key), one)
-          << "max_position " << tight;
-      EXPECT_EQ(RunLongConfig(*kernel, c, H, k.window, window, positions, kBound, {default_cpb, 1, 5}, pe, key), one)
-          << "multi-row kernel";
-      if (want_ref) ExpectClose(one, ref, 2e-3f, 1.0f / 64, info.name + " 32K decode vs reference");
-    }
-  }
-}
-
-// The multi-chunk layout where the cluster path would take the chunks (cluster_max_chunks 0): sliding
-// layers (window 512: 5 chunks; window 40: 2) and short global contexts, decode and prefill rows.
-TEST(AttentionGpu, MultiChunkLayoutOnFewChunksMatchesOneChunkPerBlock) {
-  SKIP_WITHOUT_GPU();
-  for (const PresetInfo& info : AllPresets()) {
-    if (!info.built) continue;
-    SCOPED_TRACE(info.name);
-    const AttnPresetKey& k = info.key;
-    const auto [K, H, window0] = TestShapeOf(k);
-    const Cache c = MakeCache(K, k.head_dim, k.page_size, k.kv_dtype, 2100, 97, 0.5f, 0.25f);
-    auto kernel = ResolveAttention(k);
-    ASSERT_TRUE(kernel.ok()) << kernel.status().message();
-    const std::vector<int> windows = k.window == WindowKind::kSliding ? std::vector<int>{window0, 40} : std::vector<int>{0};
-    for (int window : windows) {
-      for (const std::vector<int32_t>& positions : {std::vector<int32_t>{2047}, std::vector<int32_t>{700, 701, 702, 2099}}) {
-        SCOPED_TRACE(testing::Message() << "window " << window << ", " << positions.size() << " rows");
-        for (int bound : {2099, 33023}) {
-          const std::vector<bf16> one =
-              RunLongConfig(*kernel, c, H, k.window, window, positions, bound, {1, 0, 0}, k.group == 4, 700 + window);
-          for (int cpb : {2, AttentionParams{}.chunks_per_block, 64}) {
-            EXPECT_EQ(RunLongConfig(*kernel, c, H, k.window, window, positions, bound, {cpb, 0, 0}, k.group == 4,
-                                    700 + window),
-                      one)
-                << "bound " << bound << " chunks_per_block " << cpb;
-          }
-        }
-      }
     }
   }
 }

@@ -74,13 +74,6 @@ struct AttentionParams {
   // kAttnMultiRows rows; attention_kernel.cuh); below it, and always when 0, the one-row split kernel.
   // The same bits either way: a speed knob only (Tuning::attention_multi_row_min_tokens).
   int multi_row_min_tokens = 512;
-  // One-row kernel, where the chunks do not take the cluster path above: a block walks up to this
-  // many of a (token, KV head)'s chunks (chunk b, b + blocks, ...; the number of blocks depends only
-  // on max_position, window and this value: chunk_blocks.h), each chunk's partial exactly as with
-  // one chunk per block, and the last cluster of kAttnMergeCluster blocks to arrive merges, each
-  // block a share of the outputs. 1 = one chunk per block and one merging block. The same bits for
-  // every value (Tuning::attention_chunks_per_block).
-  int chunks_per_block = 4;
 };
 inline constexpr int kAttnMaxClusterChunks = 8;  // the portable cluster size
 // Query rows per block of the multi-row kernel: a block loads one key chunk once for this many
