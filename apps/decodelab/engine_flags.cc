@@ -48,8 +48,10 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   }
   cmd->add_option("--max-seq-len", max_seq_len, "Longest sequence (prompt + generated) to plan for")
       ->default_val(4096);
-  cmd->add_option("--prefill-chunk", prefill_chunk, "Prompt tokens of one sequence per forward during prefill")
-      ->default_val(512);
+  cmd->add_option("--prefill-chunk", prefill_chunk,
+                  "Prompt tokens of one sequence per forward during prefill (larger chunks: a shorter TTFT, "
+                  "longer pauses for the other streams' decode steps)")
+      ->default_val(2048);
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
   cmd->add_option("--tp", tp,
                   "Tensor-parallel ranks, threads of this process. CUDA: rank r runs on GPU r % (visible "
