@@ -201,6 +201,21 @@ __device__ __forceinline__ void MergeChunks(const AttentionParams& a, int t, int
   }
 }
 
+// A multi-row block's rows t0 .. t0 + nr - 1 into shared memory, thread i taking row i: the position,
+// the first visible key (SLIDING: pos - W + 1, else 0) and the block table. The caller synchronises.
+// Shared by the multi-row kernel and the prompt kernel (prompt_attention_kernel.cuh).
+template <bool SLIDING>
+__device__ __forceinline__ void StageBlockRows(const AttentionParams& a, int t0, int nr, int* s_pos, int* s_start,
+                                               const int32_t** s_table) {
+  if (threadIdx.x < nr) {
+    const int t = t0 + threadIdx.x;
+    const int pos = a.positions ? a.positions[t] : a.first_position + t;
+    s_pos[threadIdx.x] = pos;
+    s_start[threadIdx.x] = SLIDING ? max(0, pos - a.window + 1) : 0;
+    s_table[threadIdx.x] = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
+  }
+}
+
 // N consecutive KV elements from shared memory -> float (code values; the caller applies the scale).
 template <int N, KvDtype KV>
 __device__ __forceinline__ void LoadKvDims(const unsigned char* p, float (&f)[N]) {
@@ -583,13 +598,7 @@ __global__ void __launch_bounds__(256, 2)
   const char* v_base = static_cast<const char*>(a.v_pool);
 
   WaitReleasing(a.release_after_wait);
-  if (threadIdx.x < nr) {
-    const int t = t0 + threadIdx.x;
-    const int pos = a.positions ? a.positions[t] : a.first_position + t;
-    s_pos[threadIdx.x] = pos;
-    s_start[threadIdx.x] = SLIDING ? max(0, pos - a.window + 1) : 0;
-    s_table[threadIdx.x] = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
-  }
+  StageBlockRows<SLIDING>(a, t0, nr, s_pos, s_start, s_table);
   __syncthreads();
 
   // Row sets, in row order (every thread walks them alike from shared memory).

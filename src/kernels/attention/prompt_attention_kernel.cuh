@@ -100,13 +100,7 @@ __global__ void __launch_bounds__(G * 32, 1) PromptAttentionKernel(const Attenti
   const uint32_t smem0 = SmemAddr(dl_prompt_smem);
 
   WaitReleasing(a.release_after_wait);
-  if (threadIdx.x < nr) {
-    const int t = t0 + threadIdx.x;
-    const int pos = a.positions ? a.positions[t] : a.first_position + t;
-    s_pos[threadIdx.x] = pos;
-    s_start[threadIdx.x] = SLIDING ? max(0, pos - a.window + 1) : 0;
-    s_table[threadIdx.x] = RowBlockTable(a.block_table, a.token_seq, a.block_table_stride, t);
-  }
+  StageBlockRows<SLIDING>(a, t0, nr, s_pos, s_start, s_table);
   __syncthreads();
 
   // Row sets: consecutive rows with one block table (a tile holds rows of one sequence, except where
