@@ -202,7 +202,7 @@ void GemvFp8Rule(const GemvParams& p) {
   }
 }
 
-void Moe(const MoeParams& p, const float* logits_override) {
+void Moe(const MoeParams& p, const float* logits_override, float* term_scale) {
   const int E = p.num_experts, k = p.top_k, d = p.d;
   std::vector<float> score(E), biased(E);
   for (int e = 0; e < E; ++e) {
@@ -240,20 +240,24 @@ void Moe(const MoeParams& p, const float* logits_override) {
   auto routed_fp8 = [](const MoeParams::Fp8Experts& x, int e) {
     return x.on() ? Fp8Weight{x.codes[e], x.scales[e], x.block_rows, x.block_cols} : Fp8Weight{};
   };
-  std::vector<double> routed(d, 0.0);
+  std::vector<double> routed(d, 0.0), routed_abs(d, 0.0);
   std::vector<float> o;
   for (int j = 0; j < k; ++j) {
     const int e = order[j];
     const bool fp8 = p.gate_fp8.on();
     expert(fp8 ? nullptr : p.gate_w[e], routed_fp8(p.gate_fp8, e), fp8 ? nullptr : p.up_w[e], routed_fp8(p.up_fp8, e),
            fp8 ? nullptr : p.down_w[e], routed_fp8(p.down_fp8, e), p.ffn, o);
-    for (int i = 0; i < d; ++i) routed[i] += RoundBf16(o[i] * w[j]);
+    for (int i = 0; i < d; ++i) {
+      routed[i] += RoundBf16(o[i] * w[j]);
+      routed_abs[i] += std::fabs(RoundBf16(o[i] * w[j]));
+    }
   }
   expert(p.shared_gate_w, p.shared_gate_fp8, p.shared_up_w, p.shared_up_fp8, p.shared_down_w, p.shared_down_fp8,
          p.shared_ffn, o);
   for (int i = 0; i < d; ++i) {
     const float r = RoundBf16(static_cast<float>(routed[i]));
     p.y[i] = ToB(RoundBf16(r * p.alpha) + o[i]);
+    if (term_scale) term_scale[i] = static_cast<float>(routed_abs[i] * std::fabs(p.alpha)) + std::fabs(o[i]);
   }
 }
 

@@ -33,7 +33,11 @@ float Fp8WeightAt(const Fp8Weight& w, int cols, int64_t o, int64_t i);
 void GemvFp8Rule(const GemvParams& p);
 // Router + experts (each expert group BF16 or FP8, dequantised exactly). `logits_override` ([E], optional): use these router logits (already BF16-rounded)
 // instead of computing them, so a test can check selection bit-exactly against a kernel's logits.
-void Moe(const MoeParams& p, const float* logits_override = nullptr);
+// term_scale (optional, d floats): per output element the magnitude of what its last roundings add,
+// alpha * sum_j |bf16(o_j w_j)| + |o_shared|; a kernel whose FP32 sums run in another order may flip
+// those roundings by an ulp, so a test's tolerance for y scales with this, not with |y| (the terms
+// can cancel to a y far smaller than themselves).
+void Moe(const MoeParams& p, const float* logits_override = nullptr, float* term_scale = nullptr);
 int32_t Argmax(const bf16* logits, int n);
 // Step 1 of kernels/sampling.h's rule, in place.
 void ApplyLogitAdjustments(float* logits, const std::vector<LogitAdjustment>& adjustments);
