@@ -525,7 +525,7 @@ int main(int argc, char** argv) {
       p.mma = true;
       return p;
     };
-    for (int T : {512, 2048, 8192}) {
+    for (int T : {512, 1024, 2048, 8192}) {
       const int iters = T >= 8192 ? 4 : 10;
       const double touched = E * (1.0 - std::pow(1.0 - double(k) / E, T));
       const double weight_bytes = 2.0 * (touched + 1) * 3 * F * d;

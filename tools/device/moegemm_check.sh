@@ -3,21 +3,24 @@
 # call: build, SASS of moe.cu.o (registers come from ptxas; LDL/STL and HMMA counted inside the
 # grouped GEMM's kernels and in the whole object), the MoE and MMA kernel GPU tests (the MMA experts
 # against the reference and every token alone at T 2 .. 1,000), compute-sanitizer memcheck and
-# racecheck on the sanitizer-sized test, `kernels_bench moe_gemm` (T 512, 2,048, 8,192: whole MoE
-# and experts µs, weights TB/s and TFLOP/s), then the TTFT of 1,024- and 8,192-token prompts with
-# mma_products=1. Logs under $OUT.
+# racecheck on the sanitizer-sized test, `kernels_bench moe_gemm` (T 512, 1,024, 2,048, 8,192: whole MoE
+# and experts µs, weights TB/s and TFLOP/s), then the TTFT of 1,024- and 8,192-token prompts at the
+# defaults. Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
-#     bash tools/device/moegemm_check.sh [--skip-tests] [--skip-bench] [--skip-e2e]
+#     bash tools/device/moegemm_check.sh [--skip-tests] [--skip-bench] [--skip-e2e] [--ncu]
+#   --ncu: Nsight Compute sections (speed of light, occupancy, warp states, memory) of the grouped
+#   GEMM's kernels at T 1,024 and 2,048 inside `kernels_bench moe_gemm`; reports in ncu_moe_gemm_*.txt.
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/moegemm_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 source tools/device/env.sh
-TESTS=1; BENCH=1; E2E=1
+TESTS=1; BENCH=1; E2E=1; NCU=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
     --skip-e2e) E2E=0 ;;
+    --ncu) NCU=1 ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
   shift
@@ -59,12 +62,26 @@ if [ "$BENCH" = 1 ]; then
   grep -i "error" "$OUT/kb_moe_gemm.log" | head -5
   echo "kernel bench done: $(( $(date +%s) - t0 )) s"
 fi
+if [ "$NCU" = 1 ]; then
+  # The gate/up and down launch of T 1,024 and of T 2,048 (each T: 3 warm-up calls, then a graph of 10
+  # replayed twice, 2 GEMM launches per call: 46 per T; T 512 comes first).
+  for skip in 46 92; do
+    timeout 200 ncu --clock-control none --graph-profiling node -k "regex:MoeMmaGemm" --launch-skip $skip --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section ComputeWorkloadAnalysis \
+      ./build/tests/gpu/kernels_bench moe_gemm > "$OUT/ncu_moe_gemm_$skip.txt" 2>&1
+    echo "ncu (skip $skip) rc=$?"
+    cp "$OUT/ncu_moe_gemm_$skip.txt" "$RESULTS/" 2>/dev/null
+    grep -E "^  void|Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Achieved Occupancy" \
+      "$OUT/ncu_moe_gemm_$skip.txt" | head -20
+  done
+fi
 if [ "$E2E" = 1 ]; then
   B=build/bin/decodelab
   for len in 1024 8192; do
     timeout 150 $B bench --shape xs2 --prompt-len $len --gen-len 2 --repeat 1 --kv-dtype fp8 --page-size 32 \
-      --tune mma_products=1 > "$OUT/bench_$len.log" 2>&1
-    echo "bench prompt $len, mma_products=1 rc=$?: $(grep -E '^  TTFT' "$OUT/bench_$len.log")"
+      > "$OUT/bench_$len.log" 2>&1
+    echo "bench prompt $len (defaults) rc=$?: $(grep -E '^  TTFT' "$OUT/bench_$len.log")"
     grep -iE "error|fail" "$OUT/bench_$len.log" | head -3
   done
 fi
