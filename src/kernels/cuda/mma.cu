@@ -6,8 +6,8 @@
 //     fragments (U chunks in flight), and token g's x the same way into B. Decode and small batches:
 //     the bytes are W's, streamed once per NT * 8 tokens.
 //   - MmaTiledKernel: block = 128 rows x 128 tokens, 8 warps of 64 x 32, W and x chunks staged
-//     through shared memory by cp.async (kTileStages deep); each lane reads its fragments with the
-//     same 16-byte pieces. Prefill: W is read once per 128 tokens.
+//     through shared memory by cp.async (kTileStages stages of two chunks); each lane reads its
+//     fragments with the same 16-byte pieces. Prefill: W is read once per 128 tokens.
 // Slices (k_split > 1): the register kernel gives each slice a warp and adds the slices' sums through
 // shared memory; the tiled kernel walks the slices in turn and folds each slice's accumulator into a
 // running total at its end: the same sum, p0 + p1 + ..., in both.
@@ -87,8 +87,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32) MmaRegKernel(GemvParams a, int
 // ---- Tiled kernel. Shared memory per stage: W chunk [128 rows][4 pieces] then x chunk [128 tokens]
 // [4 pieces] (16-byte pieces, 64 bytes per row): a warp's fragment load (8 rows x 64 bytes) is 512
 // contiguous bytes, free of bank conflicts.
-constexpr int kTileM = 128, kTileN = 128, kTileStages = 4, kTileThreads = 256;
-constexpr size_t kTileStageBytes = static_cast<size_t>(kTileM + kTileN) * 64;
+// A stage holds kTileStageChunks chunks of 32 inputs of the block's W rows and x rows: a barrier
+// per two chunks, not per chunk (one block per SM: a barrier stalls every warp of the SM).
+constexpr int kTileM = 128, kTileN = 128, kTileStages = 4, kTileStageChunks = 2, kTileThreads = 256;
+constexpr size_t kTileChunkBytes = static_cast<size_t>(kTileM + kTileN) * 64;
+constexpr size_t kTileStageBytes = kTileStageChunks * kTileChunkBytes;
 constexpr size_t kTileSmem = kTileStages * kTileStageBytes;
 
 // Grid (ceil(T / 128), ceil(out / 128)): token blocks fastest, so the blocks reading the same rows
@@ -107,22 +110,28 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
   const uint4* w = reinterpret_cast<const uint4*>(a.w);
   const uint4* x = reinterpret_cast<const uint4*>(a.x);
   WaitReleasing(a.release_after_wait);
+  // Stage st holds chunks kTileStageChunks st + cc, each [W rows][4 pieces] then [x rows][4 pieces].
   // Thread tid copies pieces tid and tid + 256 of each operand's chunk: row idx / 4, piece idx % 4.
-  auto load = [&](int stage, int q) {
-    uint4* sa = reinterpret_cast<uint4*>(s_tile + stage * kTileStageBytes);
-    uint4* sb = sa + kTileM * 4;
+  const int steps = (chunks + kTileStageChunks - 1) / kTileStageChunks;
+  auto load = [&](int stage, int st) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int idx = tid + kTileThreads * i, row = idx >> 2, piece = 4 * q + (idx & 3);
-      const bool in = piece < n8;
-      const bool wv = in && m0 + row < a.out, xv = in && n0 + row < a.num_tokens;
-      CpAsync16(sa + idx, w + (wv ? static_cast<size_t>(m0 + row) * n8 + piece : 0), wv);
-      CpAsync16(sb + idx, x + (xv ? (n0 + row) * x_step + piece : 0), xv);
+    for (int cc = 0; cc < kTileStageChunks; ++cc) {
+      const int q = kTileStageChunks * st + cc;
+      uint4* sa = reinterpret_cast<uint4*>(s_tile + stage * kTileStageBytes + cc * kTileChunkBytes);
+      uint4* sb = sa + kTileM * 4;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int idx = tid + kTileThreads * i, row = idx >> 2, piece = 4 * q + (idx & 3);
+        const bool in = piece < n8;
+        const bool wv = in && m0 + row < a.out, xv = in && n0 + row < a.num_tokens;
+        CpAsync16(sa + idx, w + (wv ? static_cast<size_t>(m0 + row) * n8 + piece : 0), wv);
+        CpAsync16(sb + idx, x + (xv ? (n0 + row) * x_step + piece : 0), xv);
+      }
     }
   };
 #pragma unroll
   for (int s = 0; s < kTileStages - 1; ++s) {
-    if (s < chunks) load(s, s);
+    if (s < steps) load(s, s);
     CpAsyncCommit();
   }
   float acc[4][4][4];
@@ -135,41 +144,46 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
   const int per = chunks / KS;
   int slice_end = per;
-  for (int q = 0; q < chunks; ++q) {
-    CpAsyncWait<kTileStages - 2>();  // chunk q has landed (this thread's copies)
-    __syncthreads();                 // everyone's copies, and everyone is done with stage (q - 1) % S
+  for (int st = 0; st < steps; ++st) {
+    CpAsyncWait<kTileStages - 2>();  // stage st has landed (this thread's copies)
+    __syncthreads();                 // everyone's copies, and everyone is done with stage (st - 1) % S
     {
-      const int qn = q + kTileStages - 1;
-      if (qn < chunks) load(qn % kTileStages, qn);
+      const int sn = st + kTileStages - 1;
+      if (sn < steps) load(sn % kTileStages, sn);
       CpAsyncCommit();
     }
-    const uint4* sa = reinterpret_cast<const uint4*>(s_tile + (q % kTileStages) * kTileStageBytes);
-    const uint4* sb = sa + kTileM * 4;
-    uint4 af[4][2], bf[4];
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      af[mt][0] = sa[(wm * 64 + mt * 16 + g) * 4 + c];
-      af[mt][1] = sa[(wm * 64 + mt * 16 + g + 8) * 4 + c];
-    }
+    for (int cc = 0; cc < kTileStageChunks; ++cc) {
+      const int q = kTileStageChunks * st + cc;
+      if (q >= chunks) break;  // past the last chunk: no MMA at all (an MMA of zeros could turn -0 into +0)
+      const uint4* sa = reinterpret_cast<const uint4*>(s_tile + (st % kTileStages) * kTileStageBytes + cc * kTileChunkBytes);
+      const uint4* sb = sa + kTileM * 4;
+      uint4 af[4][2], bf[4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) bf[nt] = sb[(wn * 32 + nt * 8 + g) * 4 + c];
+      for (int mt = 0; mt < 4; ++mt) {
+        af[mt][0] = sa[(wm * 64 + mt * 16 + g) * 4 + c];
+        af[mt][1] = sa[(wm * 64 + mt * 16 + g + 8) * 4 + c];
+      }
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
+      for (int nt = 0; nt < 4; ++nt) bf[nt] = sb[(wn * 32 + nt * 8 + g) * 4 + c];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) MmaChunk(acc[mt][nt], af[mt][0], af[mt][1], bf[nt]);
-    if constexpr (KS > 1) {
-      if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
-        const bool first = slice_end == per;
+      for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+        for (int nt = 0; nt < 4; ++nt) MmaChunk(acc[mt][nt], af[mt][0], af[mt][1], bf[nt]);
+      if constexpr (KS > 1) {
+        if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
+          const bool first = slice_end == per;
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
+          for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              total[mt][nt][e] = first ? acc[mt][nt][e] : total[mt][nt][e] + acc[mt][nt][e];
-              acc[mt][nt][e] = 0.0f;
-            }
-        slice_end += per;
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                total[mt][nt][e] = first ? acc[mt][nt][e] : total[mt][nt][e] + acc[mt][nt][e];
+                acc[mt][nt][e] = 0.0f;
+              }
+          slice_end += per;
+        }
       }
     }
   }
