@@ -726,24 +726,57 @@ __host__ __device__ inline MoeGroupWs MoeGroupWorkspace(const MoeParams& a) {
 }
 
 constexpr int kGroupThreads = 1024;
-constexpr int kGroupIdTile = 4096;  // topk ids staged in shared memory per pass
+constexpr int kGroupSegments = kGroupThreads / 32;  // one per warp
 
-// One block of kGroupThreads; thread e counts, then lists, expert e's pairs.
+// One block of kGroupThreads: a stable counting sort of the T k pairs by expert, in integers only.
+// The pairs are cut into kGroupSegments consecutive segments, warp w walking segment w 32 pairs per
+// step (the lanes of a step with the same expert meet in __match_any_sync):
+//   1. per segment and expert, its pairs' count (the lowest lane of each expert adds the step's);
+//   2. thread e: the segments' counts of expert e become each segment's first place within e's list,
+//      the block scans give the list's begin and the active slot (experts in ascending id);
+//   3. each warp walks its segment again: pair i goes to begin(e) + its segment's first place + the
+//      pairs of e before it in the segment.
+// Expert e's list holds its pairs in ascending pair index, as the one-thread-per-expert scan this
+// replaced gave (that scan read all T k ids once per expert thread). Ids outside [0, E) are never listed. Dynamic shared memory: [kGroupSegments][E] int32.
 __global__ void __launch_bounds__(kGroupThreads) MoeGroupKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
   AllowDependents();
   WaitForPrerequisites();
   const MoeGroupWs g = MoeGroupWorkspace(a);
-  __shared__ int32_t s_ids[kGroupIdTile];
+  extern __shared__ int32_t s_seg[];
+  __shared__ int32_t s_begin[kGroupThreads];
+  const int E = a.num_experts, n = a.num_tokens * a.top_k;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg_len = (n + kGroupSegments - 1) / kGroupSegments;
+  const int seg_lo = min(n, warp * seg_len), seg_hi = min(n, seg_lo + seg_len);
+  const unsigned below = (1u << lane) - 1u;
+  for (int i = threadIdx.x; i < kGroupSegments * E; i += kGroupThreads) s_seg[i] = 0;
+  __syncthreads();
+  int32_t* const mine = s_seg + warp * E;
+  // Lane's pair of the step at i0: its expert (-1: none) and the step's lanes with the same one.
+  auto step = [&](int i0, int* id, unsigned* same) {
+    const int i = i0 + lane;
+    int e = i < seg_hi ? __ldcg(&a.topk_ids[i]) : -1;
+    if (e >= E) e = -1;
+    *id = e;
+    *same = __match_any_sync(0xffffffffu, e < 0 ? -1 - lane : e);  // no two lanes share a key < 0
+  };
+  for (int i0 = seg_lo; i0 < seg_hi; i0 += 32) {
+    int id;
+    unsigned same;
+    step(i0, &id, &same);
+    if (id >= 0 && (same & below) == 0) mine[id] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
   const int e = threadIdx.x;
-  const int n = a.num_tokens * a.top_k;
   int c = 0;
-  for (int base = 0; base < n; base += kGroupIdTile) {
-    const int m = min(kGroupIdTile, n - base);
-    __syncthreads();
-    for (int i = threadIdx.x; i < m; i += kGroupThreads) s_ids[i] = __ldcg(&a.topk_ids[base + i]);
-    __syncthreads();
-    for (int i = 0; i < m; ++i) c += s_ids[i] == e;
+  if (e < E) {
+    for (int w = 0; w < kGroupSegments; ++w) {
+      const int v = s_seg[w * E + e];
+      s_seg[w * E + e] = c;
+      c += v;
+    }
   }
   int pairs_total = 0, active_total = 0;
   const int off = BlockExclusiveScan(c, &pairs_total);
@@ -753,20 +786,20 @@ __global__ void __launch_bounds__(kGroupThreads) MoeGroupKernel(MoeParams a) {
     g.begin[slot] = off;
     g.count[slot] = c;
   }
+  s_begin[e] = off;
   if (threadIdx.x == 0) *g.active_count = active_total;
-  int w = off;
-  for (int base = 0; base < n; base += kGroupIdTile) {
-    const int m = min(kGroupIdTile, n - base);
-    __syncthreads();
-    for (int i = threadIdx.x; i < m; i += kGroupThreads) s_ids[i] = __ldcg(&a.topk_ids[base + i]);
-    __syncthreads();
-    if (c > 0) {
-      for (int i = 0; i < m; ++i) {
-        if (s_ids[i] == e) g.pairs[w++] = base + i;
-      }
-    }
+  __syncthreads();
+  for (int i0 = seg_lo; i0 < seg_hi; i0 += 32) {
+    int id;
+    unsigned same;
+    step(i0, &id, &same);
+    if (id >= 0) g.pairs[s_begin[id] + mine[id] + __popc(same & below)] = i0 + lane;
+    __syncwarp();  // every lane has read mine[id] before the step's count moves it on
+    if (id >= 0 && (same & below) == 0) mine[id] += __popc(same);
+    __syncwarp();
   }
 }
+inline size_t MoeGroupSmem(int E) { return static_cast<size_t>(kGroupSegments) * E * sizeof(int32_t); }
 
 // The (token, slot) pairs of block row y: the shared expert's (every token, slot k) or the listed
 // expert's; false when the row is past the list.
@@ -1932,7 +1965,7 @@ Status Moe(const MoeParams& p, Stream stream) {
     if (p.num_experts > dev::kGroupThreads) {
       return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
     }
-    dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
+    dev::LaunchDependentSmem(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), dev::MoeGroupSmem(p.num_experts), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm(p, s));
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
@@ -1946,7 +1979,7 @@ Status Moe(const MoeParams& p, Stream stream) {
     }
     const int listed = std::min(p.num_experts, T * p.top_k) + 1;  // + the shared expert
     if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
-    dev::LaunchDependent(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), s, p);
+    dev::LaunchDependentSmem(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), dev::MoeGroupSmem(p.num_experts), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     const int splits = (T + dev::kGroupSplit - 1) / dev::kGroupSplit;
     // Tokens staged per pass: as many as fit the budget, at most the kernel's register tile.
