@@ -1440,14 +1440,18 @@ __device__ __forceinline__ bool MoeMmaAddSlices(float (&acc)[NM][NT][4], float (
 
 // The lists' grid: blockIdx.z < shared_segments is the shared expert over tokens [z L, z L + L), the
 // others listed expert z - shared_segments (GroupRowOf row 1 + that); blockIdx.x = p takes the passes
-// p, p + P, ... (cols pairs each) of its list, P = gridDim.x. P and L come from the expected pairs per
-// routed expert (T k / E), so a block has about one list's worth of work and few blocks have none
-// (a grid sized for the longest possible list, T passes per expert, was mostly empty blocks).
+// p, p + P, ... (cols pairs each) of its list, P = gridDim.x. P and L come from 1.5 times the
+// expected pairs per routed expert (T k / E): under random routing about half the lists are longer
+// than the mean, and a list one pass past P costs its block a second pass in series (the kernel's
+// tail) where another block could take it; blocks past their list's end return at once. A grid sized
+// for the longest possible list, T passes per expert, was mostly empty blocks. The grid never
+// changes a product's bits (each pair's column runs the same chain in any block).
 struct MoeMmaLists {
   int shared_segments = 1, segment_tokens = 1;
 };
 inline MoeMmaLists MoeMmaListsFor(const MoeParams& p, int cols, int* passes) {
-  const int expected = (p.num_tokens * p.top_k + p.num_experts - 1) / p.num_experts;
+  const int64_t pairs = static_cast<int64_t>(p.num_tokens) * p.top_k;
+  const int expected = static_cast<int>((3 * pairs + 2 * p.num_experts - 1) / (2 * p.num_experts));
   *passes = std::max(1, (expected + cols - 1) / cols);
   MoeMmaLists l;
   l.segment_tokens = *passes * cols;
@@ -1665,13 +1669,14 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   } else {
     a_base[0] = a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
   }
+  // This thread's A sources (dead rows: the matrix base, never read: their copies fill zeros).
   bool a_alive[2];
-  int a_off[2];
+  const uint4* a_src[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + cp_row + (kGateUp ? 0 : 64 * h);
     a_alive[h] = row < out;
-    a_off[h] = row * n8 + cp_piece;  // read only where alive (a dead row copies zeros from a_base)
+    a_src[h] = a_base[kGateUp ? h : 0] + (a_alive[h] ? row * n8 + cp_piece : 0);
   }
   // Warp (wm, wn)'s A tiles (first rows in the stage) and B columns.
   const int a_tile0 = kGateUp ? 16 * wm : 32 * wm, a_tile1 = kGateUp ? kGemmRows / 2 + 16 * wm : 32 * wm + 16;
@@ -1710,22 +1715,24 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
     }
     __syncthreads();
     // Stage s <- chunks [2 st, 2 st + 2) of the A rows and the B columns (zeros past `in` and for
-    // dead rows and columns).
+    // dead rows and columns). B: thread tid copies piece tid % 4 of pair column tid / 4 in both chunks
+    // (idx = tid + 256 i: chunk i, column tid / 4), from a pointer taken once per pass.
+    static_assert(kTok * 4 == kGemmThreads && kBCopies == kGemmStageChunks, "the B copy map below");
+    const uint4* const b_src = s_src[cp_row] ? s_src[cp_row] + cp_piece : nullptr;
     auto load = [&](int s, int st) {
       uint4* sa = s_ring + s * (kStageA + kStageB);
       uint4* sb = sa + kStageA;
+      const int lim = n8 - kGemmPieces * st - cp_piece;  // chunk c of the stage has this piece iff 4 c < lim
 #pragma unroll
       for (int i = 0; i < kACopies; ++i) {
         const int h = i & 1, chunk = i >> 1;
-        const bool v = a_alive[h] && kGemmPieces * st + 4 * chunk + cp_piece < n8;
-        CpAsync16(sa + tid + kGemmThreads * i, a_base[kGateUp ? h : 0] + (v ? a_off[h] + kGemmPieces * st + 4 * chunk : 0), v);
+        const bool v = a_alive[h] && 4 * chunk < lim;
+        CpAsync16(sa + tid + kGemmThreads * i, v ? a_src[h] + kGemmPieces * st + 4 * chunk : a_base[0], v);
       }
 #pragma unroll
       for (int i = 0; i < kBCopies; ++i) {
-        const int idx = tid + kGemmThreads * i, chunk = idx / (kTok * 4), r = (idx >> 2) % kTok;
-        const uint4* src = s_src[r];  // from the table: fewer live registers
-        const bool v = src != nullptr && kGemmPieces * st + 4 * chunk + cp_piece < n8;
-        CpAsync16(sb + idx, v ? src + kGemmPieces * st + 4 * chunk + cp_piece : a_base[0], v);  // dead: zeros
+        const bool v = b_src != nullptr && 4 * i < lim;
+        CpAsync16(sb + tid + kGemmThreads * i, v ? b_src + kGemmPieces * st + 4 * i : a_base[0], v);  // dead: zeros
       }
     };
 #pragma unroll
@@ -1733,7 +1740,9 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       if (s < steps) load(s, s);
       CpAsyncCommit();
     }
-    // Columns of this warp with a pair (B tiles past them are skipped: warp-uniform).
+    // Columns of this warp with a pair; a warp with none skips the products (warp-uniform). A live
+    // warp multiplies all its NT column tiles: a dead column's B rows are zeros and its sums are
+    // never stored, and an MMA's column does not depend on the others (no branch per tile).
     const int live_cols = min(kTok / 2, gr.count - first - col0);
     float acc[2][NT][4];
     float total[kSplit ? 2 : 1][kSplit ? NT : 1][4];
@@ -1752,22 +1761,32 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
         if (next < steps) load(next % kGemmStages, next);
         CpAsyncCommit();
       }
+      if (live_cols <= 0) continue;
       const uint4* sa = s_ring + (st % kGemmStages) * (kStageA + kStageB);
       const uint4* sb = sa + kStageA;
-#pragma unroll 1
-      for (int cc = 0; cc < kGemmStageChunks; ++cc) {  // not unrolled: one chunk's fragments live at a time
+#pragma unroll
+      for (int cc = 0; cc < kGemmStageChunks; ++cc) {
         const int q = st * kGemmStageChunks + cc;
         if (q >= chunks) break;
         const uint4* ca = sa + cc * kGemmRows * 4;
         const uint4* cb = sb + cc * kTok * 4;
+        // The chunk's fragments first (A rows g, g + 8 of both tiles, B column g of each tile), then
+        // MmaChunk's two MMAs per (tile, column tile): the first halves of every pair, then the second
+        // halves, so each accumulator still sees MMA 0 then MMA 1 of chunk q (ops.h 5b).
         const uint4 a00 = ca[(a_tile0 + gq) * 4 + c], a01 = ca[(a_tile0 + gq + 8) * 4 + c];
         const uint4 a10 = ca[(a_tile1 + gq) * 4 + c], a11 = ca[(a_tile1 + gq + 8) * 4 + c];
+        uint4 b[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) b[j] = cb[(col0 + 8 * j + gq) * 4 + c];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          if (8 * j >= live_cols) break;
-          const uint4 b = cb[(col0 + 8 * j + gq) * 4 + c];
-          MmaChunk(acc[0][j], a00, a01, b);
-          MmaChunk(acc[1][j], a10, a11, b);
+          Mma16816(acc[0][j], a00.x, a01.x, a00.y, a01.y, b[j].x, b[j].y);
+          Mma16816(acc[1][j], a10.x, a11.x, a10.y, a11.y, b[j].x, b[j].y);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          Mma16816(acc[0][j], a00.z, a01.z, a00.w, a01.w, b[j].z, b[j].w);
+          Mma16816(acc[1][j], a10.z, a11.z, a10.w, a11.w, b[j].z, b[j].w);
         }
         if constexpr (kSplit) {
           if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
