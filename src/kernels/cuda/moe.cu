@@ -184,10 +184,12 @@ __device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], cons
 // takes an arrival ticket (MoeParams::counter[t] counts the blocks along x), and the last arrival of a
 // token selects its experts (RouterTopK) from the logits every block of the token wrote.
 //   kRows 1 (decode): one token per block, router row e dotted by LaneDots.
-//   kRows > 1 (prefill, T >= MoeParams::router_rows_min_tokens): a warp loads router row e once per
-//   block and dots it with the block's rows staged in shared memory (SmemLaneDots with one row), so
-//   the [E, d] router matrix is read ceil(T / kRows) times instead of T times, and the block's fused
-//   norm runs once for its rows together (FusedNormRows, each row FusedNormRow's bits).
+//   kRows > 1 (prefill, T >= MoeParams::router_rows_min_tokens): grid (ceil(E / 8 N), ...), a warp
+//   loads N = kRouterRowExperts router rows (e = 8 (N x + r) + w) once per block and dots them with the
+//   block's rows staged in shared memory (SmemLaneDots: each row's sum in LaneDots' order whatever
+//   the number of rows), so the [E, d] router matrix is read ceil(T / kRows) times instead of T
+//   times, and the block's fused norm runs once for its rows together (FusedNormRows, each row
+//   FusedNormRow's bits) for 8 N experts.
 // Logits, selection, weights, expert pointers, u2 and the updated residual are the same bits either way.
 //
 // Dynamic shared memory: first the block's vectors ([rows][d] BF16): with a fused input norm, the rows'
@@ -199,6 +201,11 @@ __device__ __forceinline__ void SmemLaneDots(const bf16* const (&rows)[NR], cons
 // never change), so the block that selects the experts writes their pointers and reads the biases
 // without one more dependent memory round trip each.
 constexpr int kRouterRows = 8;  // token rows per block of the multi-row router
+// Router rows per warp of the multi-row router (block x: experts 8 N x .. + 8 N, N = kRouterRowExperts,
+// warp w the rows 8 (N x + r) + w): each block's fused norm of its token rows, its pointer-table copy
+// and its ticket serve 8 N experts instead of 8. kRouterRowChunks: chunks of each row in flight per
+// lane (2 rows x 4 chunks fit the 128-register cap without spills; 4 rows spill at 1 or 2 chunks).
+constexpr int kRouterRowExperts = 2, kRouterRowChunks = 4;
 // The multi-row router's register cap: 2 blocks per SM (128 registers, no spills with 8 rows; 3 blocks
 // per SM spill).
 constexpr int kRouterRowsMinBlocks = 2;
@@ -345,7 +352,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
   const int rows = min(kRows, a.num_tokens - t0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int E = a.num_experts;
-  const int e = blockIdx.x * kMoeWarps + warp;
+  constexpr int kNE = kRows == 1 ? 1 : kRouterRowExperts;  // router rows per warp: e + r kMoeWarps
+  const int e = blockIdx.x * kMoeWarps * kNE + warp;
   extern __shared__ uint4 s_u[];
   const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a, kRows));
   float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a, kRows));
@@ -395,14 +403,23 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
         __syncthreads();
       }
     };
-    const bf16* rw[1] = {router_row};
-    float acc[1][kRows];
-    SmemLaneDots<1, kRows, 8>(rw, s_u, rows, a.d / 8, lane, acc, wait_then_stage);
+    const bf16* rw[kNE];
+#pragma unroll
+    for (int r = 0; r < kNE; ++r) {
+      const int er = e + r * kMoeWarps;
+      rw[r] = er < E ? a.router_w + static_cast<size_t>(er) * a.d : nullptr;
+    }
+    float acc[kNE][kRows];
+    SmemLaneDots<kNE, kRows, kRouterRowChunks>(rw, s_u, rows, a.d / 8, lane, acc, wait_then_stage);
 #pragma unroll
     for (int v = 0; v < kRows; ++v) {
       if (v >= rows) break;
-      const float z = WarpSum(acc[0][v]);
-      if (e < E && lane == 0) MoeWorkspace(a, t0 + v).logits[e] = RoundBf16(z);
+#pragma unroll
+      for (int r = 0; r < kNE; ++r) {
+        const float z = WarpSum(acc[r][v]);
+        const int er = e + r * kMoeWarps;
+        if (er < E && lane == 0) MoeWorkspace(a, t0 + v).logits[er] = RoundBf16(z);
+      }
     }
   }
   // The tickets: lane v < rows of warp 0 arrives for token t0 + v; the tokens this block arrived last
@@ -1935,10 +1952,11 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
 inline Status LaunchMoeRouter(const MoeParams& p, cudaStream_t s) {
   const int T = p.num_tokens;
   const int x_blocks = (p.num_experts + kMoeWarps - 1) / kMoeWarps;
+  const int x_blocks_rows = (p.num_experts + kMoeWarps * kRouterRowExperts - 1) / (kMoeWarps * kRouterRowExperts);
   const bool multi = p.router_rows_min_tokens > 0 && T >= p.router_rows_min_tokens &&
                      RouterSharedBytes(p, kRouterRows) <= kMaxBlockSmem - 1024;  // room for its static arrays
   if (multi) {
-    LaunchDependentSmem(MoeRouterKernel<kRouterRows>, dim3(x_blocks, (T + kRouterRows - 1) / kRouterRows),
+    LaunchDependentSmem(MoeRouterKernel<kRouterRows>, dim3(x_blocks_rows, (T + kRouterRows - 1) / kRouterRows),
                         dim3(kMoeWarps * 32), RouterSharedBytes(p, kRouterRows), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_router_topk_rows");
   } else {
