@@ -31,9 +31,20 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], uint32_t a0, uint32_t a1
 // Chunk q of lane (g, c): wa = W[row g][32q + 8c, + 8), wb = W[row g + 8][same], xv = x[token g][same]
 // (8 BF16 each, element e in bits 16(e%2) of word e/2). MMA h takes elements 4h .. 4h + 3 of each:
 // words 2h, 2h + 1 as logical k {2c, 2c+1} and {2c+8, 2c+9}. Then MMA 0, MMA 1: the order of 5b.
+template <int H>
+__device__ __forceinline__ void MmaChunkHalf(float (&d)[4], const uint4& wa, const uint4& wb, const uint4& xv) {
+  static_assert(H == 0 || H == 1, "a chunk has two MMAs");
+  if constexpr (H == 0) {
+    Mma16816(d, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+  } else {
+    Mma16816(d, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+  }
+}
+// A kernel may interleave other accumulators' MMAs between the halves (each accumulator must still
+// see half 0, then half 1, of each chunk in ascending order).
 __device__ __forceinline__ void MmaChunk(float (&d)[4], const uint4& wa, const uint4& wb, const uint4& xv) {
-  Mma16816(d, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-  Mma16816(d, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+  MmaChunkHalf<0>(d, wa, wb, xv);
+  MmaChunkHalf<1>(d, wa, wb, xv);
 }
 
 // Lane (g, c)'s part of NM matrices' 16-row tiles times NT columns of 8 tokens over chunks [q_lo,

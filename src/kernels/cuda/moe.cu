@@ -369,8 +369,8 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
   const bool fused = nm.residual != nullptr;
   const size_t row = static_cast<size_t>(t0) * a.d;
   // Every warp runs the dots (a warp past E with a null row) so the block-wide norm is reached by all.
-  const bf16* router_row = e < E ? a.router_w + static_cast<size_t>(e) * a.d : nullptr;
   if constexpr (kRows == 1) {
+    const bf16* router_row = e < E ? a.router_w + static_cast<size_t>(e) * a.d : nullptr;
     auto wait_then_norm = [&] {
       NormWeights weight;
       if (fused) {
@@ -754,7 +754,8 @@ constexpr int kGroupSegments = kGroupThreads / 32;  // one per warp
 //   3. each warp walks its segment again: pair i goes to begin(e) + its segment's first place + the
 //      pairs of e before it in the segment.
 // Expert e's list holds its pairs in ascending pair index, as the one-thread-per-expert scan this
-// replaced gave (that scan read all T k ids once per expert thread). Ids outside [0, E) are never listed. Dynamic shared memory: [kGroupSegments][E] int32.
+// replaced gave (that scan read all T k ids once per expert thread). Ids outside [0, E) are never
+// listed. Dynamic shared memory: [kGroupSegments][E] int32 (MoeGroupSmem).
 __global__ void __launch_bounds__(kGroupThreads) MoeGroupKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
   AllowDependents();
@@ -817,6 +818,10 @@ __global__ void __launch_bounds__(kGroupThreads) MoeGroupKernel(MoeParams a) {
   }
 }
 inline size_t MoeGroupSmem(int E) { return static_cast<size_t>(kGroupSegments) * E * sizeof(int32_t); }
+// The lists for both grouped paths (the CUDA-core experts and the MMA experts' GEMM).
+inline cudaError_t LaunchMoeGroup(const MoeParams& p, cudaStream_t s) {
+  return LaunchDependentSmem(MoeGroupKernel, dim3(1), dim3(kGroupThreads), MoeGroupSmem(p.num_experts), s, p);
+}
 
 // The (token, slot) pairs of block row y: the shared expert's (every token, slot k) or the listed
 // expert's; false when the row is past the list.
@@ -1797,13 +1802,13 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
         for (int j = 0; j < NT; ++j) b[j] = cb[(col0 + 8 * j + gq) * 4 + c];
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          Mma16816(acc[0][j], a00.x, a01.x, a00.y, a01.y, b[j].x, b[j].y);
-          Mma16816(acc[1][j], a10.x, a11.x, a10.y, a11.y, b[j].x, b[j].y);
+          MmaChunkHalf<0>(acc[0][j], a00, a01, b[j]);
+          MmaChunkHalf<0>(acc[1][j], a10, a11, b[j]);
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          Mma16816(acc[0][j], a00.z, a01.z, a00.w, a01.w, b[j].z, b[j].w);
-          Mma16816(acc[1][j], a10.z, a11.z, a10.w, a11.w, b[j].z, b[j].w);
+          MmaChunkHalf<1>(acc[0][j], a00, a01, b[j]);
+          MmaChunkHalf<1>(acc[1][j], a10, a11, b[j]);
         }
         if constexpr (kSplit) {
           if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
@@ -2002,7 +2007,7 @@ Status Moe(const MoeParams& p, Stream stream) {
     if (p.num_experts > dev::kGroupThreads) {
       return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
     }
-    dev::LaunchDependentSmem(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), dev::MoeGroupSmem(p.num_experts), s, p);
+    dev::LaunchMoeGroup(p, s);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm(p, s));
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
@@ -2016,7 +2021,7 @@ Status Moe(const MoeParams& p, Stream stream) {
     }
     const int listed = std::min(p.num_experts, T * p.top_k) + 1;  // + the shared expert
     if (listed > 65535) return InvalidArgument("moe: {} expert lists exceed the grid", listed);
-    dev::LaunchDependentSmem(dev::MoeGroupKernel, dim3(1), dim3(dev::kGroupThreads), dev::MoeGroupSmem(p.num_experts), s, p);
+    dev::LaunchMoeGroup(p, s);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
     const int splits = (T + dev::kGroupSplit - 1) / dev::kGroupSplit;
     // Tokens staged per pass: as many as fit the budget, at most the kernel's register tile.
