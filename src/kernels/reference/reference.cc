@@ -248,8 +248,9 @@ void Moe(const MoeParams& p, const float* logits_override, float* term_scale) {
     expert(fp8 ? nullptr : p.gate_w[e], routed_fp8(p.gate_fp8, e), fp8 ? nullptr : p.up_w[e], routed_fp8(p.up_fp8, e),
            fp8 ? nullptr : p.down_w[e], routed_fp8(p.down_fp8, e), p.ffn, o);
     for (int i = 0; i < d; ++i) {
-      routed[i] += RoundBf16(o[i] * w[j]);
-      routed_abs[i] += std::fabs(RoundBf16(o[i] * w[j]));
+      const float term = RoundBf16(o[i] * w[j]);
+      routed[i] += term;
+      routed_abs[i] += std::fabs(term);
     }
   }
   expert(p.shared_gate_w, p.shared_gate_fp8, p.shared_up_w, p.shared_up_fp8, p.shared_down_w, p.shared_down_fp8,
