@@ -75,5 +75,8 @@ Status AddBf16(const bf16* a, const bf16* b, bf16* out, int64_t n, Stream stream
 
 // dst[i] = float(src[i]) for logits copied back to the host.
 Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream);
+// dst[i] = bf16(src[i]) (round to nearest even): host FP32 activations (the DFlash drafter's taps)
+// into the kernels' BF16.
+Status F32ToBf16(const float* src, bf16* dst, int64_t n, Stream stream);
 
 }  // namespace dl::kernels

@@ -22,5 +22,8 @@ Status AddBf16(const bf16*, const bf16*, bf16*, int64_t, Stream) {
 Status Bf16ToF32(const bf16*, float*, int64_t, Stream) {
   return Unavailable("no CUDA backend in this build");
 }
+Status F32ToBf16(const float*, bf16*, int64_t, Stream) {
+  return Unavailable("no CUDA backend in this build");
+}
 }  // namespace dl::kernels
 #endif

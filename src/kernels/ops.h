@@ -24,9 +24,9 @@ namespace dl::kernels {
 //   h   = bf16(residual + delta)          (skipped when delta == nullptr)
 //   x̂   = bf16(h_f32 * 1/sqrt(mean(h_f32²) + eps))
 //   out = bf16(x̂ * weight)                (BF16 x BF16, the reference's order, §3.3 / §9.5)
-// residual is updated in place with h. n % 8 == 0, n <= 8192.
+// residual is updated in place with h. n % 8 == 0, n <= 8192. out may equal residual.
 struct AddRmsNormParams {
-  bf16* residual = nullptr;     // [rows, n] in/out
+  bf16* residual = nullptr;     // [rows, n] in/out (row stride row_stride)
   const bf16* delta = nullptr;  // [rows, n] or nullptr (plain RMSNorm of residual)
   const bf16* weight = nullptr; // [n]
   bf16* out = nullptr;          // [rows, n]
@@ -35,6 +35,9 @@ struct AddRmsNormParams {
   float eps = 1e-6f;
   bool prefetch_residual = true;  // as FusedInputNorm::prefetch_residual
   bool release_after_wait = false;  // PDL release point (Tuning::late_release)
+  // Elements between consecutive rows of residual, delta and out (0 = n): one slice of wider rows
+  // (the DFlash drafter's per-tap norms over [rows, taps * n]). A multiple of 8.
+  int64_t row_stride = 0;
 };
 Status AddRmsNorm(const AddRmsNormParams& p, Stream stream);
 
@@ -64,7 +67,8 @@ struct FusedInputNorm {
 //   q goes to q_out; k and the raw v go to the paged cache at pos_t:
 //     page = block_table[pos_t / P], slot = pos_t % P, element ((page*P + slot)*K + head)*D + d,
 //     FP8: code = round_fp8_e4m3_satfinite(x / scale) (IEEE division), BF16: stored as is.
-// q_out may alias q (each head is staged in shared memory before it is written).
+// q_out may alias q (each head is staged in shared memory before it is written). num_q_heads may be 0:
+// k and v only (q, q_norm_weight and q_out unused; the DFlash drafter's context keys).
 struct QkNormRopeAppendParams {
   const bf16* q = nullptr;  // [T, H, D] with row stride qkv_stride (elements per token)
   const bf16* k = nullptr;  // [T, K, D] same stride

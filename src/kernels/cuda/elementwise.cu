@@ -68,6 +68,11 @@ __global__ void Bf16ToF32Kernel(const __nv_bfloat16* __restrict__ src, float* __
   if (i < n) dst[i] = __bfloat162float(src[i]);
 }
 
+__global__ void F32ToBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = __float2bfloat16(src[i]);
+}
+
 __global__ void FillAffineKernel(__nv_bfloat16* dst, int64_t n, uint64_t key, float scale, float offset) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -182,6 +187,13 @@ Status Bf16ToF32(const bf16* src, float* dst, int64_t n, Stream stream) {
   Bf16ToF32Kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(src), dst, n);
   return LaunchStatus("Bf16ToF32");
+}
+
+Status F32ToBf16(const float* src, bf16* dst, int64_t n, Stream stream) {
+  if (n <= 0) return Status::Ok();
+  F32ToBf16Kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+      src, reinterpret_cast<__nv_bfloat16*>(dst), n);
+  return LaunchStatus("F32ToBf16");
 }
 
 }  // namespace dl::kernels

@@ -11,7 +11,7 @@ __global__ void __launch_bounds__(kNormThreads) AddRmsNormKernel(AddRmsNormParam
   DL_TIMELINE_SCOPE(kAddRmsNorm);
   AllowDependentsAtStart(a.release_after_wait);
   const NormWeights weight = LoadNormWeights(a.weight, a.n);
-  const size_t row = static_cast<size_t>(blockIdx.x) * a.n;
+  const size_t row = static_cast<size_t>(blockIdx.x) * static_cast<size_t>(a.row_stride > 0 ? a.row_stride : a.n);
   if (a.prefetch_residual) PrefetchBytesL2(a.residual + row, static_cast<size_t>(a.n) * 2, threadIdx.x, kNormThreads);
   WaitReleasing(a.release_after_wait);
   const bf16* delta = a.delta ? a.delta + row : nullptr;
@@ -30,6 +30,10 @@ Status AddRmsNorm(const AddRmsNormParams& p, Stream stream) {
                            dev::kNormThreads * 8 * dev::kNormMaxChunks);
   }
   if (p.rows < 1) return InvalidArgument("add_rmsnorm: {} rows", p.rows);
+  if (p.row_stride != 0 && (p.row_stride < p.n || p.row_stride % 8 != 0)) {
+    return InvalidArgument("add_rmsnorm: row stride {} must be 0 or a multiple of 8 of at least the width {}",
+                           p.row_stride, p.n);
+  }
   dev::LaunchDependent(dev::AddRmsNormKernel, dim3(p.rows), dim3(dev::kNormThreads),
                        reinterpret_cast<cudaStream_t>(stream), p);
   DL_KERNEL_LAUNCH_CHECK("add_rmsnorm");

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
   if (a.prefetch_constants && blockIdx.y == 0) {
     const int lanes = kRopeWarps * 32;
     if (a.positions) PrefetchBytesL2(a.positions, sizeof(int32_t) * a.num_tokens, threadIdx.x, lanes);
-    PrefetchBytesL2(a.q_norm_weight, sizeof(bf16) * a.head_dim, threadIdx.x, lanes);
+    if (a.num_q_heads > 0) PrefetchBytesL2(a.q_norm_weight, sizeof(bf16) * a.head_dim, threadIdx.x, lanes);
     PrefetchBytesL2(a.k_norm_weight, sizeof(bf16) * a.head_dim, threadIdx.x, lanes);
     if (a.inv_freq) PrefetchBytesL2(a.inv_freq, sizeof(float) * (a.rotary_dim / 2), threadIdx.x, lanes);
     PrefetchBytesL2(a.block_table, sizeof(int32_t) * a.block_table_entries, threadIdx.x, lanes);
@@ -86,10 +86,11 @@ __global__ void __launch_bounds__(kRopeWarps * 32) QkNormRopeAppendKernel(QkNorm
 }  // namespace dev
 
 Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream) {
-  if (!p.q || !p.k || !p.v || !p.q_out || !p.k_pool || !p.v_pool || !p.block_table ||
-      !p.q_norm_weight || !p.k_norm_weight) {
-    return InvalidArgument("qknorm_rope_append: q, k, v, q_out, pools, block_table and norm weights "
-                           "must be set");
+  const bool with_q = p.num_q_heads > 0;
+  if ((with_q && (!p.q || !p.q_out || !p.q_norm_weight)) || !p.k || !p.v || !p.k_pool || !p.v_pool ||
+      !p.block_table || !p.k_norm_weight) {
+    return InvalidArgument("qknorm_rope_append: k, v, pools, block_table, k_norm_weight and (with query heads) q, "
+                           "q_out and q_norm_weight must be set");
   }
   if (p.head_dim < 1 || p.head_dim > dev::kRopeMaxDim) {
     return InvalidArgument("qknorm_rope_append: head_dim {} not in [1, {}]", p.head_dim,
@@ -102,7 +103,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream) {
   if (p.rotary_dim > 0 && !p.inv_freq) {
     return InvalidArgument("qknorm_rope_append: inv_freq must be set");
   }
-  if (p.num_tokens < 1 || p.num_q_heads < 1 || p.num_kv_heads < 1 || p.page_size < 1) {
+  if (p.num_tokens < 1 || p.num_q_heads < 0 || p.num_kv_heads < 1 || p.page_size < 1) {
     return InvalidArgument("qknorm_rope_append: empty shape (T {}, H {}, K {}, P {})", p.num_tokens,
                            p.num_q_heads, p.num_kv_heads, p.page_size);
   }
