@@ -463,7 +463,7 @@ int RunBench(const BenchFlags& f) {
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
-  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint, (*engine)->runner.get());
   if (!drafter.ok()) return ReportError(drafter.status());
   std::fprintf(stderr, "backend: %s (%s); load %.1f s\n", (*engine)->runner->backend_name().c_str(),
                (*engine)->backend_choice_reason.c_str(),

@@ -55,7 +55,7 @@ int RunGenerate(const GenerateFlags& f) {
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
-  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint, (*engine)->runner.get());
   if (!drafter.ok()) return ReportError(drafter.status());
   spdlog::info("backend: {} ({})", (*engine)->runner->backend_name(),
                (*engine)->backend_choice_reason);

@@ -122,7 +122,7 @@ int RunServe(const ServeFlags& f) {
   auto engine = LoadEngine(*opts);
   if (!engine.ok()) return ReportError(engine.status());
   // The drafter once the model is loaded (DFlash reads its hidden size, vocabulary and LM head).
-  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint);
+  auto drafter = MakeDrafterFor(*spec, *(*engine)->checkpoint, (*engine)->runner.get());
   if (!drafter.ok()) return ReportError(drafter.status());
   Engine& e = **engine;
   spdlog::info("backend: {} ({})", e.runner->backend_name(), e.backend_choice_reason);

@@ -25,21 +25,6 @@ int32_t CpuDflashRunner::length(uint64_t seq) const {
   return it == cache_.end() ? 0 : it->second.length;
 }
 
-void CpuDflashRunner::Truncate(uint64_t seq, int32_t length) {
-  auto it = cache_.find(seq);
-  if (it == cache_.end()) return;
-  if (length <= 0) {
-    cache_.erase(it);
-    return;
-  }
-  SeqCache& s = it->second;
-  if (length >= s.length) return;
-  const size_t w = static_cast<size_t>(cfg_.kv_width());
-  for (auto& k : s.k) k.resize(static_cast<size_t>(length) * w);
-  for (auto& v : s.v) v.resize(static_cast<size_t>(length) * w);
-  s.length = length;
-}
-
 Status CpuDflashRunner::Run(const DraftBatch& batch, std::vector<std::vector<int32_t>>* tokens) {
   const int64_t d = cfg_.hidden_size, taps = cfg_.num_taps();
   // Context rows must continue each sequence's cache exactly (no gap, no overlap).
@@ -312,6 +297,7 @@ Status CpuDflashRunner::OutputNorm(const WeightRef& weight) {
 
 Status CpuDflashRunner::SelectTokens() {
   Slot& l = slot(DraftAct::kLogits);
+  if (keep_logits_) kept_logits_ = l.data;
   selected_.assign(output_rows_.size(), 0);
   for (size_t o = 0; o < output_rows_.size(); ++o) {
     const float* row = l.row(static_cast<int64_t>(o));

@@ -14,19 +14,19 @@
 
 namespace dl {
 
-class CpuDflashRunner : private DflashOps {
+class CpuDflashRunner : public DflashRunner, private DflashOps {
  public:
   // `drafter` must outlive the runner; target_embed / target_lm_head are host weights of the target
   // ([V, d] each) that must outlive it too.
   CpuDflashRunner(const DflashCheckpoint& drafter, WeightRef target_embed, LinearWeights target_lm_head);
 
-  // Appends `batch.contexts`, then drafts `batch.blocks`; tokens: per block, its num_outputs drafts.
-  Status Run(const DraftBatch& batch, std::vector<std::vector<int32_t>>* tokens);
-  // Context positions cached for `seq` (0 for an unknown sequence).
-  int32_t length(uint64_t seq) const;
-  // Drops positions >= `length` (rollback) or, with length 0, the whole sequence.
-  void Truncate(uint64_t seq, int32_t length);
-  size_t num_sequences() const { return cache_.size(); }
+  Status Run(const DraftBatch& batch, std::vector<std::vector<int32_t>>* tokens) override;
+  int32_t length(uint64_t seq) const override;
+  void Forget(uint64_t seq) override { cache_.erase(seq); }
+  size_t num_sequences() const override { return cache_.size(); }
+  std::string where() const override { return "cpu"; }
+  void set_keep_logits(bool keep) override { keep_logits_ = keep; }
+  const std::vector<float>& last_logits() const override { return kept_logits_; }
 
  private:
   Status NormTapSlices(std::span<const WeightRef> weights) override;
@@ -69,6 +69,8 @@ class CpuDflashRunner : private DflashOps {
   std::vector<float> residual_;           // [N, d]
   Slot slots_[12];
   std::vector<int32_t> selected_;         // [R]
+  bool keep_logits_ = false;
+  std::vector<float> kept_logits_;
 };
 
 }  // namespace dl

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "backend/cuda_dflash.h"
 #include "backend/cuda_graphs.h"
 #include "backend/cuda_tp_runner.h"
 #include "backend/cuda_weights.h"
@@ -979,6 +980,22 @@ nlohmann::json CudaRunner::Describe() const {
   return d;
 }
 
+Result<std::unique_ptr<DflashRunner>> CudaRunner::MakeDflashRunner(const DflashCheckpoint& drafter) const {
+  const Impl& m = *impl_;
+  if (m.tp_size > 1) {
+    return Unimplemented("the DFlash drafter on CUDA needs the whole embedding and LM head; rank {} of {} holds slices",
+                         m.rank, m.tp_size);
+  }
+  CudaDflashOptions o;
+  o.device = m.opt.device;
+  o.max_seq_len = m.opt.max_seq_len;
+  o.allow_fallback = m.opt.allow_fallback;
+  o.tuning = m.opt.tuning;
+  const LagunaWeights& w = m.weights->refs();
+  DL_ASSIGN_OR_RETURN(auto runner, CudaDflashRunner::Create(drafter, w.embed, w.lm_head, o));
+  return std::unique_ptr<DflashRunner>(std::move(runner));
+}
+
 #else  // no CUDA backend in this build
 
 struct CudaRunner::Impl {};
@@ -1012,6 +1029,9 @@ nlohmann::json CudaRunner::Describe() const { return {{"backend", "cuda"}, {"ava
 int CudaRunner::kernel_nodes() const { return 0; }
 const std::vector<std::string>& CudaRunner::layer_presets() const { return kNoPresets; }
 bool CudaRunner::fallback() const { return false; }
+Result<std::unique_ptr<DflashRunner>> CudaRunner::MakeDflashRunner(const DflashCheckpoint&) const {
+  return Unavailable("no CUDA backend in this build");
+}
 
 #endif
 

@@ -68,6 +68,9 @@ class CudaRunner : public ModelRunner {
   Status Launch(const ForwardBatch& batch) override;  // Prepare, then Submit
   Status Wait(ForwardResult* result) override;
   nlohmann::json Describe() const override;
+  // The drafter on this GPU (backend/cuda_dflash.h) over this runner's device embedding and LM head.
+  // A tensor-parallel rank holds slices of them: Unimplemented there.
+  Result<std::unique_ptr<DflashRunner>> MakeDflashRunner(const DflashCheckpoint& drafter) const override;
 
   // Launch in two steps, for tensor-parallel ranks whose collectives spin on the device (one-shot,
   // NCCL): every rank captures its graph (Prepare) before any rank's graph runs (Submit), so that no

@@ -8,7 +8,7 @@
 namespace dl {
 
 Result<std::shared_ptr<DflashDrafter>> DflashDrafter::Create(const std::string& dir, const Checkpoint& target,
-                                                             int32_t max_draft_tokens) {
+                                                             int32_t max_draft_tokens, const ModelRunner* runner) {
   std::shared_ptr<DflashDrafter> d(new DflashDrafter());
   auto ck = DflashCheckpoint::Open(dir);
   if (!ck.ok()) return ck.status().WithContext("--spec-model");
@@ -19,14 +19,25 @@ Result<std::shared_ptr<DflashDrafter>> DflashDrafter::Create(const std::string& 
     return InvalidArgument("--spec-k {} exceeds what the DFlash drafter in {} drafts per block (block_size {} - 1 = {})",
                            max_draft_tokens, dir, c.block_size, c.block_size - 1);
   }
+  for (int64_t id : c.target_layer_ids) d->taps_.push_back(static_cast<int32_t>(id));
+  if (runner != nullptr) {
+    auto own = runner->MakeDflashRunner(*d->checkpoint_);
+    if (own.ok()) {
+      d->runner_ = std::move(own).value();
+      return d;
+    }
+    if (own.status().code() != StatusCode::kUnimplemented) {
+      d->placement_note_ = fmt::format("not on {}: {}", runner->backend_name(), own.status().message());
+    }
+  }
   const ModelWeights& tw = target.weights();
   if (tw.embed.data == nullptr || tw.lm_head.data == nullptr) {
     return Unimplemented(
-        "--spec dflash: the target's embedding and LM head are not in host memory (a --shape model on the CUDA "
-        "backend is generated on the device); the DFlash drafter runs on the CPU reference and reads them there: "
-        "use --model DIR (make-model writes one) or --backend cpu");
+        "--spec dflash: the target's embedding and LM head are not in host memory (a --shape model generated on "
+        "the device) and the drafter could not run on the target's backend{}; use --model DIR (make-model writes "
+        "one) or --backend cpu",
+        d->placement_note_.empty() ? "" : " (" + d->placement_note_ + ")");
   }
-  for (int64_t id : c.target_layer_ids) d->taps_.push_back(static_cast<int32_t>(id));
   d->runner_ = std::make_unique<CpuDflashRunner>(*d->checkpoint_, WeightRef(tw.embed), LinearWeights{{tw.lm_head}});
   return d;
 }
@@ -35,8 +46,9 @@ std::vector<int32_t> DflashDrafter::Propose(std::span<const int32_t>, int32_t) c
 
 std::string DflashDrafter::name() const {
   const DflashConfig& c = config();
-  return fmt::format("dflash[{} layers, block {}, taps {}]", c.num_hidden_layers, c.block_size,
-                     fmt::join(c.target_layer_ids, ","));
+  return fmt::format("dflash[{} layers, block {}, taps {}, on {}{}]", c.num_hidden_layers, c.block_size,
+                     fmt::join(c.target_layer_ids, ","), runner_->where(),
+                     placement_note_.empty() ? "" : " (" + placement_note_ + ")");
 }
 
 Status DflashDrafter::Observe(uint64_t seq, int32_t position, const ForwardResult& result, int32_t first_row,
@@ -79,7 +91,7 @@ Result<std::vector<int32_t>> DflashDrafter::ProposeFor(uint64_t seq, std::span<c
 
 void DflashDrafter::Forget(uint64_t seq) const {
   std::lock_guard lock(mu_);
-  runner_->Truncate(seq, 0);
+  runner_->Forget(seq);
 }
 
 int32_t DflashDrafter::context_length(uint64_t seq) const {
@@ -92,10 +104,21 @@ size_t DflashDrafter::num_sequences() const {
   return runner_->num_sequences();
 }
 
-Result<std::shared_ptr<const Drafter>> MakeDrafterFor(const SpecOptions& o, const Checkpoint& target) {
+void DflashDrafter::set_keep_logits(bool keep) const {
+  std::lock_guard lock(mu_);
+  runner_->set_keep_logits(keep);
+}
+
+std::vector<float> DflashDrafter::last_logits() const {
+  std::lock_guard lock(mu_);
+  return runner_->last_logits();
+}
+
+Result<std::shared_ptr<const Drafter>> MakeDrafterFor(const SpecOptions& o, const Checkpoint& target,
+                                                      const ModelRunner* runner) {
   DL_RETURN_IF_ERROR(o.Validate());
   if (o.method != SpecMethod::kDflash) return MakeDrafter(o);
-  DL_ASSIGN_OR_RETURN(auto d, DflashDrafter::Create(o.model_dir, target, o.k));
+  DL_ASSIGN_OR_RETURN(auto d, DflashDrafter::Create(o.model_dir, target, o.k, runner));
   return std::shared_ptr<const Drafter>(std::move(d));
 }
 

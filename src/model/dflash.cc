@@ -594,7 +594,16 @@ DflashConfig DflashConfigFor(const ModelConfig& t, int64_t num_draft_layers, int
   c.hidden_size = t.hidden_size;
   c.intermediate_size = t.intermediate_size > 0 ? t.intermediate_size : 4 * t.hidden_size;
   c.num_hidden_layers = num_draft_layers;
+  // The heads of the target's sliding layers where it has any, as Poolside's drafters (XS.2's has the
+  // 64 query heads of XS.2's sliding layers, S 2.1's the 72 of S 2.1's), so its attention has the
+  // sliding layers' preset.
   c.num_attention_heads = t.num_attention_heads;
+  for (size_t l = 0; l < t.layer_types.size() && l < t.num_attention_heads_per_layer.size(); ++l) {
+    if (t.layer_types[l] == LayerType::kSliding) {
+      c.num_attention_heads = t.num_attention_heads_per_layer[l];
+      break;
+    }
+  }
   c.num_key_value_heads = t.num_key_value_heads;
   c.head_dim = t.head_dim;
   c.rms_norm_eps = t.rms_norm_eps;

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "base/status.h"
@@ -88,6 +89,29 @@ class DflashOps {
   virtual Status OutputNorm(const WeightRef& weight) = 0;
   // Greedy token of every output row from kLogits.
   virtual Status SelectTokens() = 0;
+};
+
+// A backend's drafter: DflashOps over its own weights and per-sequence context caches, run through
+// the two passes below. CpuDflashRunner (backend/cpu_dflash.h: FP32, host memory) is the reference;
+// CudaDflashRunner (backend/cuda_dflash.h: BF16 activations, the target's device embedding and LM
+// head, the context K/V in a paged device cache) the fast one. Their drafts may differ where two
+// logits are within rounding of each other; the output never does (every draft is verified).
+class DflashRunner {
+ public:
+  virtual ~DflashRunner() = default;
+  // Appends `batch.contexts`, then drafts `batch.blocks`; tokens: per block, its num_outputs drafts.
+  virtual Status Run(const DraftBatch& batch, std::vector<std::vector<int32_t>>* tokens) = 0;
+  // Context positions cached for `seq` (0 for an unknown sequence).
+  virtual int32_t length(uint64_t seq) const = 0;
+  // Drops the sequence's context (it finished, failed or was preempted). Nothing else is ever rolled
+  // back: only committed rows enter a context.
+  virtual void Forget(uint64_t seq) = 0;
+  virtual size_t num_sequences() const = 0;
+  // "cpu" or "cuda": where the drafter's arithmetic runs (printed with the drafter's name).
+  virtual std::string where() const = 0;
+  // Tests: keep the last Run's output-row logits ([rows of every block's outputs, V] FP32).
+  virtual void set_keep_logits(bool keep) = 0;
+  virtual const std::vector<float>& last_logits() const = 0;
 };
 
 // Appends `batch.contexts` (runs nothing when there are none).

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,9 +14,11 @@
 #include "base/status.h"
 #include "kv_cache/kv_cache.h"
 #include "kv_cache/kv_scales.h"
+#include "model/dflash_forward.h"
 #include "model/forward_batch.h"
 
 namespace dl {
+
 
 // Sees every K/V vector before it is quantised into the cache; calibration uses it to find amax.
 class KvObserver {
@@ -49,6 +52,15 @@ class ModelRunner {
   }
 
   virtual void set_kv_observer(KvObserver* observer) { (void)observer; }
+
+  // The DFlash drafter on this backend (model/dflash_forward.h), reading the target's embedding and
+  // LM head where this runner holds them; `drafter` must outlive it. Unimplemented where the backend
+  // has no drafter of its own: the engine then runs the CPU reference drafter over the checkpoint's
+  // host weights (engine/dflash_drafter.h).
+  virtual Result<std::unique_ptr<DflashRunner>> MakeDflashRunner(const DflashCheckpoint& drafter) const {
+    (void)drafter;
+    return Unimplemented("the {} backend has no DFlash drafter of its own", backend_name());
+  }
 
   // Identity for logs, JSON and the lab: presets, fallback flag, tuning, topology (backend keys).
   virtual nlohmann::json Describe() const = 0;

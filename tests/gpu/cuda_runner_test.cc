@@ -593,11 +593,11 @@ TEST(CudaRunnerTest, SpeculativeEqualsPlainDecodingTokenForTokenAndLogitForLogit
 }
 
 // DFlash on the GPU: the target runs on CUDA and returns the drafter's hidden-state taps (the
-// workspace sized by CudaRunnerOptions::max_taps; forwards with taps run eagerly); the drafter (CPU
-// reference ops, the target's embedding and LM head read from host memory) proposes blocks. With
-// random drafter weights few drafts are accepted; what is checked is that the output equals plain
-// decoding token for token and logit for logit, alone and in a scheduler batch (greedy and seeded
-// sampling), whatever is accepted or rolled back.
+// workspace sized by CudaRunnerOptions::max_taps; forwards with taps run eagerly); the drafter
+// proposes blocks, on the GPU (backend/cuda_dflash.h, over the target's device embedding and LM head)
+// or on the CPU reference (host weights). With random drafter weights few drafts are accepted; what
+// is checked is that the output equals plain decoding token for token and logit for logit, alone and
+// in a scheduler batch (greedy and seeded sampling), whatever is accepted or rolled back.
 TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
   SKIP_WITHOUT_GPU();
   const ModelConfig cfg = SmallXs2Geometry();
@@ -624,8 +624,12 @@ TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
     auto made = SyntheticCudaEngine(cfg, kv, batch, co);
     ASSERT_TRUE(made.ok()) << made.status().ToString();
     Engine& engine = **made;
-    auto drafter = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, k_max);
+    for (bool on_gpu : {true, false}) {
+    SCOPED_TRACE(on_gpu ? "drafter on cuda" : "drafter on cpu");
+    auto drafter = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, k_max, on_gpu ? engine.runner.get() : nullptr);
     ASSERT_TRUE(drafter.ok()) << drafter.status().ToString();
+    EXPECT_EQ((*drafter)->where(), on_gpu ? "cuda" : "cpu") << (*drafter)->name();
+    EXPECT_EQ((*drafter)->placement_note(), "");
     GenerateOptions g;
     g.max_tokens = 24;
     g.ignore_eos = true;
@@ -648,8 +652,9 @@ TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
                                    plain->step_logits[s].size() * 4))
               << "k " << k << " prompt " << i << " step " << s;
         }
-        std::printf("dflash %s k %d prompt %zu: %llu drafts, %llu of %llu draft tokens accepted\n", DTypeName(kv).data(),
-                    k, i, static_cast<unsigned long long>(r->spec.num_drafts),
+        std::printf("dflash %s on %s k %d prompt %zu: %llu drafts, %llu of %llu draft tokens accepted\n",
+                    DTypeName(kv).data(), (*drafter)->where().c_str(), k, i,
+                    static_cast<unsigned long long>(r->spec.num_drafts),
                     static_cast<unsigned long long>(r->spec.num_accepted_tokens),
                     static_cast<unsigned long long>(r->spec.num_draft_tokens));
       }
@@ -661,6 +666,124 @@ TEST(CudaRunnerTest, DflashSpeculativeEqualsPlainDecoding) {
     EXPECT_EQ(run_batch(*drafter, 7), want);
     EXPECT_EQ((*drafter)->num_sequences(), 0u);
     EXPECT_EQ(engine.kv->used_pages(KvGroup::kFull) + engine.kv->used_pages(KvGroup::kSliding), 0);
+    }
+  }
+}
+
+// Runs two DFlash drafters side by side on the same sequence (the same taps, the same blocks) and
+// compares the GPU drafter's logits of every block with the CPU reference's; proposes the GPU's drafts.
+class TeeDflashDrafter : public Drafter {
+ public:
+  TeeDflashDrafter(std::shared_ptr<DflashDrafter> gpu, std::shared_ptr<DflashDrafter> cpu)
+      : gpu_(std::move(gpu)), cpu_(std::move(cpu)) {
+    gpu_->set_keep_logits(true);
+    cpu_->set_keep_logits(true);
+  }
+  std::vector<int32_t> Propose(std::span<const int32_t>, int32_t) const override { return {}; }
+  std::string name() const override { return "tee(" + gpu_->name() + ", " + cpu_->name() + ")"; }
+  std::vector<int32_t> hidden_taps() const override { return gpu_->hidden_taps(); }
+  uint64_t NewSequence() const override { return next_++; }
+  Status Observe(uint64_t seq, int32_t position, const ForwardResult& result, int32_t first_row,
+                 int32_t rows) const override {
+    DL_RETURN_IF_ERROR(gpu_->Observe(seq, position, result, first_row, rows));
+    return cpu_->Observe(seq, position, result, first_row, rows);
+  }
+  Result<std::vector<int32_t>> ProposeFor(uint64_t seq, std::span<const int32_t> context,
+                                          int32_t max_tokens) const override {
+    DL_ASSIGN_OR_RETURN(auto g, gpu_->ProposeFor(seq, context, max_tokens));
+    DL_ASSIGN_OR_RETURN(auto c, cpu_->ProposeFor(seq, context, max_tokens));
+    const std::vector<float> lg = gpu_->last_logits(), lc = cpu_->last_logits();
+    if (lg.size() != lc.size() || g.size() != c.size()) return Internal("the drafters' outputs differ in size");
+    const size_t V = lg.size() / std::max<size_t>(1, g.size());
+    for (size_t r = 0; r < g.size(); ++r) {
+      double err = 0, ref = 0;
+      float top1 = -INFINITY, top2 = -INFINITY;
+      for (size_t i = 0; i < V; ++i) {
+        const double e = static_cast<double>(lg[r * V + i]) - lc[r * V + i];
+        err += e * e;
+        ref += static_cast<double>(lc[r * V + i]) * lc[r * V + i];
+        const float x = lc[r * V + i];
+        if (x > top1) {
+          top2 = top1, top1 = x;
+        } else if (x > top2) {
+          top2 = x;
+        }
+      }
+      worst_rel_l2 = std::max(worst_rel_l2, std::sqrt(err / std::max(ref, 1e-30)));
+      ++rows;
+      // A token may differ only where the reference's two best logits are within the GPU's rounding:
+      // closer than 8 times the row's RMS difference.
+      if (g[r] == c[r]) {
+        ++same;
+      } else if (top1 - top2 > 8.0 * std::sqrt(err / static_cast<double>(V))) {
+        ++clear_mismatches;
+      }
+    }
+    return g;
+  }
+  void Forget(uint64_t seq) const override {
+    gpu_->Forget(seq);
+    cpu_->Forget(seq);
+  }
+  mutable double worst_rel_l2 = 0;
+  mutable int rows = 0, same = 0, clear_mismatches = 0;
+
+ private:
+  std::shared_ptr<DflashDrafter> gpu_, cpu_;
+  mutable uint64_t next_ = 1;
+};
+
+// The GPU drafter against the CPU reference on the same taps and blocks: logits within BF16
+// activations' error of the FP32 reference, and the same draft token wherever the reference's choice
+// is clear. Laguna family (causal sliding blocks, per-head gate, per-tap norms) and z-lab family
+// (bidirectional full-attention blocks), over a prompt longer than the drafter's window (its ring),
+// prefill chunks of 128 rows.
+TEST(CudaRunnerTest, DflashDrafterOnGpuMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig cfg = SmallXs2Geometry();
+  test_util::TempDir dir("dl_gpu_dflash_ref");
+  const int32_t vocab = static_cast<int32_t>(cfg.vocab_size);
+  for (DflashFamily family : {DflashFamily::kLaguna, DflashFamily::kZlab}) {
+    SCOPED_TRACE(DflashFamilyName(family));
+    WriteDflashOptions wo;
+    wo.config = DflashConfigFor(cfg, 2, 8, family);
+    // z-lab's full-attention layers: the global layers' heads (G 6), whose presets are built.
+    if (family == DflashFamily::kZlab) wo.config.num_attention_heads = cfg.num_attention_heads;
+    wo.seed = 5;
+    wo.out_dir = dir / DflashFamilyName(family);
+    ASSERT_TRUE(WriteSyntheticDflash(wo).ok());
+    CudaRunnerOptions co;
+    co.max_rows = 128;
+    co.max_outputs = 8;
+    co.max_taps = static_cast<int32_t>(wo.config.num_taps());
+    auto made = SyntheticCudaEngine(cfg, DType::kBF16, 1, co);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    Engine& engine = **made;
+    auto gpu = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, 7, engine.runner.get());
+    ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+    auto cpu = DflashDrafter::Create(wo.out_dir, *engine.checkpoint, 7);
+    ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+    ASSERT_EQ((*gpu)->where(), "cuda");
+    ASSERT_EQ((*cpu)->where(), "cpu");
+    TeeDflashDrafter tee(*gpu, *cpu);
+    std::vector<int32_t> prompt = LongPrompt(700, vocab);
+    GenerateOptions g;
+    g.max_tokens = 24;
+    g.ignore_eos = true;
+    g.prefill_chunk = 128;
+    auto plain = GenerateGreedy(engine, prompt, g);
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    g.drafter = &tee;
+    g.num_draft_tokens = 7;
+    auto r = GenerateGreedy(engine, prompt, g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->tokens, plain->tokens);
+    std::printf("dflash gpu vs cpu (%s): %d draft rows, %d same tokens, %d clear mismatches, worst relative L2 %.4f\n",
+                DflashFamilyName(family), tee.rows, tee.same, tee.clear_mismatches, tee.worst_rel_l2);
+    EXPECT_GT(tee.rows, 0);
+    EXPECT_EQ(tee.clear_mismatches, 0);
+    EXPECT_LT(tee.worst_rel_l2, 0.05);
+    EXPECT_EQ((*gpu)->num_sequences(), 0u);
   }
 }
 
