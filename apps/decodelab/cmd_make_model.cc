@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <optional>
 
@@ -44,7 +45,7 @@ struct MakeModelFlags {
 bool IsDrafter(const MakeModelFlags& f) { return f.shape == "tiny-dflash" || !f.dflash_for.empty(); }
 
 // A random DFlash drafter for the target `tiny` (--shape tiny-dflash) or the checkpoint in
-// --dflash-for DIR: hidden size, vocabulary and tap ids matching it, a transformers-layout config.
+// --dflash-for DIR (or a built-in shape): hidden size, vocabulary and tap ids matching it, a transformers-layout config.
 int RunMakeDrafter(const MakeModelFlags& f) {
   if (!f.dflash_for.empty() && f.shape_given) {
     return ReportError(InvalidArgument("give --dflash-for DIR or --shape tiny-dflash, not both"));
@@ -54,9 +55,11 @@ int RunMakeDrafter(const MakeModelFlags& f) {
     return ReportError(InvalidArgument("--fp8-* flags do not apply to a DFlash drafter"));
   }
   ModelConfig target;
-  if (!f.dflash_for.empty()) {
+  if (!f.dflash_for.empty() && !std::filesystem::exists(f.dflash_for) && ShapeConfig(f.dflash_for).ok()) {
+    target = *ShapeConfig(f.dflash_for);  // a built-in shape (a `--shape` target of bench, generate, serve)
+  } else if (!f.dflash_for.empty()) {
     auto c = ModelConfig::FromFile(f.dflash_for + "/config.json");
-    if (!c.ok()) return ReportError(c.status().WithContext("--dflash-for"));
+    if (!c.ok()) return ReportError(c.status().WithContext("--dflash-for (a checkpoint directory or tiny, xs2, s21)"));
     target = *c;
   } else {
     auto c = ShapeConfig("tiny");
@@ -179,8 +182,9 @@ void AddMakeModelCommand(CLI::App& root, CommandContext& ctx) {
       ->default_val("tiny")
       ->check(CLI::IsMember({"tiny", "xs2", "s21", "tiny-dflash"}));
   cmd->add_option("--dflash-for", flags->dflash_for,
-                  "Write a random DFlash drafter matching the checkpoint in DIR (hidden size, vocabulary, tap "
-                  "layers spread over its layers, ending at the last) instead of a model");
+                  "Write a random DFlash drafter matching the checkpoint in DIR, or the built-in shape tiny, xs2 "
+                  "or s21 (hidden size, vocabulary, tap layers spread over its layers, ending at the last) instead "
+                  "of a model");
   cmd->add_option("--dflash-layout", flags->dflash_layout,
                   "Drafter: poolside (Laguna family: fused qkv_proj, per-head gate, causal sliding blocks; default) or "
                   "zlab (DFlashDraftModel: split projections, bidirectional full-attention blocks)")
