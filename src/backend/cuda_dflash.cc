@@ -469,12 +469,12 @@ Status CudaDflashRunner::Impl::Linear(const LinearWeights& lw, DraftAct in, Draf
     p.y = act[static_cast<int>(out)] + row0;
     p.y_stride = total_out;
     p.num_tokens = rows;
-    // Many rows (a prefill chunk's context) on the tensor-core product, a block's few on the batched
-    // GEMV, which reads each weight once per 8 or 16 rows.
-    p.mma = !fp8 && rows >= opt.tuning.mma_tiled_min_tokens;
+    // Every row count on the tensor-core product (BF16 weights): a block's 16 rows are byte-bound there,
+    // where the CUDA-core batched GEMV is bound by its FMAs. The drafter's bits never reach the output,
+    // so it needs no class of its own. FP8 weights (the target's LM head) take the FP8 kernels.
+    p.mma = !fp8;
     p.mma_tiled_min_tokens = opt.tuning.mma_tiled_min_tokens;
     p.batch_rows = rows <= 8 ? 2 : 4;
-    p.batch_tokens = rows <= 8 ? 8 : 16;
     DL_RETURN_IF_ERROR(kernels::Gemv(p, s()).WithContext(W.name));
     row0 += W.rows();
   }

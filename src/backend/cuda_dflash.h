@@ -3,8 +3,8 @@
 // where the CUDA backend already holds them (BF16 or FP8), so a `--shape` model drafts too. Every
 // operation is an existing kernel of the target's forward:
 //   - the norms are AddRmsNorm (the per-tap norms through its row stride);
-//   - the linear layers are Gemv (the tensor-core product from 64 rows, the batched CUDA-core GEMV
-//     below);
+//   - the linear layers are Gemv on the tensor-core product at every row count (FP8 weights: the FP8
+//     kernels);
 //   - the context keys are QkNormRopeAppend without query heads, into a paged BF16 cache of the
 //     drafter's own: a ring of whole pages per sequence, sized window + block when every draft layer
 //     is sliding (Poolside's drafters), the full length otherwise;
