@@ -311,6 +311,14 @@ TEST(CliTest, DflashDrafterEndToEnd) {
   EXPECT_EQ(cfg2["architectures"][0], "DFlashDraftModel");
   EXPECT_EQ(cfg2["dflash_config"]["num_target_layers"], 3);
   EXPECT_NE(Decodelab("make-model --shape tiny --block-size 4 --out " + (dir / "x").string()).rc, 0);
+  // --dflash-for a built-in shape (a --shape target has no directory); an unknown name says what it takes.
+  const CliRun made3 = Decodelab("make-model --dflash-for tiny --out " + (dir / "for_shape").string());
+  ASSERT_EQ(made3.rc, 0) << made3.err;
+  const auto cfg3 = nlohmann::json::parse(Slurp(dir / "for_shape" / "config.json"), nullptr, false);
+  EXPECT_EQ(cfg3["dflash_config"]["num_target_layers"], 5);
+  const CliRun bad_for = Decodelab("make-model --dflash-for no_such_model --out " + (dir / "y").string());
+  EXPECT_NE(bad_for.rc, 0);
+  EXPECT_NE(bad_for.err.find("a checkpoint directory or tiny, xs2, s21"), std::string::npos) << bad_for.err;
 
   auto last_json = [](const CliRun& r) {
     return nlohmann::json::parse(r.out.substr(r.out.rfind('\n', r.out.size() - 2) + 1), nullptr, false);
