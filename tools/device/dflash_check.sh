@@ -32,10 +32,10 @@ summary() {  # name log rc
 if [ "$TESTS" = 1 ]; then
   timeout 300 ./build/tests/gpu/cuda_runner_test --gtest_filter='*Dflash*' > "$LOGS/dflash_test.log" 2>&1
   summary "cuda_runner_test *Dflash*" "$LOGS/dflash_test.log" $?
-  grep -E "^dflash" "$LOGS/dflash_test.log" | head -20
-  timeout 120 ./build/tests/gpu/kernels_gpu_test --gtest_filter='AddRmsNorm*:QkNormRope*:Attention*' \
+  grep -E "^dflash gpu vs cpu" "$LOGS/dflash_test.log"; grep -cE "^dflash .* on (cuda|cpu) k" "$LOGS/dflash_test.log"
+  timeout 120 ./build/tests/gpu/kernels_gpu_test --gtest_filter='AddRmsNorm*:QkNormRope*' \
     > "$LOGS/kernels.log" 2>&1
-  summary "kernels_gpu_test norm/rope/attention" "$LOGS/kernels.log" $?
+  summary "kernels_gpu_test norm/rope" "$LOGS/kernels.log" $?
   if [ "$SANITIZER" = 1 ]; then
     timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/cuda_runner_test \
       --gtest_filter='*DflashDrafterOnGpuMatchesCpuReference*' > "$LOGS/memcheck.log" 2>&1
