@@ -32,7 +32,7 @@ summary() {  # name log rc
 if [ "$TESTS" = 1 ]; then
   timeout 300 ./build/tests/gpu/cuda_runner_test --gtest_filter='*Dflash*' > "$LOGS/dflash_test.log" 2>&1
   summary "cuda_runner_test *Dflash*" "$LOGS/dflash_test.log" $?
-  grep -E "^dflash gpu vs cpu" "$LOGS/dflash_test.log"; grep -cE "^dflash .* on (cuda|cpu) k" "$LOGS/dflash_test.log"
+  grep -E "^dflash gpu vs cpu" "$LOGS/dflash_test.log"; echo "speculative runs: $(grep -cE '^dflash .* on (cuda|cpu) k' "$LOGS/dflash_test.log")"
   timeout 120 ./build/tests/gpu/kernels_gpu_test --gtest_filter='AddRmsNorm*:QkNormRope*' \
     > "$LOGS/kernels.log" 2>&1
   summary "kernels_gpu_test norm/rope" "$LOGS/kernels.log" $?
