@@ -168,23 +168,27 @@ Status CudaDflashRunner::Impl::UploadWeights(const DflashCheckpoint& ck) {
 }
 
 Status CudaDflashRunner::Impl::ResolveAttention() {
+  auto key_for = [&](int64_t l, int32_t p) {
+    kernels::AttnPresetKey key;
+    key.head_dim = D;
+    key.group = H / K;
+    key.page_size = p;
+    key.kv_dtype = kernels::KvDtype::kBf16;
+    key.window = cfg.layer_types[l] == LayerType::kSliding ? kernels::WindowKind::kSliding : kernels::WindowKind::kGlobal;
+    return key;
+  };
+  // The first page size whose preset every layer has; else, with allow_fallback, the generic kernel.
   std::string missing;
   for (int32_t p : kDraftPageSizes) {
     std::vector<kernels::AttentionKernel> found;
     missing.clear();
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-      kernels::AttnPresetKey key;
-      key.head_dim = D;
-      key.group = H / K;
-      key.page_size = p;
-      key.kv_dtype = kernels::KvDtype::kBf16;
-      key.window = cfg.layer_types[l] == LayerType::kSliding ? kernels::WindowKind::kSliding : kernels::WindowKind::kGlobal;
-      auto k = kernels::ResolveAttention(key, /*allow_fallback=*/false);
-      if (!k.ok()) {
-        missing = kernels::CanonicalName(key);
-        break;
+    for (int64_t l = 0; l < cfg.num_hidden_layers && missing.empty(); ++l) {
+      auto k = kernels::ResolveAttention(key_for(l, p), /*allow_fallback=*/false);
+      if (k.ok()) {
+        found.push_back(*k);
+      } else {
+        missing = kernels::CanonicalName(key_for(l, p));
       }
-      found.push_back(*k);
     }
     if (missing.empty()) {
       page = p;
@@ -199,13 +203,7 @@ Status CudaDflashRunner::Impl::ResolveAttention() {
   page = kDraftPageSizes[0];
   attn.clear();
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    kernels::AttnPresetKey key;
-    key.head_dim = D;
-    key.group = H / K;
-    key.page_size = page;
-    key.kv_dtype = kernels::KvDtype::kBf16;
-    key.window = cfg.layer_types[l] == LayerType::kSliding ? kernels::WindowKind::kSliding : kernels::WindowKind::kGlobal;
-    DL_ASSIGN_OR_RETURN(kernels::AttentionKernel k, kernels::ResolveAttention(key, true));
+    DL_ASSIGN_OR_RETURN(kernels::AttentionKernel k, kernels::ResolveAttention(key_for(l, page), true));
     attn.push_back(k);
   }
   return Status::Ok();
