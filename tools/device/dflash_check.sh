@@ -24,18 +24,13 @@ done
 targets="decodelab"
 [ "$TESTS" = 1 ] && targets="$targets cuda_runner_test kernels_gpu_test"
 dl_build "$LOGS" $targets || exit 1
-summary() {  # name log rc
-  echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED) ' "$2" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]" "$2" | head -20
-  grep -B1 -A6 "Failure" "$2" | head -40
-}
 if [ "$TESTS" = 1 ]; then
   timeout 300 ./build/tests/gpu/cuda_runner_test --gtest_filter='*Dflash*' > "$LOGS/dflash_test.log" 2>&1
-  summary "cuda_runner_test *Dflash*" "$LOGS/dflash_test.log" $?
+  dl_summary "cuda_runner_test *Dflash*" "$LOGS/dflash_test.log" $?
   grep -E "^dflash gpu vs cpu" "$LOGS/dflash_test.log"; echo "speculative runs: $(grep -cE '^dflash .* on (cuda|cpu) k' "$LOGS/dflash_test.log")"
   timeout 120 ./build/tests/gpu/kernels_gpu_test --gtest_filter='AddRmsNorm*:QkNormRope*' \
     > "$LOGS/kernels.log" 2>&1
-  summary "kernels_gpu_test norm/rope" "$LOGS/kernels.log" $?
+  dl_summary "kernels_gpu_test norm/rope" "$LOGS/kernels.log" $?
   if [ "$SANITIZER" = 1 ]; then
     timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/cuda_runner_test \
       --gtest_filter='*DflashDrafterOnGpuMatchesCpuReference*' > "$LOGS/memcheck.log" 2>&1

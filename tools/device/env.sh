@@ -26,3 +26,11 @@ dl_build() {
   fi
   echo "build: $(( SECONDS - t )) s, commit $(cat .decodelab-commit 2>/dev/null || echo '?')"
 }
+
+# dl_summary NAME LOG RC: a gtest run in a few lines: its PASSED/FAILED/SKIPPED totals, the failed
+# tests and the first failures with their context.
+dl_summary() {
+  echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$2" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]" "$2" | head -20
+  grep -B1 -A8 "Failure" "$2" | head -60
+}

@@ -27,20 +27,15 @@ dl_build "$OUT" kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_runner_
 # Static SASS counts of the FP8 kernels (the rule's instruction mix: no FMUL per element, no spills).
 bash tools/device/fp8_sass.sh build > "$OUT/fp8_sass.txt" 2>&1
 cat "$OUT/fp8_sass.txt"
-summary() {  # name log rc
-  echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$2" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]" "$2" | head -20
-  grep -B1 -A8 "Failure" "$2" | head -60
-}
 timeout 300 ./build/tests/gpu/kernels_fp8_gpu_test > "$OUT/kernels_fp8_gpu_test.log" 2>&1
-summary kernels_fp8_gpu_test "$OUT/kernels_fp8_gpu_test.log" $?
+dl_summary kernels_fp8_gpu_test "$OUT/kernels_fp8_gpu_test.log" $?
 timeout 300 ./build/tests/gpu/kernels_gpu_test --gtest_filter='GemvGpu*:MoeGpu*' > "$OUT/kernels_gpu_test.log" 2>&1
-summary "kernels_gpu_test (BF16 GEMV/MoE)" "$OUT/kernels_gpu_test.log" $?
+dl_summary "kernels_gpu_test (BF16 GEMV/MoE)" "$OUT/kernels_gpu_test.log" $?
 # The CUDA backend with FP8 shape weights (all-linear and the export's layout: invariances, BF16
 # tracking), and the BF16 backend tests the weight-upload rewrite must keep (goldens, repeats, chunks).
 timeout 420 ./build/tests/gpu/cuda_runner_test \
   --gtest_filter='*Fp8*:*TeacherForced*:*BitIdentical*:*TokensIdentical*:*MissingPreset*' > "$OUT/cuda_runner_test.log" 2>&1
-summary "cuda_runner_test (FP8 weights, BF16 goldens and invariances)" "$OUT/cuda_runner_test.log" $?
+dl_summary "cuda_runner_test (FP8 weights, BF16 goldens and invariances)" "$OUT/cuda_runner_test.log" $?
 echo "tests: $(( $(date +%s) - t0 )) s"
 if [ "$SAN" = 1 ]; then
   # memcheck over every FP8 kernel (the XS.2-width MoE cases make the second run the long one); racecheck

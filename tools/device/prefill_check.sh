@@ -29,21 +29,16 @@ targets="decodelab kernels_bench"
 [ "$TESTS" = 1 ] && targets="$targets kernels_gpu_test kernels_fp8_gpu_test"
 [ "$RUNNER" = 1 ] && targets="$targets cuda_runner_test"
 dl_build "$LOGS" $targets || exit 1
-summary() {  # name log rc
-  echo "$1 rc=$3: $(grep -E '^\[  (PASSED|FAILED) ' "$2" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]" "$2" | head -20
-  grep -B1 -A6 "Failure" "$2" | head -40
-}
 if [ "$TESTS" = 1 ]; then
   timeout 400 ./build/tests/gpu/kernels_gpu_test > "$LOGS/kernels_gpu_test.log" 2>&1
-  summary kernels_gpu_test "$LOGS/kernels_gpu_test.log" $?
+  dl_summary kernels_gpu_test "$LOGS/kernels_gpu_test.log" $?
   timeout 120 ./build/tests/gpu/kernels_fp8_gpu_test --gtest_filter='Fp8GemvGpu.*' > "$LOGS/kernels_fp8.log" 2>&1
-  summary "kernels_fp8_gpu_test Fp8GemvGpu.*" "$LOGS/kernels_fp8.log" $?
+  dl_summary "kernels_fp8_gpu_test Fp8GemvGpu.*" "$LOGS/kernels_fp8.log" $?
   stamp "kernel tests"
 fi
 if [ "$RUNNER" = 1 ]; then
   timeout 500 ./build/tests/gpu/cuda_runner_test > "$LOGS/cuda_runner_test.log" 2>&1
-  summary cuda_runner_test "$LOGS/cuda_runner_test.log" $?
+  dl_summary cuda_runner_test "$LOGS/cuda_runner_test.log" $?
   stamp "runner tests"
 fi
 timeout 120 ./build/tests/gpu/kernels_bench attn_prefill 2>&1 | grep -vE "^(copy|d2d|device|kernel  )" | tail -12
