@@ -300,9 +300,6 @@ struct MoeParams {
   // the lists and the GEMM anyway, for the tests).
   bool mma = false;
   bool mma_batch1_lists = false;
-  // The grouped GEMM's (token, slot) pairs per block pass: 32 or 64 (0 = 64). Same bits either way
-  // (a column's MMA chain does not depend on the tile's width); a speed knob for the kernel bench.
-  int mma_gemm_pairs = 0;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

@@ -534,14 +534,6 @@ int main(int argc, char** argv) {
       moe_gemm.push_back({"router only", T, router_ms * 1e3, 0.0, 0.0});
       const double ms = TimeMs([&](int i) { CHECK_OK(Moe(params(i, T), g_stream)); }, iters);
       moe_gemm.push_back({"grouped gemm", T, ms * 1e3, weight_bytes, flops});
-      if (T <= 2048) {  // 32 pairs per block pass (MoeParams::mma_gemm_pairs), beside the default 64
-        const double ms32 = TimeMs([&](int i) {
-          MoeParams p = params(i, T);
-          p.mma_gemm_pairs = 32;
-          CHECK_OK(Moe(p, g_stream));
-        }, iters);
-        moe_gemm.push_back({"grouped gemm, 32 pairs", T, ms32 * 1e3, weight_bytes, flops});
-      }
     }
   }
 
@@ -677,16 +669,16 @@ int main(int argc, char** argv) {
   if (!moe_gemm.empty()) {
     std::printf("\nmoe_gemm (E256 k8 F512 d2048, MMA experts; 'experts' = whole Moe minus the router: lists, gate/up, "
                 "down, combine)\n");
-    std::printf("%-24s %5s %10s %12s %14s %14s\n", "kernel", "T", "moe us", "experts us", "weights TB/s", "TFLOP/s");
+    std::printf("%-16s %5s %10s %12s %14s %14s\n", "kernel", "T", "moe us", "experts us", "weights TB/s", "TFLOP/s");
     double router_us = 0.0;
     for (const MoeGemmRow& r : moe_gemm) {
       if (r.weight_bytes == 0.0) {
         router_us = r.us;
-        std::printf("%-24s %5d %10.1f\n", r.kernel.c_str(), r.T, r.us);
+        std::printf("%-16s %5d %10.1f\n", r.kernel.c_str(), r.T, r.us);
         continue;
       }
       const double experts_us = r.us - router_us;
-      std::printf("%-24s %5d %10.1f %12.1f %14.2f %14.1f\n", r.kernel.c_str(), r.T, r.us, experts_us,
+      std::printf("%-16s %5d %10.1f %12.1f %14.2f %14.1f\n", r.kernel.c_str(), r.T, r.us, experts_us,
                   r.weight_bytes / (experts_us * 1e-6) / 1e12, r.flops / (experts_us * 1e-6) / 1e12);
     }
   }

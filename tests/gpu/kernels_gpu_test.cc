@@ -1409,12 +1409,6 @@ void ExpectMmaExpertsMatchEveryTokenAlone(const RandomMoeLayer& layer, const Hos
   ASSERT_NO_FATAL_FAILURE(run(&y_again, &ids_again));
   ASSERT_EQ(ids_again, ids);
   ExpectSameElements(y_again, y_all, "MMA experts run to run");
-  // 32 pairs per block pass instead of 64: the same bits (a column's MMA chain is its own).
-  p.mma_gemm_pairs = 32;
-  ASSERT_NO_FATAL_FAILURE(run(&y_again, &ids_again));
-  p.mma_gemm_pairs = 0;
-  ASSERT_EQ(ids_again, ids);
-  ExpectSameElements(y_again, y_all, "MMA experts, 32 pairs per pass");
   auto d_y1 = Alloc(d * 2), d_ids1 = Alloc(k * 4), d_ws1 = Alloc(MoeWorkspaceBytes(d, layer.E, k, layer.F, layer.Fs, 1));
   for (int t = 0; t < T; t += alone_step) {
     MoeParams one = p;

@@ -1627,11 +1627,11 @@ inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
 
 // ---- The MMA experts as a grouped GEMM (T > 1, or mma_batch1_lists): the lists of the grouped
 // path, and per block one expert (or a shared-expert segment, MoeMmaLists), a tile of its output
-// rows and kTok (32 or 64) of its (token, slot) pairs per pass. Both the weight tile and the pairs' vectors go
+// rows and kGemmTokens of its (token, slot) pairs per pass. Both the weight tile and the pairs' vectors go
 // through a ring of kGemmStages shared-memory stages (cp.async, kGemmStageChunks chunks of 32 per
-// stage): every weight row is read once per pass of kTok pairs and every x row (h vector) once
+// stage): every weight row is read once per pass of kGemmTokens pairs and every x row (h vector) once
 // per block. Warp (wm, wn) of the 4 x 2 warps: two A tiles of 16 rows (gate and up rows 16 wm .. + 16
-// of the block's 64 F rows, or down rows 32 wm .. + 32 of its 128 d rows) x kTok / 2 pair
+// of the block's 64 F rows, or down rows 32 wm .. + 32 of its 128 d rows) x kGemmTokens / 2 pair
 // columns. The arithmetic per output element is MmaSliceDots' exactly (ops.h 5b): lane (g, c) takes
 // the same 16-byte pieces (chunk q: piece 4q + c of rows g and g + 8 and of column g) into MmaChunk,
 // chunks in ascending order from a zero accumulator per slice of chunks / ks, the slices' sums added
@@ -1639,15 +1639,12 @@ inline void LaunchMoeMmaDirect(const MoeParams& p, cudaStream_t s) {
 // alone equals the token in any batch (the tests check it). The K loop is the shape's (chunks, ks),
 // never the pair count's; row f sits at f % 16 of its A tile and pair i at column i % 8 of its B tile.
 constexpr int kGemmThreads = 256;
+constexpr int kGemmTokens = 64;      // (token, slot) pairs per block pass
 constexpr int kGemmRows = 128;       // A rows per block: 64 gate + 64 up rows (gate/up), 128 down rows
 constexpr int kGemmStageChunks = 2;  // 128 bytes of each row per stage
+constexpr int kGemmStages = 4;
 constexpr int kGemmPieces = kGemmStageChunks * 4;  // 16-byte pieces of a row per stage
-// kTok (token, slot) pairs per block pass (32 or 64): a 32-pair stage is smaller, so the ring holds
-// one stage more in about the same shared memory (two blocks per SM either way).
-constexpr int GemmStages(int tok) { return tok == 32 ? 5 : 4; }
-constexpr size_t GemmSmem(int tok) {
-  return static_cast<size_t>(GemmStages(tok)) * kGemmStageChunks * (kGemmRows + tok) * 64;
-}
+constexpr size_t kGemmSmem = static_cast<size_t>(kGemmStages) * kGemmStageChunks * (kGemmRows + kGemmTokens) * 64;
 
 // Shared memory: kGemmStages stages of [kGemmStageChunks][kGemmRows][4] A pieces then
 // [kGemmStageChunks][kTok][4] B pieces (a warp's fragment load, 8 rows x 64 bytes, is 512 contiguous
@@ -1655,13 +1652,11 @@ constexpr size_t GemmSmem(int tok) {
 // 16-byte stores. Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
 // Gate/up: h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)); down: bf16(bf16(o) * w(t, slot)) into
 // routed, the shared expert's bf16(o) into shared.
-template <bool kGateUp, bool kSplit, int kTok>
+template <bool kGateUp, bool kSplit>
 __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const MoeMmaLists& lists) {
-  static_assert(kTok == 32 || kTok == 64, "32 or 64 pairs per pass");
-  constexpr int kGemmStages = GemmStages(kTok);
-  constexpr size_t kGemmSmem = GemmSmem(kTok);
+  constexpr int kTok = kGemmTokens;
   constexpr int NT = kTok / 16;           // 8-column B tiles per warp
-  constexpr int kBCopies = kTok / 32;     // B pieces a thread copies per stage
+  constexpr int kBCopies = kTok / 32;     // B rows a thread copies per stage
   constexpr int kACopies = kGemmRows / 32;
   constexpr int kStageA = kGemmStageChunks * kGemmRows * 4, kStageB = kGemmStageChunks * kTok * 4;  // uint4s
   extern __shared__ __align__(128) uint4 s_ring[];
@@ -1742,12 +1737,10 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
     }
     __syncthreads();
     // Stage s <- chunks [2 st, 2 st + 2) of the A rows and the B columns (zeros past `in` and for
-    // dead rows and columns). B: piece idx = tid + 256 i of [chunk][kTok][4]: thread tid copies piece
-    // tid % 4 of pair column (tid / 4) % kTok, chunk tid / (4 kTok) + i (64 pairs: both chunks; 32: one),
-    // from a pointer taken once per pass.
-    static_assert(kTok * kGemmStageChunks * 4 == kGemmThreads * kBCopies, "the B copy map below");
-    const int b_col = cp_row % kTok, b_chunk0 = tid / (4 * kTok);
-    const uint4* const b_src = s_src[b_col] ? s_src[b_col] + cp_piece : nullptr;
+    // dead rows and columns). B: thread tid copies piece tid % 4 of pair column tid / 4 in both chunks
+    // (idx = tid + 256 i: chunk i, column tid / 4), from a pointer taken once per pass.
+    static_assert(kTok * 4 == kGemmThreads && kBCopies == kGemmStageChunks, "the B copy map below");
+    const uint4* const b_src = s_src[cp_row] ? s_src[cp_row] + cp_piece : nullptr;
     auto load = [&](int s, int st) {
       uint4* sa = s_ring + s * (kStageA + kStageB);
       uint4* sb = sa + kStageA;
@@ -1760,9 +1753,8 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       }
 #pragma unroll
       for (int i = 0; i < kBCopies; ++i) {
-        const int chunk = b_chunk0 + i;
-        const bool v = b_src != nullptr && 4 * chunk < lim;
-        CpAsync16(sb + tid + kGemmThreads * i, v ? b_src + kGemmPieces * st + 4 * chunk : a_base[0], v);  // dead: zeros
+        const bool v = b_src != nullptr && 4 * i < lim;
+        CpAsync16(sb + tid + kGemmThreads * i, v ? b_src + kGemmPieces * st + 4 * i : a_base[0], v);  // dead: zeros
       }
     };
 #pragma unroll
@@ -1880,49 +1872,42 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   }
 }
 
-template <bool kSplit, int kTok>
+template <bool kSplit>
 __global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
-  MoeMmaGemmBody<true, kSplit, kTok>(a, ks, lists);
+  MoeMmaGemmBody<true, kSplit>(a, ks, lists);
 }
-template <bool kSplit, int kTok>
+template <bool kSplit>
 __global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
   DL_TIMELINE_SCOPE(kMoeDown);
-  MoeMmaGemmBody<false, kSplit, kTok>(a, ks, lists);
+  MoeMmaGemmBody<false, kSplit>(a, ks, lists);
 }
 
-// Gate/up then down of the grouped GEMM (the lists already launched), kTok pairs per block pass.
-template <int kTok>
-inline Status LaunchMoeMmaGemmPairs(const MoeParams& p, cudaStream_t s) {
+// Gate/up then down of the grouped GEMM (the lists already launched), kGemmTokens pairs per block pass.
+inline Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
   const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
   const int fmax = std::max(p.ffn, p.shared_ffn);
   int passes = 1;
-  const MoeMmaLists lists = MoeMmaListsFor(p, kTok, &passes);
+  const MoeMmaLists lists = MoeMmaListsFor(p, kGemmTokens, &passes);
   const int rows_z = lists.shared_segments + std::min(p.num_experts, p.num_tokens * p.top_k);
   if (rows_z > 65535) return InvalidArgument("moe: {} expert lists and shared segments exceed the grid", rows_z);
   const dim3 block(kGemmThreads);
   const dim3 gu_grid(passes, (fmax + kGemmRows / 2 - 1) / (kGemmRows / 2), rows_z);
   const dim3 dn_grid(passes, (p.d + kGemmRows - 1) / kGemmRows, rows_z);
-  constexpr size_t smem = GemmSmem(kTok);
+  constexpr size_t smem = kGemmSmem;
   if (gu_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<true, kTok>, gu_grid, block, smem, s, p, gu_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<true>, gu_grid, block, smem, s, p, gu_ks, lists);
   } else {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false, kTok>, gu_grid, block, smem, s, p, gu_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false>, gu_grid, block, smem, s, p, gu_ks, lists);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_gate_up");
   if (dn_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<true, kTok>, dn_grid, block, smem, s, p, dn_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmDownKernel<true>, dn_grid, block, smem, s, p, dn_ks, lists);
   } else {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<false, kTok>, dn_grid, block, smem, s, p, dn_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmDownKernel<false>, dn_grid, block, smem, s, p, dn_ks, lists);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_down");
   return Status::Ok();
-}
-inline Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
-  if (p.mma_gemm_pairs != 0 && p.mma_gemm_pairs != 32 && p.mma_gemm_pairs != 64) {
-    return InvalidArgument("moe: mma_gemm_pairs {} (0, 32 or 64)", p.mma_gemm_pairs);
-  }
-  return p.mma_gemm_pairs == 32 ? LaunchMoeMmaGemmPairs<32>(p, s) : LaunchMoeMmaGemmPairs<64>(p, s);
 }
 
 // The checks every Moe and MoeRouter call makes; *fp8: whether any expert group is FP8 (its maps in
