@@ -315,7 +315,7 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
     }
     if (c.num_rows < 0 || c.first_position + c.num_rows > opt.max_seq_len) {
       return InvalidArgument("DFlash drafter: context rows {}..{} of sequence {} beyond the {} positions it was sized for",
-                        c.first_position, c.first_position + c.num_rows - 1, c.seq, opt.max_seq_len);
+                             c.first_position, c.first_position + c.num_rows - 1, c.seq, opt.max_seq_len);
     }
     ctx_first_row.push_back(C);
     C += c.num_rows;
@@ -354,8 +354,8 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
       return InvalidArgument("DFlash drafter: {} drafts asked of a block of {}", blk.num_outputs, cfg.block_size);
     }
     if (blk.position >= opt.max_seq_len) {
-      return InvalidArgument("DFlash drafter: a block at position {} beyond the {} positions it was sized for", blk.position,
-                        opt.max_seq_len);
+      return InvalidArgument("DFlash drafter: a block at position {} beyond the {} positions it was sized for",
+                             blk.position, opt.max_seq_len);
     }
     if (blk.anchor < 0 || blk.anchor >= V) {
       return InvalidArgument("DFlash block token {} outside the target's table", blk.anchor);
