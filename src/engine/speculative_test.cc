@@ -416,6 +416,13 @@ TEST(DflashDrafterTest, RefusesAMismatchedTargetAndTooLargeK) {
   auto engine = TinyEngine(16, 1);
   ASSERT_NE(engine, nullptr);
   EXPECT_TRUE(DflashDrafter::Create(path, *engine->checkpoint, 7).ok());
+  // With the CPU target's runner: the CPU backend has no drafter of its own, so the CPU reference
+  // drafts, and the name says so without a note.
+  auto on_backend = DflashDrafter::Create(path, *engine->checkpoint, 7, engine->runner.get());
+  ASSERT_TRUE(on_backend.ok()) << on_backend.status().ToString();
+  EXPECT_EQ((*on_backend)->where(), "cpu");
+  EXPECT_EQ((*on_backend)->placement_note(), "");
+  EXPECT_NE((*on_backend)->name().find(", on cpu]"), std::string::npos) << (*on_backend)->name();
   auto big_k = DflashDrafter::Create(path, *engine->checkpoint, 8);
   ASSERT_FALSE(big_k.ok());
   EXPECT_NE(big_k.status().message().find("block_size"), std::string::npos) << big_k.status().message();
