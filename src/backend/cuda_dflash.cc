@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "base/dtype.h"
+#include "backend/cuda_weights.h"
 #include "cuda/buffer.h"
 #include "cuda/check.h"
 #include "kernels/attention/attention.h"
@@ -24,9 +25,6 @@ namespace dl {
 using kernels::bf16;
 
 namespace {
-
-const bf16* Data(const WeightRef& w) { return static_cast<const bf16*>(w.data); }
-bool IsFp8(const WeightRef& w) { return w.dtype == DType::kF8E4M3; }
 
 // The drafter's page sizes, in order of preference: the first whose preset every layer has.
 constexpr int32_t kDraftPageSizes[] = {32, 16, 64};
@@ -89,7 +87,8 @@ struct CudaDflashRunner::Impl final : DflashOps {
   const DraftBatch* batch = nullptr;
   int32_t C = 0, N = 0, R = 0;
   std::vector<int32_t> ctx_first_row;  // per context: its first row of the C rows
-  bf16* act[static_cast<int>(DraftAct::kLogits) + 1] = {};
+  bf16* acts[static_cast<int>(DraftAct::kLogits) + 1] = {};
+  bf16*& act(DraftAct a) { return acts[static_cast<int>(a)]; }
   int32_t* ids = nullptr;        // [N]
   int32_t* positions = nullptr;  // [N] RoPE positions s + j
   int32_t* mask_positions = nullptr;  // [N] attention's query positions (s + B - 1 for bidirectional layers)
@@ -332,14 +331,14 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
     }
     const size_t n = static_cast<size_t>(C) * taps * d;
     DL_ASSIGN_OR_RETURN(float* taps_f32, grown[kTapsF32].Get<float>(n));
-    DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kTaps)], grown[kTaps].Get<bf16>(n));
-    DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kContext)], grown[kContext].Get<bf16>(static_cast<size_t>(C) * d));
-    DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kContextNormed)],
+    DL_ASSIGN_OR_RETURN(act(DraftAct::kTaps), grown[kTaps].Get<bf16>(n));
+    DL_ASSIGN_OR_RETURN(act(DraftAct::kContext), grown[kContext].Get<bf16>(static_cast<size_t>(C) * d));
+    DL_ASSIGN_OR_RETURN(act(DraftAct::kContextNormed),
                         grown[kContextNormed].Get<bf16>(static_cast<size_t>(C) * d));
-    DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kContextKv)],
+    DL_ASSIGN_OR_RETURN(act(DraftAct::kContextKv),
                         grown[kContextKv].Get<bf16>(static_cast<size_t>(C) * 2 * kvw));
     DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(taps_f32, b.taps.data(), n * 4, cudaMemcpyHostToDevice, st));
-    DL_RETURN_IF_ERROR(kernels::F32ToBf16(taps_f32, act[static_cast<int>(DraftAct::kTaps)], static_cast<int64_t>(n), st));
+    DL_RETURN_IF_ERROR(kernels::F32ToBf16(taps_f32, act(DraftAct::kTaps), static_cast<int64_t>(n), st));
     DL_RETURN_IF_ERROR(DflashContextForward(cfg, w, b, *this));
     for (const auto& c : b.contexts) seqs[c.seq].length = c.first_position + c.num_rows;
   }
@@ -364,10 +363,7 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
     R += blk.num_outputs;
   }
   out->assign(b.blocks.size(), {});
-  if (N == 0) {
-    batch = nullptr;
-    return Status::Ok();
-  }
+  if (N == 0) return Status::Ok();
   // Inputs [N] ids, positions, mask positions, slots; [R] output rows: one copy.
   std::vector<int32_t> in(static_cast<size_t>(4 * N + std::max(R, 1)), 0);
   int32_t row = 0, o = 0;
@@ -388,16 +384,16 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
   out_rows = inputs + 4 * N;
   const size_t n = static_cast<size_t>(N);
   DL_RETURN_IF_ERROR(grown[kResidual].Get<bf16>(n * d).status());
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kNormed)], grown[kNormed].Get<bf16>(n * d));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kQkvg)], grown[kQkvg].Get<bf16>(n * qkvg_w));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kNormed), grown[kNormed].Get<bf16>(n * d));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kQkvg), grown[kQkvg].Get<bf16>(n * qkvg_w));
   DL_RETURN_IF_ERROR(grown[kQ].Get<bf16>(n * H * D).status());
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kAttention)], grown[kAttn].Get<bf16>(n * H * D));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kDelta)], grown[kDelta].Get<bf16>(n * d));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kGateUp)], grown[kGateUp].Get<bf16>(n * 2 * F));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kHidden)], grown[kHidden].Get<bf16>(n * F));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kOutputNormed)],
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kAttention), grown[kAttn].Get<bf16>(n * H * D));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kDelta), grown[kDelta].Get<bf16>(n * d));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kGateUp), grown[kGateUp].Get<bf16>(n * 2 * F));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kHidden), grown[kHidden].Get<bf16>(n * F));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kOutputNormed),
                       grown[kOutNormed].Get<bf16>(static_cast<size_t>(R) * d));
-  DL_ASSIGN_OR_RETURN(act[static_cast<int>(DraftAct::kLogits)], grown[kLogits].Get<bf16>(static_cast<size_t>(R) * V));
+  DL_ASSIGN_OR_RETURN(act(DraftAct::kLogits), grown[kLogits].Get<bf16>(static_cast<size_t>(R) * V));
   DL_ASSIGN_OR_RETURN(tokens, grown[kTokens].Get<int32_t>(2 * static_cast<size_t>(std::max(R, 1))));
   DL_RETURN_IF_ERROR(DflashBlockForward(cfg, w, target_embed, target_lm_head, b, *this));
   std::vector<int32_t> selected(static_cast<size_t>(R));
@@ -407,12 +403,11 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
   if (keep_logits && R > 0) {
     const size_t nl = static_cast<size_t>(R) * V;
     DL_ASSIGN_OR_RETURN(float* f32, grown[kLogitsF32].Get<float>(nl));
-    DL_RETURN_IF_ERROR(kernels::Bf16ToF32(act[static_cast<int>(DraftAct::kLogits)], f32, static_cast<int64_t>(nl), st));
+    DL_RETURN_IF_ERROR(kernels::Bf16ToF32(act(DraftAct::kLogits), f32, static_cast<int64_t>(nl), st));
     kept_logits.resize(nl);
     DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kept_logits.data(), f32, nl * 4, cudaMemcpyDeviceToHost, st));
   }
   DL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
-  batch = nullptr;
   size_t k = 0;
   for (size_t i = 0; i < b.blocks.size(); ++i) {
     for (int32_t j = 0; j < b.blocks[i].num_outputs; ++j) (*out)[i].push_back(selected[k++]);
@@ -421,11 +416,11 @@ Status CudaDflashRunner::Impl::Run(const DraftBatch& b, std::vector<std::vector<
 }
 
 Status CudaDflashRunner::Impl::NormTapSlices(std::span<const WeightRef> weights) {
-  bf16* t = act[static_cast<int>(DraftAct::kTaps)];
+  bf16* t = act(DraftAct::kTaps);
   for (size_t i = 0; i < weights.size(); ++i) {
     kernels::AddRmsNormParams p;
     p.residual = t + i * d;
-    p.weight = Data(weights[i]);
+    p.weight = DeviceBf16(weights[i]);
     p.out = t + i * d;
     p.rows = C;
     p.n = d;
@@ -438,9 +433,9 @@ Status CudaDflashRunner::Impl::NormTapSlices(std::span<const WeightRef> weights)
 
 Status CudaDflashRunner::Impl::RmsNorm(const WeightRef& weight, DraftAct in, DraftAct out) {
   kernels::AddRmsNormParams p;
-  p.residual = act[static_cast<int>(in)];
-  p.weight = Data(weight);
-  p.out = act[static_cast<int>(out)];
+  p.residual = act(in);
+  p.weight = DeviceBf16(weight);
+  p.out = act(out);
   p.rows = RowsOf(in);
   p.n = d;
   p.eps = static_cast<float>(cfg.rms_norm_eps);
@@ -456,15 +451,14 @@ Status CudaDflashRunner::Impl::Linear(const LinearWeights& lw, DraftAct in, Draf
     kernels::GemvParams p;
     const bool fp8 = IsFp8(W);
     if (fp8) {
-      p.w_fp8 = {static_cast<const uint8_t*>(W.data), W.scales, static_cast<int>(W.block_rows),
-                 static_cast<int>(W.block_cols)};
+      p.w_fp8 = Fp8Of(W);
     } else {
-      p.w = Data(W);
+      p.w = DeviceBf16(W);
     }
     p.out = static_cast<int>(W.rows());
     p.in = static_cast<int>(W.cols());
-    p.x = act[static_cast<int>(in)];
-    p.y = act[static_cast<int>(out)] + row0;
+    p.x = act(in);
+    p.y = act(out) + row0;
     p.y_stride = total_out;
     p.num_tokens = rows;
     // Every row count on the tensor-core product (BF16 weights): a block's 16 rows are byte-bound there,
@@ -480,7 +474,7 @@ Status CudaDflashRunner::Impl::Linear(const LinearWeights& lw, DraftAct in, Draf
 }
 
 Status CudaDflashRunner::Impl::AppendContextKv(int32_t layer, const WeightRef& k_norm) {
-  const bf16* kv = act[static_cast<int>(DraftAct::kContextKv)];
+  const bf16* kv = act(DraftAct::kContextKv);
   const int32_t ring_positions = pages_per_slot * page;
   for (size_t i = 0; i < batch->contexts.size(); ++i) {
     const auto& c = batch->contexts[i];
@@ -492,7 +486,7 @@ Status CudaDflashRunner::Impl::AppendContextKv(int32_t layer, const WeightRef& k
     p.k = kv + static_cast<size_t>(ctx_first_row[i] + skip) * 2 * kvw;
     p.v = p.k + kvw;
     p.qkv_stride = 2 * kvw;
-    p.k_norm_weight = Data(k_norm);
+    p.k_norm_weight = DeviceBf16(k_norm);
     p.inv_freq = inv_freq.as<float>();
     p.rotary_dim = rotary_dim;
     p.eps = static_cast<float>(cfg.rms_norm_eps);
@@ -513,16 +507,16 @@ Status CudaDflashRunner::Impl::AppendContextKv(int32_t layer, const WeightRef& k
 }
 
 Status CudaDflashRunner::Impl::Embed(const WeightRef& table) {
-  kernels::EmbedParams p{Data(table), ids, grown[kResidual].buf.as<bf16>(), N, d, V};
+  kernels::EmbedParams p{DeviceBf16(table), ids, grown[kResidual].buf.as<bf16>(), N, d, V};
   return kernels::EmbedLookup(p, s());
 }
 
 Status CudaDflashRunner::Impl::AddRmsNorm(const WeightRef& weight, bool add_delta) {
   kernels::AddRmsNormParams p;
   p.residual = grown[kResidual].buf.as<bf16>();
-  p.delta = add_delta ? act[static_cast<int>(DraftAct::kDelta)] : nullptr;
-  p.weight = Data(weight);
-  p.out = act[static_cast<int>(DraftAct::kNormed)];
+  p.delta = add_delta ? act(DraftAct::kDelta) : nullptr;
+  p.weight = DeviceBf16(weight);
+  p.out = act(DraftAct::kNormed);
   p.rows = N;
   p.n = d;
   p.eps = static_cast<float>(cfg.rms_norm_eps);
@@ -530,7 +524,7 @@ Status CudaDflashRunner::Impl::AddRmsNorm(const WeightRef& weight, bool add_delt
 }
 
 Status CudaDflashRunner::Impl::BlockAttention(int32_t layer, const WeightRef& q_norm, const WeightRef& k_norm) {
-  const bf16* qkvg = act[static_cast<int>(DraftAct::kQkvg)];
+  const bf16* qkvg = act(DraftAct::kQkvg);
   bf16* q = grown[kQ].buf.as<bf16>();
   // q/k norms and RoPE at s + j; the block's k and v into its sequence's pages at s..s+B-1 (scratch).
   kernels::QkNormRopeAppendParams rp;
@@ -538,8 +532,8 @@ Status CudaDflashRunner::Impl::BlockAttention(int32_t layer, const WeightRef& q_
   rp.k = qkvg + static_cast<size_t>(H) * D;
   rp.v = rp.k + kvw;
   rp.qkv_stride = qkvg_w;
-  rp.q_norm_weight = Data(q_norm);
-  rp.k_norm_weight = Data(k_norm);
+  rp.q_norm_weight = DeviceBf16(q_norm);
+  rp.k_norm_weight = DeviceBf16(k_norm);
   rp.inv_freq = inv_freq.as<float>();
   rp.rotary_dim = rotary_dim;
   rp.eps = static_cast<float>(cfg.rms_norm_eps);
@@ -582,7 +576,7 @@ Status CudaDflashRunner::Impl::BlockAttention(int32_t layer, const WeightRef& q_
     ap.gate = qkvg + static_cast<size_t>(H) * D + 2 * static_cast<size_t>(kvw);
     ap.gate_stride = qkvg_w;
   }
-  ap.out = act[static_cast<int>(DraftAct::kAttention)];
+  ap.out = act(DraftAct::kAttention);
   ap.cluster_max_chunks = opt.tuning.attention_cluster_max_chunks;
   ap.multi_row_min_tokens = opt.tuning.attention_multi_row_min_tokens;
   const size_t ws_bytes = kernels::AttentionWorkspaceBytes(ap);
@@ -602,27 +596,24 @@ Status CudaDflashRunner::Impl::BlockAttention(int32_t layer, const WeightRef& q_
 }
 
 Status CudaDflashRunner::Impl::SiluMul() {
-  return kernels::SiluMul({act[static_cast<int>(DraftAct::kGateUp)], act[static_cast<int>(DraftAct::kHidden)], N, F}, s());
+  return kernels::SiluMul({act(DraftAct::kGateUp), act(DraftAct::kHidden), N, F}, s());
 }
 
 Status CudaDflashRunner::Impl::OutputNorm(const WeightRef& weight) {
   DL_RETURN_IF_ERROR(AddRmsNorm(weight, /*add_delta=*/true));
   if (R == 0) return Status::Ok();
   return kernels::GatherRows(
-      {act[static_cast<int>(DraftAct::kNormed)], out_rows, act[static_cast<int>(DraftAct::kOutputNormed)], R, d}, s());
+      {act(DraftAct::kNormed), out_rows, act(DraftAct::kOutputNormed), R, d}, s());
 }
 
 Status CudaDflashRunner::Impl::SelectTokens() {
   if (R == 0) return Status::Ok();
-  // Temperature 0 for every row: argmax, lowest id on ties (kernels/sampling.h).
+  // Every row at temperature 0 (all-zero parameters): argmax, lowest id on ties (kernels/sampling.h).
   DL_ASSIGN_OR_RETURN(kernels::DeviceRowSampling* params, grown[kSampling].Get<kernels::DeviceRowSampling>(R));
-  std::vector<kernels::DeviceRowSampling> greedy(static_cast<size_t>(R));
-  DL_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(params, greedy.data(), greedy.size() * sizeof(greedy[0]),
-                                          cudaMemcpyHostToDevice, s()));
-  DL_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s()));  // `greedy` leaves scope
+  DL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(params, 0, sizeof(kernels::DeviceRowSampling) * R, s()));
   DL_ASSIGN_OR_RETURN(float* scratch, grown[kScratch].Get<float>(static_cast<size_t>(R) * 2 * V));
   kernels::SampleRowsParams sp;
-  sp.logits = act[static_cast<int>(DraftAct::kLogits)];
+  sp.logits = act(DraftAct::kLogits);
   sp.rows = R;
   sp.vocab = V;
   sp.params = params;

@@ -43,13 +43,6 @@ struct LayerCache {
   bool sliding = false;
 };
 
-const bf16* Data(const WeightRef& w) { return static_cast<const bf16*>(w.data); }
-bool IsFp8(const WeightRef& w) { return w.dtype == DType::kF8E4M3; }
-// An FP8 device WeightRef as the kernels' operand.
-kernels::Fp8Weight Fp8Of(const WeightRef& w) {
-  return {static_cast<const uint8_t*>(w.data), w.scales, static_cast<int>(w.block_rows), static_cast<int>(w.block_cols)};
-}
-
 }  // namespace
 
 struct CudaRunner::Impl final : LagunaOps {
@@ -363,7 +356,7 @@ Status CudaRunner::Impl::FlushNorm() {
   kernels::AddRmsNormParams n;
   n.residual = ws.residual[cur];
   n.delta = pending.add ? ws.delta : nullptr;
-  n.weight = Data(*w);
+  n.weight = DeviceBf16(*w);
   n.out = ws.normed;
   n.rows = T;
   n.n = static_cast<int>(cfg.hidden_size);
@@ -378,7 +371,7 @@ kernels::FusedInputNorm CudaRunner::Impl::TakeFusedNorm(bf16* u_out) {
   kernels::FusedInputNorm n;
   n.residual = ws.residual[cur];
   n.delta = pending.add ? ws.delta : nullptr;
-  n.weight = Data(*w);
+  n.weight = DeviceBf16(*w);
   n.residual_out = pending.add ? ws.residual[cur ^ 1] : nullptr;  // no delta: the stream is unchanged
   n.u_out = u_out;
   n.eps = static_cast<float>(cfg.rms_norm_eps);
@@ -391,7 +384,7 @@ Status CudaRunner::Impl::Embed(const WeightRef& table) {
   if (table.rows() != embed_rows.size) {
     return Internal("embedding table of {} rows, the rank holds {}", table.rows(), embed_rows.size);
   }
-  kernels::EmbedParams p{Data(table), ws.ids, ws.residual[cur], T, static_cast<int>(cfg.hidden_size),
+  kernels::EmbedParams p{DeviceBf16(table), ws.ids, ws.residual[cur], T, static_cast<int>(cfg.hidden_size),
                          static_cast<int>(cfg.vocab_size)};
   if (embed_rows.size != cfg.vocab_size) {  // vocab-parallel: [T, d] rows of other ranks' tokens are -0
     p.slice_begin = static_cast<int>(embed_rows.begin);
@@ -438,7 +431,7 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       if (fp8) {
         p.w_fp8 = Fp8Of(W);
       } else {
-        p.w = Data(W);
+        p.w = DeviceBf16(W);
       }
       p.out = static_cast<int>(W.rows());
       p.in = static_cast<int>(W.cols());
@@ -484,8 +477,8 @@ Status CudaRunner::Impl::QkNormRopeAppend(int32_t l, const LagunaLayerWeights& w
   rp.k = ws.qkvg + H * D;
   rp.v = ws.qkvg + (H + K) * D;
   rp.qkv_stride = cfg.qkvg_width(l);
-  rp.q_norm_weight = Data(w.q_norm);
-  rp.k_norm_weight = Data(w.k_norm);
+  rp.q_norm_weight = DeviceBf16(w.q_norm);
+  rp.k_norm_weight = DeviceBf16(w.k_norm);
   rp.inv_freq = inv_freq[group].as<float>();
   rp.attention_factor = rope[group].attention_factor;
   rp.rotary_dim = static_cast<int>(rope[group].rotary_dim);
@@ -601,8 +594,8 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   const CudaWeights::ExpertTables& t = weights->experts(l);
   mp.x = ws.normed;
   mp.num_tokens = T;
-  mp.router_w = Data(w.router);
-  mp.router_bias = Data(w.correction_bias);
+  mp.router_w = DeviceBf16(w.router);
+  mp.router_bias = DeviceBf16(w.correction_bias);
   if (t.fp8) {  // the routed experts' codes and scale pointer arrays (CudaWeights::ExpertTables)
     auto table = [](const void* codes, const void* scales, const WeightRef& first) {
       return kernels::MoeParams::Fp8Experts{static_cast<const uint8_t* const*>(codes),
@@ -622,9 +615,9 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
     mp.shared_up_fp8 = Fp8Of(w.shared_up);
     mp.shared_down_fp8 = Fp8Of(w.shared_down);
   } else {
-    mp.shared_gate_w = Data(w.shared_gate);
-    mp.shared_up_w = Data(w.shared_up);
-    mp.shared_down_w = Data(w.shared_down);
+    mp.shared_gate_w = DeviceBf16(w.shared_gate);
+    mp.shared_up_w = DeviceBf16(w.shared_up);
+    mp.shared_down_w = DeviceBf16(w.shared_down);
   }
   mp.d = static_cast<int>(cfg.hidden_size);
   mp.num_experts = static_cast<int>(cfg.num_experts);
@@ -670,7 +663,7 @@ Status CudaRunner::Impl::OutputNorm(const WeightRef& weight) {
   kernels::AddRmsNormParams fin;
   fin.residual = ws.residual[cur];
   fin.delta = ws.delta;
-  fin.weight = Data(weight);
+  fin.weight = DeviceBf16(weight);
   fin.n = static_cast<int>(cfg.hidden_size);
   fin.eps = static_cast<float>(cfg.rms_norm_eps);
   fin.prefetch_residual = opt.tuning.l2_prefetch;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/buffer.h"
+#include "kernels/ops.h"
 #include "model/checkpoint.h"
 #include "model/weights.h"
 
@@ -24,6 +25,13 @@ namespace dl {
 // on the device as E4M3 codes and FP32 block scales (the FP8 contract's rule on the synthetic formula's
 // FP32 value), in the view's block shape or, where it names none, this one.
 inline constexpr int kSyntheticFp8Block = 128;
+
+// A device WeightRef as a kernel operand: BF16 data, or (dtype F8E4M3) FP8 codes with their scales.
+inline const kernels::bf16* DeviceBf16(const WeightRef& w) { return static_cast<const kernels::bf16*>(w.data); }
+inline bool IsFp8(const WeightRef& w) { return w.dtype == DType::kF8E4M3; }
+inline kernels::Fp8Weight Fp8Of(const WeightRef& w) {
+  return {static_cast<const uint8_t*>(w.data), w.scales, static_cast<int>(w.block_rows), static_cast<int>(w.block_cols)};
+}
 
 class CudaWeights {
  public:

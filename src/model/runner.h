@@ -19,7 +19,6 @@
 
 namespace dl {
 
-
 // Sees every K/V vector before it is quantised into the cache; calibration uses it to find amax.
 class KvObserver {
  public:
