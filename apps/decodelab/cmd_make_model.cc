@@ -54,16 +54,18 @@ int RunMakeDrafter(const MakeModelFlags& f) {
   if (!f.fp8_format.empty() || !f.fp8_layout.empty() || !f.fp8_scales.empty()) {
     return ReportError(InvalidArgument("--fp8-* flags do not apply to a DFlash drafter"));
   }
+  // The target: tiny without --dflash-for; with it a checkpoint directory, or a built-in shape (a
+  // `--shape` target of bench, generate, serve) where no directory of that name exists.
+  const std::string target_name = f.dflash_for.empty() ? "tiny" : f.dflash_for;
   ModelConfig target;
-  if (!f.dflash_for.empty() && !std::filesystem::exists(f.dflash_for) && ShapeConfig(f.dflash_for).ok()) {
-    target = *ShapeConfig(f.dflash_for);  // a built-in shape (a `--shape` target of bench, generate, serve)
-  } else if (!f.dflash_for.empty()) {
-    auto c = ModelConfig::FromFile(f.dflash_for + "/config.json");
-    if (!c.ok()) return ReportError(c.status().WithContext("--dflash-for (a checkpoint directory or tiny, xs2, s21)"));
-    target = *c;
+  auto shape = ShapeConfig(target_name);
+  if (shape.ok() && (f.dflash_for.empty() || !std::filesystem::exists(target_name))) {
+    target = *shape;
+  } else if (f.dflash_for.empty()) {
+    return ReportError(shape.status());
   } else {
-    auto c = ShapeConfig("tiny");
-    if (!c.ok()) return ReportError(c.status());
+    auto c = ModelConfig::FromFile(target_name + "/config.json");
+    if (!c.ok()) return ReportError(c.status().WithContext("--dflash-for (a checkpoint directory or tiny, xs2, s21)"));
     target = *c;
   }
   WriteDflashOptions o;
