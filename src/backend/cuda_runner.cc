@@ -161,6 +161,10 @@ Status CudaRunner::Impl::Init(const Checkpoint& ck) {
   DL_ASSIGN_OR_RETURN(step_end, cuda::Event::Create());
   kernels::SetDependentLaunch(opt.tuning.dependent_launch);
   DL_RETURN_IF_ERROR(CheckCudaShapeSupport(c));
+  if (mma_products_only_for_prompts() && opt.tuning.prompt_gemm) {  // say it now, not at the first prompt
+    DL_RETURN_IF_ERROR(kernels::LibraryGemmAvailable().WithContext(
+        "prompt rows' dense layers (--tune prompt_gemm=0 puts them on the tensor-core product)"));
+  }
   const int64_t D = c.head_dim;
   embed_rows = Slice{0, c.vocab_size};
   if (tp_size == 1) {
@@ -451,6 +455,9 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       // product is BF16-only: FP8 weights keep the FP8 kernels for every row.
       p.mma = run.mma && !fp8;
       p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
+      // Prompt rows (a class of their own) on the library GEMM where Tuning::prompt_gemm asks for it
+      // and the layer's rows are 16-byte aligned (a property of its shapes, never of the batch).
+      p.library_gemm = p.mma && mma_products_only_for_prompts() && tu.prompt_gemm && kernels::LibraryGemmFits(p);
       p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
                        (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
                             : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));

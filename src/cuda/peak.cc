@@ -7,67 +7,19 @@
 #include <vector>
 
 #if defined(DECODELAB_HAVE_CUDA)
-#include <cublasLt.h>
-
-#include "base/dynamic_library.h"
 #include "base/rng.h"
+#include "cuda/cublaslt.h"
 #include "cuda/memory.h"
 #endif
 
 namespace dl::cuda {
 
 #if defined(DECODELAB_HAVE_CUDA)
-namespace {
-
-// The cuBLASLt entry points the measurement uses, resolved from the shared library.
-struct LtApi {
-  decltype(&cublasLtCreate) Create = nullptr;
-  decltype(&cublasLtDestroy) Destroy = nullptr;
-  decltype(&cublasLtMatmulDescCreate) DescCreate = nullptr;
-  decltype(&cublasLtMatmulDescDestroy) DescDestroy = nullptr;
-  decltype(&cublasLtMatrixLayoutCreate) LayoutCreate = nullptr;
-  decltype(&cublasLtMatrixLayoutDestroy) LayoutDestroy = nullptr;
-  decltype(&cublasLtMatmulPreferenceCreate) PrefCreate = nullptr;
-  decltype(&cublasLtMatmulPreferenceSetAttribute) PrefSet = nullptr;
-  decltype(&cublasLtMatmulPreferenceDestroy) PrefDestroy = nullptr;
-  decltype(&cublasLtMatmulAlgoGetHeuristic) Heuristic = nullptr;
-  decltype(&cublasLtMatmul) Matmul = nullptr;
-};
-
-Result<LtApi> LoadLt() {
-  auto opened =
-      OpenFirstLibrary({"libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.13", "libcublasLt.so"});
-  if (!opened.ok()) {
-    return Unavailable("cannot load cuBLASLt for the BF16 peak measurement. {}", opened.status().message());
-  }
-  LtApi api;
-  std::string missing;
-  auto sym = [&](auto& fn, const char* name) { ResolveSymbol(opened->handle, fn, name, true, &missing); };
-  sym(api.Create, "cublasLtCreate");
-  sym(api.Destroy, "cublasLtDestroy");
-  sym(api.DescCreate, "cublasLtMatmulDescCreate");
-  sym(api.DescDestroy, "cublasLtMatmulDescDestroy");
-  sym(api.LayoutCreate, "cublasLtMatrixLayoutCreate");
-  sym(api.LayoutDestroy, "cublasLtMatrixLayoutDestroy");
-  sym(api.PrefCreate, "cublasLtMatmulPreferenceCreate");
-  sym(api.PrefSet, "cublasLtMatmulPreferenceSetAttribute");
-  sym(api.PrefDestroy, "cublasLtMatmulPreferenceDestroy");
-  sym(api.Heuristic, "cublasLtMatmulAlgoGetHeuristic");
-  sym(api.Matmul, "cublasLtMatmul");
-  if (!missing.empty()) return Unavailable("{} lacks{}", opened->path, missing);
-  return api;  // the library stays open for the process
-}
-
-Status LtCheck(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return Status::Ok();
-  return Internal("cuBLASLt {} failed: status {}", what, static_cast<int>(s));
-}
-
-}  // namespace
-
 Result<double> MeasureBf16PeakTflops(int device, int n, int repeats) {
   if (n < 256 || n % 256 != 0 || repeats < 1) return InvalidArgument("BF16 peak: n a multiple of 256, repeats >= 1");
-  DL_ASSIGN_OR_RETURN(const LtApi lt, LoadLt());
+  auto loaded = LoadCublasLt();
+  if (!loaded.ok()) return Unavailable("the BF16 peak measurement: {}", loaded.status().message());
+  const CublasLt& lt = **loaded;
   DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   const size_t elems = static_cast<size_t>(n) * n, bytes = elems * 2;
   DL_ASSIGN_OR_RETURN(auto a, DeviceBuffer::Create(bytes));
@@ -90,7 +42,7 @@ Result<double> MeasureBf16PeakTflops(int device, int n, int repeats) {
     }
   }
   cublasLtHandle_t handle = nullptr;
-  DL_RETURN_IF_ERROR(LtCheck(lt.Create(&handle), "create"));
+  DL_RETURN_IF_ERROR(CublasLtCheck(lt.Create(&handle), "create"));
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
@@ -106,30 +58,30 @@ Result<double> MeasureBf16PeakTflops(int device, int n, int repeats) {
     lt.Destroy(handle);
   };
   auto run = [&]() -> Result<double> {
-    DL_RETURN_IF_ERROR(LtCheck(lt.DescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc"));
-    DL_RETURN_IF_ERROR(LtCheck(lt.LayoutCreate(&la, CUDA_R_16BF, n, n, n), "layout"));
-    DL_RETURN_IF_ERROR(LtCheck(lt.LayoutCreate(&lb, CUDA_R_16BF, n, n, n), "layout"));
-    DL_RETURN_IF_ERROR(LtCheck(lt.LayoutCreate(&ld, CUDA_R_16BF, n, n, n), "layout"));
-    DL_RETURN_IF_ERROR(LtCheck(lt.PrefCreate(&pref), "preference"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.DescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.LayoutCreate(&la, CUDA_R_16BF, n, n, n), "layout"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.LayoutCreate(&lb, CUDA_R_16BF, n, n, n), "layout"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.LayoutCreate(&ld, CUDA_R_16BF, n, n, n), "layout"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.PrefCreate(&pref), "preference"));
     const uint64_t ws_bytes = kWorkspace;
-    DL_RETURN_IF_ERROR(LtCheck(
+    DL_RETURN_IF_ERROR(CublasLtCheck(
         lt.PrefSet(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)), "preference"));
     cublasLtMatmulHeuristicResult_t heur{};
     int found = 0;
-    DL_RETURN_IF_ERROR(LtCheck(lt.Heuristic(handle, desc, la, lb, ld, ld, pref, 1, &heur, &found), "heuristic"));
+    DL_RETURN_IF_ERROR(CublasLtCheck(lt.Heuristic(handle, desc, la, lb, ld, ld, pref, 1, &heur, &found), "heuristic"));
     if (found < 1) return Unavailable("cuBLASLt offers no BF16 algorithm for {}^3", n);
     const float alpha = 1.0f, beta = 0.0f;
     auto product = [&] {
       return lt.Matmul(handle, desc, &alpha, a.data(), la, b.data(), lb, &beta, d.data(), ld, d.data(), ld, &heur.algo,
                        ws.data(), kWorkspace, nullptr);
     };
-    for (int i = 0; i < 3; ++i) DL_RETURN_IF_ERROR(LtCheck(product(), "matmul"));
+    for (int i = 0; i < 3; ++i) DL_RETURN_IF_ERROR(CublasLtCheck(product(), "matmul"));
     DL_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
     DL_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
     std::vector<double> tflops;
     for (int i = 0; i < repeats; ++i) {
       cudaEventRecord(start);
-      DL_RETURN_IF_ERROR(LtCheck(product(), "matmul"));
+      DL_RETURN_IF_ERROR(CublasLtCheck(product(), "matmul"));
       cudaEventRecord(stop);
       DL_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
       float ms = 0;

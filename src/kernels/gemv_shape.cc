@@ -1,4 +1,6 @@
 // The GEMV's input split, chosen from the shape alone (see GemvParams::k_split).
+#include <cstdint>
+
 #include "kernels/ops.h"
 
 namespace dl::kernels {
@@ -38,6 +40,17 @@ int MmaKSplitFor(int out, int in) {
     split *= 2;
   }
   return split;
+}
+
+}  // namespace dl::kernels
+
+namespace dl::kernels {
+
+bool LibraryGemmFits(const GemvParams& p) {
+  const int64_t xs = p.x_stride == 0 ? p.in : p.x_stride, ys = p.y_stride == 0 ? p.out : p.y_stride;
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return p.w != nullptr && !p.w_fp8.on() && p.out % 8 == 0 && p.in % 8 == 0 && xs % 8 == 0 && ys % 8 == 0 &&
+         aligned(p.w) && aligned(p.x) && aligned(p.y);
 }
 
 }  // namespace dl::kernels

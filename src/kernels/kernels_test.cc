@@ -240,6 +240,12 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   ASSERT_TRUE(SetTuning(&t, "prompt_mma=0").ok());
   EXPECT_FALSE(t.prompt_mma);
   EXPECT_EQ(SetTuning(&t, "prompt_mma=2").code(), StatusCode::kInvalidArgument);
+  // Prompt rows' dense layers on the library GEMM: on by default, 0 or 1, printed last.
+  EXPECT_TRUE(Tuning{}.prompt_gemm);
+  ASSERT_TRUE(SetTuning(&t, "prompt_gemm=0").ok());
+  EXPECT_FALSE(t.prompt_gemm);
+  EXPECT_EQ(SetTuning(&t, "prompt_gemm=2").code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(TuningString(t).find("mma_tiled_min_tokens=16 prompt_gemm=0"), std::string::npos);
   // The multi-row router's threshold: 16 by default, 0 (never) up to the token limit of a launch.
   EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 128);
   ASSERT_TRUE(SetTuning(&t, "moe_router_rows_min_tokens=0").ok());

@@ -198,6 +198,9 @@ struct GemvParams {
   // The MMA product's tiled kernel runs from this many tokens on, the register kernel below it (the
   // same bits either way: the choice only moves bytes). Tuning::mma_tiled_min_tokens.
   int mma_tiled_min_tokens = 64;
+  // on: the library GEMM (section 5c below) instead of every kernel above; mma and k_split are then
+  // ignored. Other bits than both other products, the same bits for every num_tokens.
+  bool library_gemm = false;
 };
 // Splits the input dimension over several warps when there are too few rows to keep every SM's
 // loads in flight (o_proj: 2,048 rows x 8,192); each warp sums its slice, the slices are added in order.
@@ -226,6 +229,28 @@ Status Gemv(const GemvParams& p, Stream stream);
 // Splits the input when there are too few 16-row tiles to keep the loads in flight (o_proj, the
 // dense down projection): until ~1,024 warps, each slice at least 8 chunks, k_split | chunks.
 int MmaKSplitFor(int out, int in);
+
+// ---- 5c. The library GEMM (GemvParams::library_gemm) -----------------------------------------------
+// y[t, o] = bf16( sum_i W[o, i] x[t, i] ) by cuBLASLt (BF16 operands, FP32 accumulation and scale,
+// beta 0) with ONE algorithm per (out, in) and device: the library's heuristic choice for
+// kLibraryGemmPlanTokens tokens among the algorithms without split-K that need no workspace and
+// accept 16-byte aligned operands, fixed on first use for the process. Every token count runs that
+// algorithm, whose tiles compute each output element from its own row of W and its own token in one
+// thread block's K loop, so a token's outputs do not depend on T, on its place in the batch or on the
+// chunking (the GPU tests check it bit for bit at the model's shapes). The bits are the algorithm's:
+// they may differ between cuBLASLt versions and GPUs, never between runs of one binary on one
+// library and GPU (DescribeLibraryGemm names the algorithm). No fused norm, no streaming, BF16 only.
+// This is the prefill path's dense product: W is read once per tile of tokens at the library's
+// tensor-core rate (wgmma on sm_90).
+inline constexpr int kLibraryGemmPlanTokens = 2048;
+// Whether the library GEMM takes p's operands: BF16 weights, out and the row strides multiples of 8,
+// w, x and y 16-byte aligned. A layer that does not fit keeps the tensor-core product.
+bool LibraryGemmFits(const GemvParams& p);
+// Ok when cuBLASLt loads (the library GEMM can run), else Unavailable naming the libraries tried.
+Status LibraryGemmAvailable();
+// "cuBLASLt 13.0.0 algo 66 tile 128x256 stages ... (out x in)": the algorithm the library GEMM runs
+// for this shape on the current device (choosing it if it has not been chosen yet).
+Result<std::string> DescribeLibraryGemm(int out, int in);
 
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
 // Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);

@@ -34,6 +34,7 @@ constexpr Setting kSettings[] = {
     {"prompt_mma", "prompt rows on the tensor-core product, generated rows on mma_products' choice (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_mma},
     {"prompt_attention", "prompt rows' attention on the tensor-core prompt kernel when prompt_mma is on (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_attention},
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
+    {"prompt_gemm", "prompt rows' dense linear layers on the library GEMM (cuBLASLt, one algorithm per shape) when prompt_mma is on; 0 = the tensor-core product (other bits for prompt rows)", 0, 1, true, nullptr, &Tuning::prompt_gemm},
 };
 
 std::string ValueOf(const Tuning& t, const Setting& s) {

@@ -74,6 +74,12 @@ struct Tuning {
   bool prompt_attention = true;
   // The MMA product's tiled kernel from this many rows on, the register kernel below (same bits).
   int mma_tiled_min_tokens = 64;
+  // Prompt rows' dense linear layers (q/k/v/g, o_proj, the dense MLP, the LM head's prompt outputs),
+  // where prompt_mma makes prompt rows a class of their own, on the library GEMM (kernels/ops.h 5c:
+  // cuBLASLt, one algorithm per shape fixed for the process) instead of the tensor-core product; the
+  // experts keep the tensor-core product. Other bits for prompt rows than 0, the same for every
+  // batch and chunking. Needs cuBLASLt at run time (the engine says so at start if it is missing).
+  bool prompt_gemm = true;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

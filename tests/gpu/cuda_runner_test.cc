@@ -458,8 +458,9 @@ TEST(CudaRunnerTest, MmaProductsKeepBatchChunkAndPageInvariance) {
   CheckBatchInvariantUnderRandomSchedules(mma);
 }
 
-// Prompt rows on the tensor-core product, generated rows on the CUDA-core one (the default
-// Tuning::prompt_mma with mma_products off; docs/exactness.md, "Prompt rows and generated rows").
+// Prompt rows on the tensor-core product (their dense layers on the library GEMM, Tuning::prompt_gemm),
+// generated rows on the CUDA-core one (the default Tuning::prompt_mma with mma_products off;
+// docs/exactness.md, "Prompt rows and generated rows").
 // A row's class is its token's (prompt or generated), so: prompt chunkings (512, 300, 100, 37, 1 row at
 // a time), page sizes and graphs change no token and no logit bit; a cache recomputed after a
 // preemption (the generated tokens re-run as generated rows inside prefill chunks, beside prompt
@@ -492,6 +493,15 @@ TEST(CudaRunnerTest, PromptRowsOnTheTensorCoreProductKeepEveryInvariance) {
       EXPECT_EQ(0, std::memcmp(r.final_logits.data(), reference.final_logits.data(),
                                reference.final_logits.size() * 4))
           << "recomputed after " << after << " steps, chunk " << chunk;
+    }
+    if (def.prompt_gemm) {  // the dense layers' prompt rows on the library GEMM: other bits, close
+      kernels::Tuning mma_dense = def;
+      mma_dense.prompt_gemm = false;
+      const Transcript r = Generate(*ck, kv, 32, 512, true, prompt, 24, mma_dense);
+      const double rel_gemm = RelL2(reference.last_logits, r.last_logits);
+      EXPECT_LT(rel_gemm, 6e-2) << "library GEMM against the tensor-core product, last prompt logits";
+      std::printf("[prompt-gemm] %s: last prompt logits %.3g rel L2 from prompt_gemm=0's\n",
+                  std::string(DTypeName(kv)).c_str(), rel_gemm);
     }
     kernels::Tuning cuda_cores;
     cuda_cores.prompt_mma = false;

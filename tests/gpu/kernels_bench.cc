@@ -282,6 +282,10 @@ int main(int argc, char** argv) {
   };
   std::vector<ProductRow> products;
   if (want("mma")) {
+    // "library": the library GEMM (GemvParams::library_gemm, the prompt rows' dense product by
+    // default), where cuBLASLt loads; its algorithm per shape is printed once.
+    const bool library_gemm = LibraryGemmAvailable().ok();
+    if (!library_gemm) std::printf("library GEMM not measured: %s\n", LibraryGemmAvailable().message().c_str());
     const int kMaxT = 4096;
     auto xb = Random(size_t(kMaxT) * 8192, 12, 1.0f);
     auto yb = Alloc(size_t(kMaxT) * 100352 * 2);
@@ -290,12 +294,17 @@ int main(int argc, char** argv) {
                                           std::tuple{"lm_head", 100352, 2048, 1}}) {
       std::vector<cuda::DeviceBuffer> w;
       for (int c = 0; c < copies; ++c) w.push_back(Random(size_t(out) * in, 40 + c, 0.02f));
-      for (int T : {1, 2, 4, 8, 16, 64, 256, 1024, 4096}) {
+      if (library_gemm) {
+        auto described = DescribeLibraryGemm(out, in);
+        std::printf("%s: %s\n", layer, described.ok() ? described->c_str() : described.status().message().c_str());
+      }
+      for (int T : {1, 2, 4, 8, 16, 64, 256, 1024, 2048, 4096}) {
         const int iters = T <= 16 ? 100 : T <= 256 ? 20 : 5;
-        auto run = [&](const char* kernel, bool mma, int tiled_min) {
+        auto run = [&](const char* kernel, bool mma, int tiled_min, bool library = false) {
           const double ms = TimeMs([&](int i) {
             GemvParams p{w[i % copies].as<bf16>(), xb.as<bf16>(), yb.as<bf16>(), out, in, T};
             p.mma = mma;
+            p.library_gemm = library;
             p.mma_tiled_min_tokens = tiled_min;
             p.streaming.on = !mma && T == 1 && GemvStreamSupported(out, in);
             p.batch_rows = T <= 8 ? 2 : 4;  // the backend's choice (batch_gemv_rows=0)
@@ -307,6 +316,7 @@ int main(int argc, char** argv) {
         run("mma", true, 64);
         if (T <= 256) run("mma reg", true, 1 << 30);
         if (T >= 8) run("mma tiled", true, 1);
+        if (library_gemm) run("library", true, 64, true);
       }
     }
   }

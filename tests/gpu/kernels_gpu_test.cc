@@ -941,6 +941,129 @@ TEST(MmaGpu, RowStridesGiveTheDenseBits) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The library GEMM (GemvParams::library_gemm, ops.h 5c): cuBLASLt with one algorithm per shape. Its
+// promise is the MMA product's: a token's outputs depend on its x row and the shape only. Checked
+// against the FP32 reference, then bit for bit: every sampled row of a big launch equals that row
+// alone and inside launches of other sizes at several offsets, and a second big launch equals the first.
+Status RunLibraryGemm(const cuda::DeviceBuffer& w, const cuda::DeviceBuffer& x, cuda::DeviceBuffer& y, int out, int in,
+                      int first, int n, size_t y_row = 0) {
+  GemvParams p{w.as<bf16>(), x.as<bf16>() + static_cast<size_t>(first) * in, y.as<bf16>() + y_row * out, out, in, n};
+  p.library_gemm = true;
+  return Gemv(p, nullptr);
+}
+
+void CheckLibraryGemmShape(int out, int in, int big_t) {
+  auto described = DescribeLibraryGemm(out, in);
+  ASSERT_TRUE(described.ok()) << described.status().message();
+  SCOPED_TRACE(*described);
+  std::printf("  %s\n", described->c_str());
+  auto w = RandomBf16(static_cast<size_t>(out) * in, 291, 0.05f);
+  auto x = RandomBf16(static_cast<size_t>(big_t) * in, 292);
+  auto d_w = Upload(w), d_x = Upload(x);
+  {  // Close to the reference at 17 tokens.
+    const int T = 17;
+    auto d_y = Alloc(static_cast<size_t>(T) * out * 2);
+    ASSERT_OK(RunLibraryGemm(d_w, d_x, d_y, out, in, 0, T));
+    std::vector<bf16> ref(static_cast<size_t>(T) * out);
+    GemvParams r{w.data(), x.data(), ref.data(), out, in, T, 0, 0};
+    ref::Gemv(r);
+    const auto y = Download<bf16>(d_y, ref.size());
+    ExpectClose(y, ref, 1e-3f, 1.0f / 128, "library GEMM vs reference");
+  }
+  const size_t big = static_cast<size_t>(big_t) * out;
+  auto d_big = Alloc(big * 2), d_again = Alloc(big * 2);
+  ASSERT_OK(RunLibraryGemm(d_w, d_x, d_big, out, in, 0, big_t));
+  ASSERT_OK(RunLibraryGemm(d_w, d_x, d_again, out, in, 0, big_t));
+  Sync();
+  const auto want = Download<bf16>(d_big, big);
+  for (size_t i = 0; i < big; ++i) ASSERT_FALSE(std::isnan(Bf16ToFloat(want[i]))) << "unwritten element " << i;
+  EXPECT_EQ(Download<bf16>(d_again, big), want) << "run to run";
+  {  // Rows alone, each into its own row of one buffer.
+    auto d_alone = Alloc(big * 2);
+    std::vector<int> rows;
+    for (int t = 0; t < big_t; t += 37) rows.push_back(t);
+    rows.push_back(big_t - 1);
+    for (int t : rows) ASSERT_OK(RunLibraryGemm(d_w, d_x, d_alone, out, in, t, 1, t));
+    Sync();
+    const auto alone = Download<bf16>(d_alone, big);
+    int bad = 0;
+    for (int t : rows) {
+      if (bad < 5 && Rows(alone, out, t, 1) != Rows(want, out, t, 1)) {
+        ADD_FAILURE() << "token " << t << " alone differs from token " << t << " of " << big_t;
+        ++bad;
+      }
+    }
+  }
+  // Other token counts (the library's tile edges at several places) at several offsets.
+  for (int n : {2, 5, 8, 16, 17, 64, 100, 129, 255, 511, 1000}) {
+    if (n > big_t) continue;
+    auto d_yn = Alloc(static_cast<size_t>(n) * out * 2);
+    for (int first : {0, 3, 61, big_t - n}) {
+      if (first + n > big_t) continue;
+      ASSERT_OK(RunLibraryGemm(d_w, d_x, d_yn, out, in, first, n));
+      Sync();
+      EXPECT_EQ(Download<bf16>(d_yn, static_cast<size_t>(n) * out), Rows(want, out, first, n))
+          << n << " tokens from " << first;
+    }
+  }
+}
+
+TEST(LibraryGemmGpu, MatchesReferenceAndEveryRowIsItsAloneResult) {
+  SKIP_WITHOUT_GPU();
+  if (!LibraryGemmAvailable().ok()) GTEST_SKIP() << LibraryGemmAvailable().message();
+  // XS.2's prompt-row products: q/k/v/g of both layer kinds at a prefill chunk of 2,048, o_proj of
+  // both, the dense MLP's gate/up and down, and small shapes (the tiny model's).
+  for (const auto [out, in, big_t] : {std::tuple{10304, 2048, 2048}, std::tuple{8240, 2048, 1500},
+                                      std::tuple{2048, 8192, 2048}, std::tuple{2048, 6144, 700},
+                                      std::tuple{16384, 2048, 600}, std::tuple{2048, 8192, 300},
+                                      std::tuple{64, 512, 300}, std::tuple{136, 72, 300}}) {
+    SCOPED_TRACE(testing::Message() << out << " x " << in);
+    CheckLibraryGemmShape(out, in, big_t);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(LibraryGemmGpu, RowStridesAndWhatItRefuses) {
+  SKIP_WITHOUT_GPU();
+  if (!LibraryGemmAvailable().ok()) GTEST_SKIP() << LibraryGemmAvailable().message();
+  const int out = 304, in = 520, T = 70, xs = in + 24, ys = out + 8;
+  auto w = Upload(RandomBf16(static_cast<size_t>(out) * in, 295, 0.05f));
+  auto x = RandomBf16(static_cast<size_t>(T) * in, 296);
+  std::vector<bf16> x_strided(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));  // gaps that would show
+  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, x_strided.begin() + static_cast<size_t>(t) * xs);
+  auto d_x = Upload(x), d_xs = Upload(x_strided);
+  auto d_dense = Alloc(static_cast<size_t>(T) * out * 2);
+  GemvParams p{w.as<bf16>(), d_x.as<bf16>(), d_dense.as<bf16>(), out, in, T};
+  p.library_gemm = true;
+  EXPECT_TRUE(LibraryGemmFits(p));
+  ASSERT_OK(Gemv(p, nullptr));
+  const auto dense = Download<bf16>(d_dense, static_cast<size_t>(T) * out);
+  auto d_y = Alloc(static_cast<size_t>(T) * ys * 2, 0x7f);
+  GemvParams q = p;
+  q.x = d_xs.as<bf16>(), q.y = d_y.as<bf16>(), q.x_stride = xs, q.y_stride = ys;
+  ASSERT_OK(Gemv(q, nullptr));
+  Sync();
+  const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * ys);
+  for (int t = 0; t < T; ++t) {
+    ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
+              Rows(dense, out, t, 1))
+        << "token " << t;
+    for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written";
+  }
+  GemvParams bad = p;
+  bad.out = 300;  // rows of y not 16-byte aligned
+  EXPECT_FALSE(LibraryGemmFits(bad));
+  EXPECT_FALSE(Gemv(bad, nullptr).ok());
+  bad = p;
+  bad.y = p.y + 4;
+  EXPECT_FALSE(LibraryGemmFits(bad));
+  EXPECT_FALSE(Gemv(bad, nullptr).ok());
+  bad = p;
+  bad.streaming.on = true;
+  EXPECT_FALSE(Gemv(bad, nullptr).ok());
+}
+
 TEST(MmaGpu, RejectsWhatItDoesNotDo) {
   SKIP_WITHOUT_GPU();
   auto w = Alloc(64 * 512 * 2, 0), x = Alloc(4 * 512 * 2, 0), y = Alloc(4 * 64 * 2);

@@ -328,6 +328,7 @@ void LaunchGemv(const GemvParams& p, int ks, int t0, int nt, cudaStream_t s) {
 
 // The FP8-weight kernels (gemv_fp8.cu), for GemvParams::w_fp8.
 Status GemvFp8(const GemvParams& p, cudaStream_t s);
+Status LibraryGemm(const GemvParams& p, cudaStream_t s);  // library_gemm.cu
 
 }  // namespace dev
 
@@ -341,6 +342,7 @@ Status Gemv(const GemvParams& params, Stream stream) {
   if (p.x_stride == 0) p.x_stride = p.in;
   if (p.y_stride == 0) p.y_stride = p.out;
   if (p.x_stride % 8 != 0) return InvalidArgument("gemv: x_stride {} not a multiple of 8", p.x_stride);
+  if (p.library_gemm) return dev::LibraryGemm(p, reinterpret_cast<cudaStream_t>(stream));  // ops.h, section 5c
   if (p.mma) return dev::MmaGemv(p, reinterpret_cast<cudaStream_t>(stream));  // ops.h, section 5b
   if (p.norm.residual) {
     DL_RETURN_IF_ERROR(dev::CheckFusedInputNorm(p.norm, p.in, "gemv"));

@@ -16,6 +16,8 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
   return NoCuda("qknorm_rope_append");
 }
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
+Status LibraryGemmAvailable() { return NoCuda("the library GEMM"); }
+Result<std::string> DescribeLibraryGemm(int, int) { return NoCuda("the library GEMM"); }
 bool GemvStreamSupported(int, int, int, int) { return false; }
 bool GemvFp8StreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
