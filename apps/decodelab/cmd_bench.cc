@@ -63,6 +63,7 @@ struct BenchFlags {
   std::vector<int> verify_batch = {1, 8};
   int verify_iters = 20;
   std::vector<int> prefill_sweep;  // --prefill-sweep: prompt lengths, prefill only
+  int sweep_warmup = 1;            // --sweep-warmup: untimed requests per length first
   int prompt_len = 1024;
   int gen_len = 1024;
   int repeat = 3;
@@ -341,9 +342,10 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
   const ModelConfig& cfg = engine.config();
   nlohmann::json rows = nlohmann::json::array();
   PrintBenchHeader(" --prefill-sweep", gpu);
-  std::printf("  %lld layers, kv %s page %d, prefill chunk %d, %d runs per length, BF16 peak %.0f TFLOP/s%s\n",
+  std::printf("  %lld layers, kv %s page %d, prefill chunk %d, %d runs per length after %d untimed, BF16 peak %.0f "
+              "TFLOP/s%s\n",
               static_cast<long long>(cfg.num_hidden_layers), std::string(DTypeName(engine.kv->spec().dtype)).c_str(),
-              engine.kv->spec().page_size, engine.options.prefill_chunk, f.repeat, peak_tflops,
+              engine.kv->spec().page_size, engine.options.prefill_chunk, f.repeat, f.sweep_warmup, peak_tflops,
               peak_tflops > 0 ? " (cuBLASLt, measured)" : " (not measured)");
   std::printf("  %8s %12s %12s %14s %12s %8s\n", "prompt", "TTFT ms", "min ms", "prefill tok/s", "TFLOP/s", "% peak");
   for (int len : f.prefill_sweep) {
@@ -352,10 +354,10 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
     one.gen_len = 2;
     one.concurrency = 1;
     std::vector<double> ttft;
-    for (int rep = 0; rep < f.repeat; ++rep) {
+    for (int rep = -f.sweep_warmup; rep < f.repeat; ++rep) {
       auto run = RunOnce(engine, one, so, {});
       if (!run.ok()) return ReportError(run.status().WithContext(fmt::format("--prefill-sweep {}", len)));
-      ttft.push_back(run->ttft_ms[0]);
+      if (rep >= 0) ttft.push_back(run->ttft_ms[0]);
     }
     const double ms = lab::Median(ttft);
     const PrefillRate r = PrefillRateOf(cfg, len, 1, ms, peak_tflops);
@@ -375,6 +377,7 @@ int RunPrefillSweep(Engine& engine, const BenchFlags& f, const SchedulerOptions&
                       {"gpu", gpu},
                       {"settings", CommonSettings(f, engine)}};
   j["settings"]["repeat"] = f.repeat;
+  j["settings"]["sweep_warmup"] = f.sweep_warmup;
   if (describe.value("fallback", false)) std::printf("  ** FALLBACK: not a speed result **\n");
   if (!gpu.is_null()) std::printf("  tuning       %s\n", kernels::TuningString(engine.options.tuning).c_str());
   return WriteJsonOut(f.json_out, j);
@@ -868,6 +871,11 @@ void AddBenchCommand(CLI::App& root, CommandContext& ctx) {
                   "--repeat runs each) and print TTFT, prompt tokens/s and TFLOP/s against the measured BF16 peak")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--sweep-warmup", flags->sweep_warmup,
+                  "--prefill-sweep: untimed requests per length before the timed ones (the first request of a "
+                  "length captures its CUDA graphs, which a server does once per shape)")
+      ->default_val(1)
+      ->check(CLI::Range(0, 100));
   cmd->add_option("--verify-iters", flags->verify_iters, "--verify-cost: timed forwards per point (after 3 warm-up)")
       ->default_val(20)
       ->check(CLI::Range(1, 10000));

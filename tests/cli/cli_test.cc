@@ -270,6 +270,8 @@ TEST(CliTest, BenchPrefillSweep) {
     last_flops = row["prefill_flops"].get<double>();
   }
   EXPECT_EQ(j["settings"]["prefill_chunk"], 16);
+  EXPECT_EQ(j["settings"]["sweep_warmup"], 1) << "one untimed request per length by default";
+  EXPECT_NE(sweep.out.find("2 runs per length after 1 untimed"), std::string::npos) << sweep.out;
   EXPECT_EQ(j["bf16_peak_tflops"], 0.0) << "no GPU: no peak, and no share of it";
 
   const fs::path plain_out = fs::temp_directory_path() / ("dl_cli_prefill_plain_" + std::to_string(::getpid()) + ".json");
