@@ -589,10 +589,17 @@ Status CudaRunner::Impl::SiluMul() {
 
 Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   kernels::MoeParams mp;
+  // Prompt rows' router logits on the library GEMM (Tuning::prompt_gemm, as their dense layers):
+  // a run of them gets its logits from one GEMM and the router only selects.
+  const kernels::Tuning& tu = opt.tuning;
+  auto library_router = [&](const RowRun& run) {
+    return run.mma && mma_products_only_for_prompts() && tu.prompt_gemm && !IsFp8(w.router) &&
+           cfg.num_experts % 8 == 0 && cfg.hidden_size % 8 == 0;
+  };
   // The router takes the norm before it (every block recomputes its token's row) and writes u2 for
-  // the expert kernels; with several runs the norm runs on its own first (the same bits:
-  // norm_block.cuh), and each run's experts read its rows of u2.
-  if (pending.weight != nullptr && opt.skip_ops.empty() && row_runs.size() == 1) {
+  // the expert kernels; with several runs, or logits from the library GEMM (which reads u2), the norm
+  // runs on its own first (the same bits: norm_block.cuh), and each run's experts read its rows of u2.
+  if (pending.weight != nullptr && opt.skip_ops.empty() && row_runs.size() == 1 && !library_router(row_runs[0])) {
     mp.norm = TakeFusedNorm(ws.normed);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -654,6 +661,18 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
     // The run's product (RowRun); the tensor-core product is BF16-only, so FP8 experts keep the FP8
     // kernels.
     rp.mma = run.mma && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
+    if (library_router(run)) {
+      kernels::GemvParams g;
+      g.w = mp.router_w;
+      g.x = rp.x;
+      g.y = ws.router_logits + run.begin * static_cast<int64_t>(mp.num_experts);
+      g.out = mp.num_experts;
+      g.in = mp.d;
+      g.num_tokens = run.count;
+      g.library_gemm = true;
+      DL_RETURN_IF_ERROR(kernels::Gemv(g, s()).WithContext(fmt::format("layer {} router", l)));
+      rp.router_logits = g.y;
+    }
     DL_RETURN_IF_ERROR(kernels::Moe(rp, s()).WithContext(fmt::format("layer {}", l)));
   }
   return Status::Ok();

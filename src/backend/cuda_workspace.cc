@@ -104,6 +104,7 @@ Result<CudaWorkspace> CudaWorkspace::Create(const ModelConfig& c, const CudaWork
     plan.Add(&w.moe_counter, T);
     plan.Add(&w.topk_ids, T * k);
     plan.Add(&w.topk_weights, T * k);
+    plan.Add(&w.router_logits, T * c.num_experts);
   }
   plan.AddBytes(&w.argmax_ws, kernels::ArgmaxWorkspaceBytes(static_cast<int>(V)));
   plan.Add(&w.argmax_counter, 1);

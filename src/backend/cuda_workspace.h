@@ -75,6 +75,7 @@ struct CudaWorkspace {
   uint32_t* moe_counter = nullptr;
   int32_t* topk_ids = nullptr;
   float* topk_weights = nullptr;
+  bf16* router_logits = nullptr;  // [max_rows, E]: prompt rows' router logits (Tuning::prompt_gemm)
   void* argmax_ws = nullptr;
   uint32_t* argmax_counter = nullptr;
 

@@ -325,6 +325,11 @@ struct MoeParams {
   // the lists and the GEMM anyway, for the tests).
   bool mma = false;
   bool mma_batch1_lists = false;
+  // Set: the router logits z (BF16, before the softcap) of the T tokens come from here instead of
+  // the router's own dot products (prompt rows: the library GEMM of router_w with x, Tuning::
+  // prompt_gemm), and the router only selects (softcap, sigmoid, bias, top-k and weights as above,
+  // the same kernel code). No fused input norm then (x is u2 already). [T, E], row stride E.
+  const bf16* router_logits = nullptr;
 };
 // Workspace for up to num_tokens tokens (the per-token router state and the grouped path's expert
 // lists and per-slot outputs).

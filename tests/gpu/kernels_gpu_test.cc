@@ -1434,6 +1434,71 @@ void ExpectMmaTokenNearReference(const HostMoeLayer& h, const MoeParams& one, co
   ExpectClose(y1, y_ref, 2e-3f, 1.0f / 32, "moe mma y, " + what, slack);
 }
 
+// Precomputed router logits (MoeParams::router_logits, the prompt rows' library GEMM): the router only
+// selects. Every token's selection is ref::Moe's from the same logits (ids exactly, y within the
+// products' tolerance), the selecting kernel puts the logits where the router does, and a token's
+// row of a T-token launch equals the token launched alone, on both expert products.
+TEST(MoeGpu, PrecomputedRouterLogitsSelectAsTheReference) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    int E, k, d, F, Fs;
+    float softcap;
+  };
+  for (const Shape sh : {Shape{64, 8, 512, 128, 64, 0.0f}, Shape{256, 8, 1024, 128, 128, 4.0f}}) {
+    const RandomMoeLayer layer(sh.E, sh.k, sh.d, sh.F, sh.Fs, 7000, 702, 703);
+    const HostMoeLayer host(layer);
+    for (int T : {1, 7, 20}) {
+      for (bool mma : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "E " << sh.E << " T " << T << (mma ? " mma" : ""));
+        const int E = sh.E, k = sh.k, d = sh.d;
+        const auto x = RandomBf16(static_cast<size_t>(T) * d, 711);
+        const auto logits = RandomBf16(static_cast<size_t>(T) * E, 712, 3.0f);
+        auto d_x = Upload(x), d_logits = Upload(logits);
+        auto run = [&](int first, int n, cuda::DeviceBuffer& y, cuda::DeviceBuffer& ids, cuda::DeviceBuffer& ws) {
+          auto counter = Alloc(static_cast<size_t>(n) * 4, 0);
+          MoeParams p = layer.Params(d_x.as<bf16>() + static_cast<size_t>(first) * d, y.as<bf16>(), ids.as<int32_t>(),
+                                     ws.data(), counter.as<uint32_t>(), n);
+          p.softcap = sh.softcap;
+          p.mma = mma;
+          p.router_logits = d_logits.as<bf16>() + static_cast<size_t>(first) * E;
+          ASSERT_OK(Moe(p, nullptr));
+          Sync();
+          EXPECT_EQ(Download<uint32_t>(counter, n), std::vector<uint32_t>(n, 0u)) << "tickets left at zero";
+        };
+        const size_t ws_all = MoeWorkspaceBytes(d, E, k, sh.F, sh.Fs, T), ws_one = MoeWorkspaceBytes(d, E, k, sh.F, sh.Fs, 1);
+        auto y = Alloc(static_cast<size_t>(T) * d * 2), ids = Alloc(static_cast<size_t>(T) * k * 4), ws = Alloc(ws_all);
+        ASSERT_NO_FATAL_FAILURE(run(0, T, y, ids, ws));
+        const auto y_all = Download<bf16>(y, static_cast<size_t>(T) * d);
+        const auto ids_all = Download<int32_t>(ids, static_cast<size_t>(T) * k);
+        for (int t = 0; t < T; ++t) {
+          auto y1 = Alloc(static_cast<size_t>(d) * 2), ids1 = Alloc(static_cast<size_t>(k) * 4), ws1 = Alloc(ws_one);
+          ASSERT_NO_FATAL_FAILURE(run(t, 1, y1, ids1, ws1));
+          const auto y_one = Download<bf16>(y1, d);
+          EXPECT_EQ(y_one, Rows(y_all, d, t, 1)) << "token " << t << " alone";
+          EXPECT_EQ(Download<int32_t>(ids1, k),
+                    std::vector<int32_t>(ids_all.begin() + static_cast<size_t>(t) * k, ids_all.begin() + static_cast<size_t>(t + 1) * k))
+              << "token " << t << " alone selects as in the batch";
+          std::vector<float> want(E);
+          for (int e = 0; e < E; ++e) want[e] = Bf16ToFloat(logits[static_cast<size_t>(t) * E + e]);
+          EXPECT_EQ(Download<float>(ws1, E), want) << "the logits where the router puts its own";
+          MoeParams one = layer.Params(nullptr, nullptr, nullptr, nullptr, nullptr, 1);
+          one.softcap = sh.softcap;
+          ExpectMmaTokenNearReference(host, one, x.data() + static_cast<size_t>(t) * d, ws1, ids1, y_one,
+                                      "token " + std::to_string(t));
+        }
+      }
+    }
+  }
+  // A fused input norm with precomputed logits is refused (the logits were computed from u2 already).
+  const RandomMoeLayer layer(64, 8, 512, 128, 64, 7000, 702, 703);
+  auto x = Alloc(512 * 2), y = Alloc(512 * 2), ws = Alloc(MoeWorkspaceBytes(512, 64, 8, 128, 64, 1)), c = Alloc(4, 0);
+  auto lg = Alloc(64 * 2, 0), h = Alloc(512 * 2, 0), nw = Alloc(512 * 2, 0), res = Alloc(512 * 2);
+  MoeParams p = layer.Params(x.as<bf16>(), y.as<bf16>(), nullptr, ws.data(), c.as<uint32_t>(), 1);
+  p.router_logits = lg.as<bf16>();
+  p.norm.residual = h.as<bf16>(), p.norm.weight = nw.as<bf16>(), p.norm.residual_out = res.as<bf16>(), p.norm.u_out = x.as<bf16>();
+  EXPECT_EQ(Moe(p, nullptr).code(), StatusCode::kInvalidArgument);
+}
+
 // Close to the reference per token, run to run, and every token's row of a T-token launch equals the
 // token alone (through the batch-1 kernels and through the lists on the GEMM) and inside a shuffled
 // subset: the grouped path's promise on the tensor-core product. Shapes: small, XS.2's (E 256, k 8,

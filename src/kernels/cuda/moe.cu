@@ -344,6 +344,20 @@ __device__ __forceinline__ void RouterTopK(const MoeParams& a, const int* tok, i
   if (threadIdx.x < m) a.counter[tok[threadIdx.x]] = 0u;
 }
 
+// The selecting block's tables: the experts' base pointers [3][E] (gate, up, down) and the
+// correction biases as FP32. They never change, so every router block copies them before its wait.
+__device__ __forceinline__ void CopyRouterTables(const MoeParams& a, const bf16** s_ptr, float* s_bias) {
+  const int E = a.num_experts;
+  // FP8 routed experts: their code pointers take the BF16 pointers' place (the expert kernels know which).
+  const bf16* const* gate_table = a.gate_fp8.on() ? reinterpret_cast<const bf16* const*>(a.gate_fp8.codes) : a.gate_w;
+  const bf16* const* up_table = a.up_fp8.on() ? reinterpret_cast<const bf16* const*>(a.up_fp8.codes) : a.up_w;
+  const bf16* const* down_table = a.down_fp8.on() ? reinterpret_cast<const bf16* const*>(a.down_fp8.codes) : a.down_w;
+  for (int i = threadIdx.x; i < E; i += kMoeWarps * 32) {
+    s_ptr[i] = gate_table[i], s_ptr[E + i] = up_table[i], s_ptr[2 * E + i] = down_table[i];
+    s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
+  }
+}
+
 template <int kRows>
 __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMinBlocks) MoeRouterKernel(MoeParams a) {
   DL_TIMELINE_SCOPE(kMoeRouter);
@@ -357,14 +371,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
   extern __shared__ uint4 s_u[];
   const bf16** s_ptr = reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a, kRows));
   float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a, kRows));
-  // FP8 routed experts: their code pointers take the BF16 pointers' place (the expert kernels know which).
-  const bf16* const* gate_table = a.gate_fp8.on() ? reinterpret_cast<const bf16* const*>(a.gate_fp8.codes) : a.gate_w;
-  const bf16* const* up_table = a.up_fp8.on() ? reinterpret_cast<const bf16* const*>(a.up_fp8.codes) : a.up_w;
-  const bf16* const* down_table = a.down_fp8.on() ? reinterpret_cast<const bf16* const*>(a.down_fp8.codes) : a.down_w;
-  for (int i = threadIdx.x; i < E; i += kMoeWarps * 32) {
-    s_ptr[i] = gate_table[i], s_ptr[E + i] = up_table[i], s_ptr[2 * E + i] = down_table[i];
-    s_bias[i] = Bf16BitsToFloat(a.router_bias[i]);
-  }
+  CopyRouterTables(a, s_ptr, s_bias);
   const FusedInputNorm& nm = a.norm;
   const bool fused = nm.residual != nullptr;
   const size_t row = static_cast<size_t>(t0) * a.d;
@@ -451,6 +458,32 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
     // The vectors are dead: every warp's dots ended before the ticket's barrier.
     RouterTopK<kRows>(a, s_tok, m, RouterTopKScratchAt(s_u, E, a.top_k, kRows), s_ptr, s_bias);
   }
+}
+
+// The router over precomputed logits (MoeParams::router_logits): grid ceil(T / kRouterRows), block
+// y's tokens t0 = kRouterRows y .. + rows. The block puts its tokens' logits where the router's dots
+// put theirs (the token's workspace, as FP32 of the BF16 values) and selects them all
+// (RouterTopK<kRouterRows>): the selection, weights, expert pointers and ids of the router above.
+__global__ void __launch_bounds__(kMoeWarps * 32) MoeSelectKernel(MoeParams a) {
+  DL_TIMELINE_SCOPE(kMoeRouter);
+  AllowDependentsAtStart(a.router_release_after_wait);
+  const int t0 = static_cast<int>(blockIdx.x) * kRouterRows;
+  const int rows = min(kRouterRows, a.num_tokens - t0);
+  const int E = a.num_experts;
+  extern __shared__ uint4 s_u[];
+  const bf16** s_ptr =
+      reinterpret_cast<const bf16**>(reinterpret_cast<unsigned char*>(s_u) + RouterPointerTableOffset(a, kRouterRows));
+  float* s_bias = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(s_u) + RouterBiasOffset(a, kRouterRows));
+  CopyRouterTables(a, s_ptr, s_bias);
+  __shared__ int s_tok[kRouterRows];
+  if (threadIdx.x < kRouterRows) s_tok[threadIdx.x] = t0 + static_cast<int>(threadIdx.x);
+  WaitReleasing(a.router_release_after_wait);  // the logits are the previous kernel's
+  for (int idx = threadIdx.x; idx < rows * E; idx += kMoeWarps * 32) {
+    const int v = idx / E, e = idx - v * E;
+    MoeWorkspace(a, t0 + v).logits[e] = Bf16BitsToFloat(a.router_logits[static_cast<size_t>(t0 + v) * E + e]);
+  }
+  __syncthreads();  // the block's own global writes are visible to its threads after the barrier
+  RouterTopK<kRouterRows>(a, s_tok, rows, RouterTopKScratchAt(s_u, E, a.top_k, kRouterRows), s_ptr, s_bias);
 }
 
 // The expert kernels' shape: at least kMinBlocks blocks per SM (the register cap) and kU chunks per row
@@ -1943,6 +1976,9 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
   if (p.num_tokens < 1 || p.num_tokens > 65535) {
     return InvalidArgument("moe: {} tokens (1..65535)", p.num_tokens);
   }
+  if (p.router_logits != nullptr && p.norm.residual != nullptr) {
+    return InvalidArgument("moe: precomputed router logits take no fused input norm (x must be u2 already)");
+  }
   if (p.router_rows_min_tokens < 0) {
     return InvalidArgument("moe: router_rows_min_tokens {} (0 = never, else the token count from which the router "
                            "takes {} rows per block)", p.router_rows_min_tokens, kRouterRows);
@@ -1956,6 +1992,16 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
 // norm) keeps the one-row kernel.
 inline Status LaunchMoeRouter(const MoeParams& p, cudaStream_t s) {
   const int T = p.num_tokens;
+  if (p.router_logits != nullptr) {
+    if (RouterSharedBytes(p, kRouterRows) > kMaxBlockSmem - 1024) {
+      return InvalidArgument("moe: the selection over precomputed logits of {} experts needs more shared memory than "
+                             "a block has", p.num_experts);
+    }
+    LaunchDependentSmem(MoeSelectKernel, dim3((T + kRouterRows - 1) / kRouterRows), dim3(kMoeWarps * 32),
+                        RouterSharedBytes(p, kRouterRows), s, p);
+    DL_KERNEL_LAUNCH_CHECK("moe_select");
+    return Status::Ok();
+  }
   const int x_blocks = (p.num_experts + kMoeWarps - 1) / kMoeWarps;
   const int x_blocks_rows = (p.num_experts + kMoeWarps * kRouterRowExperts - 1) / (kMoeWarps * kRouterRowExperts);
   const bool multi = p.router_rows_min_tokens > 0 && T >= p.router_rows_min_tokens &&
