@@ -4,7 +4,8 @@
 #   bash tools/device/reference.sh          (from the repo root; the device sets $OUT)
 #
 # 1. prints python / torch / transformers / tokenizers / safetensors / numpy versions and the GPUs;
-# 2. tools/reference/make_goldens.py --out /tmp/ref/golden   (tiny checkpoints + FP32/BF16 goldens);
+# 2. tools/reference/make_goldens.py --out /tmp/ref/golden   (tiny checkpoints + FP32/BF16 goldens),
+#    then tools/reference/make_fp8_goldens.py over the committed FP8 checkpoint (tiny_fp8);
 # 3. tools/reference/train_tokenizer.py --out /tmp/ref/tokenizer, if that file exists (its failure
 #    does not stop the script);
 # 4. prints a per-config summary (first step with margin < 1e-3 per prompt, FP32 vs BF16 agreement);
@@ -59,6 +60,19 @@ timeout --signal=TERM --kill-after=10 "$GOLDEN_TIMEOUT" \
   "$PY" tools/reference/make_goldens.py --out "$REF/golden" 2>&1 | tee "$REF/make_goldens.log"
 gold_rc=${PIPESTATUS[0]}
 echo "make_goldens.py exit status: $gold_rc"
+
+# The FP8 golden: transformers' dequantising FP8 path over the committed FP8 checkpoint
+# (tests/data/golden/tiny_fp8, written by `decodelab make-model --shape tiny --dtype fp8 --fp8-format
+# native --fp8-layout all-linear --fp8-scales tensor --seed 7`).
+echo "== fp8 golden =="
+mkdir -p "$REF/golden/tiny_fp8"
+cp tests/data/golden/tiny_fp8/*.json tests/data/golden/tiny_fp8/*.safetensors "$REF/golden/tiny_fp8/" 2>/dev/null
+rm -f "$REF/golden/tiny_fp8/goldens_fp32.json"
+timeout --signal=TERM --kill-after=10 120 \
+  "$PY" tools/reference/make_fp8_goldens.py --model "$REF/golden/tiny_fp8" 2>&1 | tee "$REF/make_fp8_goldens.log"
+fp8_rc=${PIPESTATUS[0]}
+echo "make_fp8_goldens.py exit status: $fp8_rc"
+[ "$gold_rc" = 0 ] && [ "$fp8_rc" != 0 ] && gold_rc=$fp8_rc
 
 tok_rc=skipped
 if [ -f tools/reference/train_tokenizer.py ]; then
