@@ -910,6 +910,24 @@ TEST(MmaGpu, OddShapesEveryKernel) {
   }
 }
 
+// x [T][in] as rows of xs elements, the gaps 1e30 (a product that read one would show it).
+std::vector<bf16> StridedRows(const std::vector<bf16>& x, int T, int in, int xs) {
+  std::vector<bf16> out(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));
+  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, out.begin() + static_cast<size_t>(t) * xs);
+  return out;
+}
+// y [T][ys] (filled with 0x7f7f before the product): each row's first `out` elements are dense's row,
+// the rest untouched.
+void ExpectStridedRowsEqual(const std::vector<bf16>& y, int ys, const std::vector<bf16>& dense, int out, int T,
+                            const std::string& what) {
+  for (int t = 0; t < T; ++t) {
+    ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
+              Rows(dense, out, t, 1))
+        << "token " << t << what;
+    for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written" << what;
+  }
+}
+
 // Row strides (a fused q/k/v/g output read in place, a wider y buffer): the dense result's bits, through
 // both kernels, and nothing outside each row's out elements written.
 TEST(MmaGpu, RowStridesGiveTheDenseBits) {
@@ -917,9 +935,7 @@ TEST(MmaGpu, RowStridesGiveTheDenseBits) {
   const int out = 300, in = 520, T = 70, xs = in + 24, ys = out + 5;
   auto w = Upload(RandomBf16(static_cast<size_t>(out) * in, 195, 0.05f));
   auto x = RandomBf16(static_cast<size_t>(T) * in, 196);
-  std::vector<bf16> x_strided(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));  // gaps that would show
-  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, x_strided.begin() + static_cast<size_t>(t) * xs);
-  auto d_x = Upload(x), d_xs = Upload(x_strided);
+  auto d_x = Upload(x), d_xs = Upload(StridedRows(x, T, in, xs));
   auto d_dense = Alloc(static_cast<size_t>(T) * out * 2);
   GemvParams p{w.as<bf16>(), d_x.as<bf16>(), d_dense.as<bf16>(), out, in, T};
   p.mma = true;
@@ -931,13 +947,9 @@ TEST(MmaGpu, RowStridesGiveTheDenseBits) {
     q.x = d_xs.as<bf16>(), q.y = d_y.as<bf16>(), q.x_stride = xs, q.y_stride = ys, q.mma_tiled_min_tokens = tiled_min;
     ASSERT_OK(Gemv(q, nullptr));
     Sync();
-    const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * ys);
-    for (int t = 0; t < T; ++t) {
-      ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
-                Rows(dense, out, t, 1))
-          << "token " << t << (tiled_min == 1 ? " (tiled)" : " (register)");
-      for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written";
-    }
+    ExpectStridedRowsEqual(Download<bf16>(d_y, static_cast<size_t>(T) * ys), ys, dense, out, T,
+                           tiled_min == 1 ? " (tiled)" : " (register)");
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -1030,9 +1042,7 @@ TEST(LibraryGemmGpu, RowStridesAndWhatItRefuses) {
   const int out = 304, in = 520, T = 70, xs = in + 24, ys = out + 8;
   auto w = Upload(RandomBf16(static_cast<size_t>(out) * in, 295, 0.05f));
   auto x = RandomBf16(static_cast<size_t>(T) * in, 296);
-  std::vector<bf16> x_strided(static_cast<size_t>(T) * xs, FloatToBf16(1e30f));  // gaps that would show
-  for (int t = 0; t < T; ++t) std::copy_n(x.begin() + static_cast<size_t>(t) * in, in, x_strided.begin() + static_cast<size_t>(t) * xs);
-  auto d_x = Upload(x), d_xs = Upload(x_strided);
+  auto d_x = Upload(x), d_xs = Upload(StridedRows(x, T, in, xs));
   auto d_dense = Alloc(static_cast<size_t>(T) * out * 2);
   GemvParams p{w.as<bf16>(), d_x.as<bf16>(), d_dense.as<bf16>(), out, in, T};
   p.library_gemm = true;
@@ -1044,13 +1054,8 @@ TEST(LibraryGemmGpu, RowStridesAndWhatItRefuses) {
   q.x = d_xs.as<bf16>(), q.y = d_y.as<bf16>(), q.x_stride = xs, q.y_stride = ys;
   ASSERT_OK(Gemv(q, nullptr));
   Sync();
-  const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * ys);
-  for (int t = 0; t < T; ++t) {
-    ASSERT_EQ(std::vector<bf16>(y.begin() + static_cast<size_t>(t) * ys, y.begin() + static_cast<size_t>(t) * ys + out),
-              Rows(dense, out, t, 1))
-        << "token " << t;
-    for (int o = out; o < ys; ++o) ASSERT_EQ(y[static_cast<size_t>(t) * ys + o], bf16{0x7f7f}) << "gap written";
-  }
+  ExpectStridedRowsEqual(Download<bf16>(d_y, static_cast<size_t>(T) * ys), ys, dense, out, T, "");
+  if (HasFatalFailure()) return;
   GemvParams bad = p;
   bad.out = 300;  // rows of y not 16-byte aligned
   EXPECT_FALSE(LibraryGemmFits(bad));
