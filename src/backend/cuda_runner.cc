@@ -983,6 +983,9 @@ nlohmann::json CudaRunner::Describe() const {
           {"dependent_launch", kernels::DependentLaunchEnabled()},
           {"skipped_ops", m.opt.skip_ops},
           {"tuning", tuning},
+          // The library GEMM's algorithms fixed so far (prompt rows' bits depend on them and on the
+          // cuBLASLt version they name; kernels/ops.h 5c).
+          {"library_gemm", kernels::LibraryGemmAlgorithmsInUse()},
           {"workspace_bytes", m.ws.device_bytes},
           {"weight_bytes", m.weights->bytes()}};
   if (m.tp_size > 1) {

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/status.h"
 #include "kernels/attention/attention.h"
@@ -251,6 +252,9 @@ Status LibraryGemmAvailable();
 // "cuBLASLt 13.0.0 algo 66 tile 128x256 stages ... (out x in)": the algorithm the library GEMM runs
 // for this shape on the current device (choosing it if it has not been chosen yet).
 Result<std::string> DescribeLibraryGemm(int out, int in);
+// Every algorithm the library GEMM has fixed so far in this process on the current device, as
+// DescribeLibraryGemm writes them, ordered by shape: what a result's prompt-row bits came from.
+std::vector<std::string> LibraryGemmAlgorithmsInUse();
 
 // ---- 6. MoE for T tokens (each token on its own) ----------------------------------------------------
 // Router (one kernel): z = bf16(W_r x) -> FP32; if softcap > 0: z = c tanh(z / c); s = sigmoid(z);

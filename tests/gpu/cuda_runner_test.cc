@@ -809,6 +809,10 @@ TEST(CudaRunnerTest, ReportsGraphTopologyAndPresets) {
   const auto d = engine->runner->Describe();
   std::printf("%s\n", d.dump().c_str());
   EXPECT_EQ(d["fallback"].get<bool>(), false);
+  // The prompt rows ran on the library GEMM (the default): its algorithms are part of the description.
+  ASSERT_TRUE(d["library_gemm"].is_array());
+  EXPECT_FALSE(d["library_gemm"].empty());
+  for (const auto& a : d["library_gemm"]) EXPECT_NE(a.get<std::string>().find("cuBLASLt"), std::string::npos) << a;
   const int nodes = d["topology"][0]["kernel_nodes"].get<int>();
   EXPECT_GT(nodes, 0);
   EXPECT_EQ(d["topology"][0]["signature"].get<std::string>(), std::to_string(nodes) + "/0");

@@ -8,7 +8,9 @@
 
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "cuda/check.h"
 #include "cuda/cublaslt.h"
@@ -185,6 +187,18 @@ Result<std::string> DescribeLibraryGemm(int out, int in) {
   cublasLtHandle_t handle = nullptr;
   DL_ASSIGN_OR_RETURN(const dev::Plan* plan, dev::PlanFor(st, out, in, &handle));
   return plan->description;
+}
+
+std::vector<std::string> LibraryGemmAlgorithmsInUse() {
+  std::vector<std::string> out;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return out;
+  dev::LibraryGemmState& st = dev::State();
+  std::lock_guard<std::mutex> lock(st.mu);
+  for (const auto& [key, plan] : st.plans) {
+    if (std::get<0>(key) == device) out.push_back(plan.description);
+  }
+  return out;
 }
 
 }  // namespace dl::kernels

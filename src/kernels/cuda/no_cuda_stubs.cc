@@ -18,6 +18,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams&, Stream) {
 Status Gemv(const GemvParams&, Stream) { return NoCuda("gemv"); }
 Status LibraryGemmAvailable() { return NoCuda("the library GEMM"); }
 Result<std::string> DescribeLibraryGemm(int, int) { return NoCuda("the library GEMM"); }
+std::vector<std::string> LibraryGemmAlgorithmsInUse() { return {}; }
 bool GemvStreamSupported(int, int, int, int) { return false; }
 bool GemvFp8StreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
