@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(kMoeWarps * 32, kRows == 1 ? 1 : kRouterRowsMi
 }
 
 // The router over precomputed logits (MoeParams::router_logits): grid ceil(T / kRouterRows), block
-// y's tokens t0 = kRouterRows y .. + rows. The block puts its tokens' logits where the router's dots
+// x's tokens t0 = kRouterRows x .. + rows. The block puts its tokens' logits where the router's dots
 // put theirs (the token's workspace, as FP32 of the BF16 values) and selects them all
 // (RouterTopK<kRouterRows>): the selection, weights, expert pointers and ids of the router above.
 __global__ void __launch_bounds__(kMoeWarps * 32) MoeSelectKernel(MoeParams a) {
