@@ -108,6 +108,11 @@ struct CudaRunner::Impl final : LagunaOps {
   // Whether a row's product follows its class (prompt rows on the tensor-core product, generated rows
   // on the CUDA cores): then RowRun::mma marks the prompt rows.
   bool mma_products_only_for_prompts() const { return !opt.tuning.mma_products && opt.tuning.prompt_mma; }
+  // Whether a run's products may take the library GEMM: prompt rows, a class of their own, with
+  // Tuning::prompt_gemm (each product then also needs LibraryGemmFits, a property of its shapes).
+  bool prompt_gemm(const RowRun& run) const {
+    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_gemm;
+  }
   bool Skips(std::string_view op) const {
     return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
   }
@@ -457,7 +462,7 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
       // Prompt rows (a class of their own) on the library GEMM where Tuning::prompt_gemm asks for it
       // and the layer's rows are 16-byte aligned (a property of its shapes, never of the batch).
-      p.library_gemm = p.mma && mma_products_only_for_prompts() && tu.prompt_gemm && kernels::LibraryGemmFits(p);
+      p.library_gemm = !fp8 && prompt_gemm(run) && kernels::LibraryGemmFits(p);
       p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
                        (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
                             : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
@@ -589,17 +594,24 @@ Status CudaRunner::Impl::SiluMul() {
 
 Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   kernels::MoeParams mp;
-  // Prompt rows' router logits on the library GEMM (Tuning::prompt_gemm, as their dense layers):
-  // a run of them gets its logits from one GEMM and the router only selects.
-  const kernels::Tuning& tu = opt.tuning;
-  auto library_router = [&](const RowRun& run) {
-    return run.mma && mma_products_only_for_prompts() && tu.prompt_gemm && !IsFp8(w.router) &&
-           cfg.num_experts % 8 == 0 && cfg.hidden_size % 8 == 0;
+  // Prompt rows' router logits on the library GEMM (Tuning::prompt_gemm, as their dense layers): a
+  // run of them gets its logits from one GEMM (library_gemm set) and the router only selects.
+  const int64_t d = cfg.hidden_size, k = cfg.num_experts_per_tok, E = cfg.num_experts;
+  auto router_gemm = [&](const RowRun& run) {
+    kernels::GemvParams g;
+    g.w = DeviceBf16(w.router);
+    g.x = ws.normed + run.begin * d;
+    g.y = ws.router_logits + run.begin * E;
+    g.out = static_cast<int>(E);
+    g.in = static_cast<int>(d);
+    g.num_tokens = run.count;
+    g.library_gemm = !IsFp8(w.router) && prompt_gemm(run) && kernels::LibraryGemmFits(g);
+    return g;
   };
   // The router takes the norm before it (every block recomputes its token's row) and writes u2 for
   // the expert kernels; with several runs, or logits from the library GEMM (which reads u2), the norm
   // runs on its own first (the same bits: norm_block.cuh), and each run's experts read its rows of u2.
-  if (pending.weight != nullptr && opt.skip_ops.empty() && row_runs.size() == 1 && !library_router(row_runs[0])) {
+  if (pending.weight != nullptr && opt.skip_ops.empty() && row_runs.size() == 1 && !router_gemm(row_runs[0]).library_gemm) {
     mp.norm = TakeFusedNorm(ws.normed);
   } else {
     DL_RETURN_IF_ERROR(FlushNorm());
@@ -649,7 +661,6 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
   mp.router_rows_min_tokens = opt.tuning.moe_router_rows_min_tokens;
   mp.router_release_after_wait = opt.tuning.late(LateRelease::kRouter);
   mp.down_release_after_wait = opt.tuning.late(LateRelease::kDown);
-  const int64_t d = cfg.hidden_size, k = cfg.num_experts_per_tok;
   for (const RowRun& run : row_runs) {
     kernels::MoeParams rp = mp;
     rp.x = ws.normed + run.begin * d;
@@ -661,15 +672,7 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
     // The run's product (RowRun); the tensor-core product is BF16-only, so FP8 experts keep the FP8
     // kernels.
     rp.mma = run.mma && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
-    if (library_router(run)) {
-      kernels::GemvParams g;
-      g.w = mp.router_w;
-      g.x = rp.x;
-      g.y = ws.router_logits + run.begin * static_cast<int64_t>(mp.num_experts);
-      g.out = mp.num_experts;
-      g.in = mp.d;
-      g.num_tokens = run.count;
-      g.library_gemm = true;
+    if (const kernels::GemvParams g = router_gemm(run); g.library_gemm) {
       DL_RETURN_IF_ERROR(kernels::Gemv(g, s()).WithContext(fmt::format("layer {} router", l)));
       rp.router_logits = g.y;
     }

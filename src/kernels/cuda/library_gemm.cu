@@ -149,13 +149,11 @@ Result<const Plan*> PlanFor(LibraryGemmState& st, int out, int in, cublasLtHandl
 Status LibraryGemm(const GemvParams& p, cudaStream_t s) {
   if (p.norm.residual) return InvalidArgument("gemv: the library GEMM takes no fused input norm");
   if (p.streaming.on) return InvalidArgument("gemv: the library GEMM has no streaming kernel: streaming.on must be off");
-  if (p.w_fp8.on() || !p.w) return InvalidArgument("gemv: the library GEMM takes BF16 weights only");
   if (!p.x) return InvalidArgument("gemv: w, x and y must be set");
-  if (p.out % 8 != 0 || p.y_stride % 8 != 0) {
-    return InvalidArgument("gemv: the library GEMM needs out ({}) and y_stride ({}) multiples of 8", p.out, p.y_stride);
-  }
-  for (const void* ptr : {static_cast<const void*>(p.w), static_cast<const void*>(p.x), static_cast<const void*>(p.y)}) {
-    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return InvalidArgument("gemv: the library GEMM needs 16-byte aligned w, x and y");
+  if (!LibraryGemmFits(p)) {
+    return InvalidArgument("gemv: the library GEMM takes BF16 weights, out ({}), in ({}) and the row strides ({}, {}) "
+                           "multiples of 8 and 16-byte aligned w, x and y (LibraryGemmFits)",
+                           p.out, p.in, p.x_stride, p.y_stride);
   }
   LibraryGemmState& st = State();
   cublasLtHandle_t handle = nullptr;
