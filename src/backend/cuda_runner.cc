@@ -113,6 +113,21 @@ struct CudaRunner::Impl final : LagunaOps {
   bool prompt_gemm(const RowRun& run) const {
     return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_gemm;
   }
+  // Whether a run's FP8 weight takes the tensor-core product (ops.h 5d): prompt rows, a class of
+  // their own, with Tuning::prompt_fp8_mma, and a block shape the product takes.
+  bool prompt_fp8_mma(const RowRun& run, const kernels::Fp8Weight& w, int in) const {
+    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_fp8_mma && kernels::MmaFp8Supported(w, in);
+  }
+  bool prompt_fp8_mma_experts(const RowRun& run, const kernels::MoeParams& mp) const {
+    auto fits = [&](bool on, int block_rows, int block_cols, int in) {
+      return !on || kernels::MmaFp8Supported(block_rows, block_cols, in);
+    };
+    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_fp8_mma &&
+           fits(mp.gate_fp8.on(), mp.gate_fp8.block_rows, mp.gate_fp8.block_cols, mp.d) &&
+           fits(mp.down_fp8.on(), mp.down_fp8.block_rows, mp.down_fp8.block_cols, mp.ffn) &&
+           fits(mp.shared_gate_fp8.on(), mp.shared_gate_fp8.block_rows, mp.shared_gate_fp8.block_cols, mp.d) &&
+           fits(mp.shared_down_fp8.on(), mp.shared_down_fp8.block_rows, mp.shared_down_fp8.block_cols, mp.shared_ffn);
+  }
   bool Skips(std::string_view op) const {
     return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
   }
@@ -456,9 +471,11 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       p.streaming.stage_kb = tu.stream_stage_kb;
       p.streaming.prefetch_kb = o_proj ? tu.oproj_prefetch_kb : tu.stream_prefetch_kb;
       // The run's product (RowRun): the tensor-core product (ops.h 5b) gives a row the same bits for
-      // every row count, so the CUDA-core kernels' streaming and batched variants do not apply. The
-      // product is BF16-only: FP8 weights keep the FP8 kernels for every row.
-      p.mma = run.mma && !fp8;
+      // every row count, so the CUDA-core kernels' streaming and batched variants do not apply. FP8
+      // weights take it for prompt rows only (ops.h 5d, Tuning::prompt_fp8_mma), and only where their
+      // block shape allows (a property of the checkpoint, never of the batch); every other row keeps
+      // the FP8 rule's kernels.
+      p.mma = run.mma && (!fp8 || prompt_fp8_mma(run, p.w_fp8, p.in));
       p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
       // Prompt rows (a class of their own) on the library GEMM where Tuning::prompt_gemm asks for it
       // and the layer's rows are 16-byte aligned (a property of its shapes, never of the batch).
@@ -669,9 +686,11 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
     rp.topk_weights = ws.topk_weights + run.begin * k;
     rp.counter = ws.moe_counter + run.begin;
     rp.num_tokens = run.count;
-    // The run's product (RowRun); the tensor-core product is BF16-only, so FP8 experts keep the FP8
-    // kernels.
-    rp.mma = run.mma && !mp.gate_fp8.on() && !mp.shared_gate_fp8.on();
+    // The run's product (RowRun). FP8 experts take the tensor-core product for prompt rows only
+    // (ops.h 5d, Tuning::prompt_fp8_mma) where every FP8 group's block shape allows; other rows keep
+    // the FP8 rule's kernels.
+    const bool fp8_experts = mp.gate_fp8.on() || mp.shared_gate_fp8.on();
+    rp.mma = run.mma && (!fp8_experts || prompt_fp8_mma_experts(run, mp));
     if (const kernels::GemvParams g = router_gemm(run); g.library_gemm) {
       DL_RETURN_IF_ERROR(kernels::Gemv(g, s()).WithContext(fmt::format("layer {} router", l)));
       rp.router_logits = g.y;

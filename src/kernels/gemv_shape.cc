@@ -42,6 +42,15 @@ int MmaKSplitFor(int out, int in) {
   return split;
 }
 
+bool MmaFp8Supported(int block_rows, int block_cols, int in) {
+  return in % 16 == 0 && block_rows >= 1 &&
+         (block_cols >= in || (block_cols >= 32 && (block_cols & (block_cols - 1)) == 0));
+}
+
+bool MmaFp8Supported(const Fp8Weight& w, int in) {
+  return w.on() && w.scales != nullptr && MmaFp8Supported(w.block_rows, w.block_cols, in);
+}
+
 }  // namespace dl::kernels
 
 namespace dl::kernels {

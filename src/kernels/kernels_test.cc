@@ -246,6 +246,31 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
   EXPECT_FALSE(t.prompt_gemm);
   EXPECT_EQ(SetTuning(&t, "prompt_gemm=2").code(), StatusCode::kInvalidArgument);
   EXPECT_NE(TuningString(t).find("mma_tiled_min_tokens=16 prompt_gemm=0"), std::string::npos);
+  // Prompt rows' FP8 weights on the tensor-core product: on by default, 0 or 1, printed last.
+  EXPECT_TRUE(Tuning{}.prompt_fp8_mma);
+  ASSERT_TRUE(SetTuning(&t, "prompt_fp8_mma=0").ok());
+  EXPECT_FALSE(t.prompt_fp8_mma);
+  EXPECT_EQ(SetTuning(&t, "prompt_fp8_mma=2").code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(TuningString(t).find("prompt_gemm=0 prompt_fp8_mma=0"), std::string::npos);
+  // Which FP8 block shapes the tensor-core product takes (ops.h 5d).
+  {
+    const float scale = 1.0f;
+    const uint8_t code = 0;
+    Fp8Weight w{&code, &scale, 128, 128};
+    EXPECT_TRUE(MmaFp8Supported(w, 2048));
+    EXPECT_TRUE(MmaFp8Supported(w, 80));       // one block column, partial
+    w.block_cols = 32;
+    EXPECT_TRUE(MmaFp8Supported(w, 2048));
+    w.block_cols = 16;                          // a chunk of 32 would straddle two scales
+    EXPECT_FALSE(MmaFp8Supported(w, 2048));
+    w.block_cols = 96;                          // not a power of two: the FP8 contract refuses it
+    EXPECT_FALSE(MmaFp8Supported(w, 2048));
+    w.block_rows = 1, w.block_cols = 2048;      // per channel
+    EXPECT_TRUE(MmaFp8Supported(w, 2048));
+    EXPECT_FALSE(MmaFp8Supported(w, 2056));     // in % 16 != 0
+    w.scales = nullptr;
+    EXPECT_FALSE(MmaFp8Supported(w, 2048));
+  }
   // The multi-row router's threshold: 16 by default, 0 (never) up to the token limit of a launch.
   EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 128);
   ASSERT_TRUE(SetTuning(&t, "moe_router_rows_min_tokens=0").ok());

@@ -231,6 +231,21 @@ Status Gemv(const GemvParams& p, Stream stream);
 // dense down projection): until ~1,024 warps, each slice at least 8 chunks, k_split | chunks.
 int MmaKSplitFor(int out, int in);
 
+// ---- 5d. FP8 weights on the tensor-core product (GemvParams::mma with w_fp8: prompt rows) -----------
+// y[t, o] = bf16( sum_b s[o / block_rows, b] * p_b[t, o] ), b = 0, 1, ... the weight's block columns
+// in ascending order, where p_b is 5b's product over block b's chunks alone (from a zero accumulator,
+// chunk q ascending, two MMAs per chunk, the same K permutation) with W's codes as BF16 operands:
+// float(code) is exact in BF16, so the MMA sees W's code values and x's BF16 values unrounded. The
+// block sums meet the total in one FP32 step each: total = p_0 * s_0, then total = fmaf(p_b, s_b,
+// total). No k_split (the block columns are the slices) and one kernel for every token count (the
+// tiled kernel, whose 128-token tiles at small T cost tensor-core work, not weight bytes), so a
+// token's outputs do not depend on T, its place in the batch or how the prompt was chunked. The
+// CPU reference dequantises W in FP32; the two differ in where FP32 rounds (compared with a
+// tolerance). Needs in % 16 == 0 and block_cols a power of two >= 32 (the FP8 contract's, less 16: a
+// chunk of 32 must not straddle two scales) or >= in (MmaFp8Supported).
+bool MmaFp8Supported(const Fp8Weight& w, int in);
+bool MmaFp8Supported(int block_rows, int block_cols, int in);  // the block shape alone
+
 // ---- 5c. The library GEMM (GemvParams::library_gemm) -----------------------------------------------
 // y[t, o] = bf16( sum_i W[o, i] x[t, i] ) by cuBLASLt (BF16 operands, FP32 accumulation and scale,
 // beta 0) with ONE algorithm per (out, in) and device: the library's heuristic choice for
@@ -326,7 +341,11 @@ struct MoeParams {
   // vectors staged through a cp.async ring of shared memory). Batch 1 skips the lists: router,
   // gate/up of the selected slots, down + combine in one kernel (three launches). Other bits than
   // off; the same bits for every T and grouping, batch 1 included (mma_batch1_lists: batch 1 through
-  // the lists and the GEMM anyway, for the tests).
+  // the lists and the GEMM anyway, for the tests). FP8 groups (prompt rows, Tuning::prompt_fp8_mma)
+  // take section 5d's rule in the grouped GEMM: each block column's sum (from zero, 5b's order, codes
+  // exact in BF16) times its row's scale, total = p0 s0, then fmaf(p_b, s_b, total), no split; they
+  // go through the lists at every T, batch 1 included, and need MmaFp8Supported block shapes. A BF16
+  // group beside them keeps its bits.
   bool mma = false;
   bool mma_batch1_lists = false;
   // Set: the router logits z (BF16, before the softcap) of the T tokens come from here instead of

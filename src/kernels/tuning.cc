@@ -35,6 +35,7 @@ constexpr Setting kSettings[] = {
     {"prompt_attention", "prompt rows' attention on the tensor-core prompt kernel when prompt_mma is on (other bits for prompt rows than 0)", 0, 1, true, nullptr, &Tuning::prompt_attention},
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
     {"prompt_gemm", "prompt rows' dense linear layers on the library GEMM (cuBLASLt, one algorithm per shape) when prompt_mma is on; 0 = the tensor-core product (other bits for prompt rows)", 0, 1, true, nullptr, &Tuning::prompt_gemm},
+    {"prompt_fp8_mma", "prompt rows' FP8 weights on the tensor-core product (codes exact in BF16, a scale per block column's sum) when prompt_mma is on; 0 = the CUDA-core FP8 rule (other bits for prompt rows)", 0, 1, true, nullptr, &Tuning::prompt_fp8_mma},
 };
 
 std::string ValueOf(const Tuning& t, const Setting& s) {

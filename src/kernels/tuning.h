@@ -80,6 +80,11 @@ struct Tuning {
   // experts keep the tensor-core product. Other bits for prompt rows than 0, the same for every
   // batch and chunking. Needs cuBLASLt at run time (the engine says so at start if it is missing).
   bool prompt_gemm = true;
+  // Prompt rows' FP8 weights (dense layers and experts), where prompt_mma makes prompt rows a class
+  // of their own, on the tensor-core product (kernels/ops.h 5d: codes exact in BF16, one scale per
+  // block column's sum) instead of the CUDA-core FP8 rule. Other bits for prompt rows than 0, the
+  // same for every batch and chunking.
+  bool prompt_fp8_mma = true;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

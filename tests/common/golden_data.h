@@ -61,8 +61,10 @@ inline std::vector<GoldenPrompt> LoadGoldens(const fs::path& file) {
 }
 
 inline std::unique_ptr<Engine> LoadGoldenModel(const fs::path& dir, BackendKind backend, DType kv,
-                                               int32_t page, bool allow_fallback = false) {
+                                               int32_t page, bool allow_fallback = false,
+                                               const kernels::Tuning& tuning = {}) {
   EngineOptions o;
+  o.tuning = tuning;
   o.model_dir = dir.string();
   o.backend = backend;
   o.kv_dtype = kv;

@@ -176,6 +176,44 @@ TEST(CudaRunnerTest, TeacherForcedStrictWithoutRoutingNearTies) {
   }
 }
 
+// FP8 weights (tiny_fp8: every linear layer FP8, transformers' FP8 path dequantised in FP32, issue 18)
+// on the GPU, teacher-forced along the FP32 goldens: prompt rows on the tensor-core product's FP8 rule
+// (ops.h 5d, the default) and on the CUDA-core FP8 rule (prompt_fp8_mma=0). This model routes with
+// near-ties like tiny (TeacherForcedAgainstTransformersBf16 says why), so the same bounds: >= 80 % of
+// the steps with a golden margin >= 3e-2 equal, last prompt logits within 6e-2 relative L2.
+TEST(CudaRunnerTest, TeacherForcedAgainstTransformersFp8) {
+  SKIP_WITHOUT_GPU();
+  const fs::path dir = GoldenDir("tiny_fp8");
+  ASSERT_TRUE(fs::exists(dir / "goldens_fp32.json")) << dir;
+  const auto goldens = LoadGoldens(dir / "goldens_fp32.json");
+  for (bool fp8_mma : {true, false}) {
+    kernels::Tuning tu;
+    tu.prompt_fp8_mma = fp8_mma;
+    auto engine = LoadGoldenModel(dir, BackendKind::kCuda, DType::kBF16, 16, /*allow_fallback=*/false, tu);
+    ASSERT_TRUE(engine);
+    for (const GoldenPrompt& gp : goldens) {
+      GenerateOptions g;
+      g.max_tokens = static_cast<int32_t>(gp.tokens.size());
+      g.ignore_eos = true;
+      g.forced_tokens = gp.tokens;
+      auto r = GenerateGreedy(*engine, gp.prompt, g);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      int checked = 0, agreed = 0;
+      for (size_t s = 0; s < gp.tokens.size(); ++s) {
+        if (gp.margins[s] < 3e-2) continue;
+        ++checked;
+        agreed += r->tokens[s] == gp.tokens[s];
+      }
+      EXPECT_GE(checked, 20);
+      EXPECT_GE(agreed * 5, checked * 4) << "prompt_fp8_mma=" << fp8_mma;
+      const double rel = RelL2(r->last_prompt_logits, gp.last_logits);
+      EXPECT_LT(rel, 6e-2) << "prompt_fp8_mma=" << fp8_mma;
+      std::printf("[fp8-golden] tiny_fp8 prompt_fp8_mma=%d prompt_len=%zu checked=%d agreed=%d logits_rel_l2=%.3g\n",
+                  fp8_mma ? 1 : 0, gp.prompt.size(), checked, agreed, rel);
+    }
+  }
+}
+
 TEST(CudaRunnerTest, MissingPresetIsAnErrorNamingTheKey) {
   SKIP_WITHOUT_GPU();
   EngineOptions o;
@@ -889,6 +927,17 @@ TEST(CudaRunnerTest, Fp8WeightsKeepEveryInvarianceAndTrackBf16) {
       EXPECT_EQ(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
           << "page " << page << " chunk " << chunk << " graph " << graph;
     }
+    // Prompt rows' FP8 weights on the tensor-core product (the default) against the CUDA-core FP8 rule:
+    // other bits, close.
+    kernels::Tuning cuda_core_fp8;
+    cuda_core_fp8.prompt_fp8_mma = false;
+    const Transcript r = Generate(*fck, DType::kF8E4M3, 32, 512, true, prompt, 16, cuda_core_fp8);
+    const double rel = RelL2(reference.last_logits, r.last_logits);
+    EXPECT_LT(rel, 6e-2) << "prompt_fp8_mma=1 against 0, last prompt logits";
+    EXPECT_NE(0, std::memcmp(r.last_logits.data(), reference.last_logits.data(), reference.last_logits.size() * 4))
+        << "prompt_fp8_mma should change the prompt rows' product";
+    std::printf("[prompt-fp8-mma] %s: last prompt logits %.3g rel L2 from prompt_fp8_mma=0's\n",
+                std::string(Fp8LayoutName(layout)).c_str(), rel);
   }
 }
 

@@ -236,8 +236,8 @@ int main(int argc, char** argv) {
     CHECK_OK(FillAffineFp8(codes->as<uint8_t>(), scales->as<float>(), out, in, 128, 128, key, 0.02f, 0.0f, nullptr));
   };
   if (want("gemv_fp8")) {
-    auto xb = Random(size_t(64) * 8192, 11, 1.0f);
-    auto yb = Alloc(size_t(64) * 10304 * 2);
+    auto xb = Random(size_t(2048) * 8192, 11, 1.0f);
+    auto yb = Alloc(size_t(2048) * 10304 * 2);
     for (auto [name, out, in] : {std::tuple{"qkvg", 10304, 2048}, std::tuple{"o_proj", 2048, 8192}}) {
       std::vector<cuda::DeviceBuffer> wb, codes(8), scales(8);
       for (int c = 0; c < 8; ++c) {
@@ -265,6 +265,28 @@ int main(int argc, char** argv) {
                             fmt::format("{}x{} ks{}", out, in, fp8 ? GemvFp8KSplitFor(out, in) : GemvKSplitFor(out, in)),
                             ms * 1e3, fp8 ? fp8_bytes : 2.0 * out * in});
           }
+        }
+      }
+      // Prompt rows: the tensor-core product with FP8 weights (ops.h 5d) beside the BF16 one and the
+      // CUDA-core FP8 rule.
+      for (int T : {64, 512, 2048}) {
+        for (const char* kernel : {"bf16 mma", "fp8 mma", "fp8 cuda cores"}) {
+          const bool fp8 = kernel[0] == 'f', mma = kernel[4] == 'm';
+          if (fp8 && !mma && T > 512) continue;  // slow; T 512 says enough
+          const double ms = TimeMs([&](int i) {
+            GemvParams p;
+            if (fp8) {
+              p.w_fp8 = {codes[i % 8].as<uint8_t>(), scales[i % 8].as<float>(), 128, 128};
+            } else {
+              p.w = wb[i % 8].as<bf16>();
+            }
+            p.x = xb.as<bf16>(), p.y = yb.as<bf16>(), p.out = out, p.in = in, p.num_tokens = T;
+            p.mma = mma;
+            p.batch_rows = 4;
+            CHECK_OK(Gemv(p, g_stream));
+          }, 20);
+          rows.push_back({fmt::format("{} {} T{} ({:.0f} TFLOP/s)", kernel, name, T, 2.0 * out * in * T / (ms * 1e-3) / 1e12),
+                          fmt::format("{}x{}", out, in), ms * 1e3, fp8 ? fp8_bytes : 2.0 * out * in});
         }
       }
     }
@@ -606,9 +628,10 @@ int main(int argc, char** argv) {
       routers.push_back(Random(size_t(E) * d, 50 + l, 0.05f));
       biases.push_back(Random(E, 60 + l, 0.05f));
     }
-    auto xs = Random(size_t(64) * d, 80, 1.0f);
-    auto yv = Alloc(size_t(64) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, 64)), counter = Alloc(64 * 4);
-    auto ids = Alloc(size_t(64) * k * 4);
+    const int kMaxT = 2048;
+    auto xs = Random(size_t(kMaxT) * d, 80, 1.0f);
+    auto yv = Alloc(size_t(kMaxT) * d * 2), ws = Alloc(MoeWorkspaceBytes(d, E, k, F, F, kMaxT)), counter = Alloc(kMaxT * 4);
+    auto ids = Alloc(size_t(kMaxT) * k * 4);
     CHECK_OK(counter.Fill(0));
     auto moe_params = [&](int i, int T) {
       const int l = i % layers;
@@ -627,11 +650,18 @@ int main(int argc, char** argv) {
       return p;
     };
     const double scale_bytes = 4.0 * mat_scales * 3;
-    for (int T : {1, 8, 64}) {
+    // Then prompt rows: the experts on the tensor-core product (ops.h 5d) against the FP8 rule's grouped
+    // kernels at T 512 and the MMA alone at 2,048.
+    for (auto [T, mma] : {std::pair{1, false}, std::pair{8, false}, std::pair{64, false}, std::pair{512, false},
+                          std::pair{512, true}, std::pair{2048, true}}) {
       const double touched = T == 1 ? k : E * (1.0 - std::pow(1.0 - double(k) / E, T));
-      const double ms = TimeMs([&](int i) { CHECK_OK(Moe(moe_params(i, T), g_stream)); }, T > 8 ? 50 : 200);
-      rows.push_back({fmt::format("moe fp8 {}T{}", T == 1 ? "" : "grouped ", T), "E256 k8 F512 d2048 fp8", ms * 1e3,
-                      2.0 * E * d + (touched + 1) * (3.0 * F * d + scale_bytes)});
+      const double ms = TimeMs([&](int i) {
+        MoeParams p = moe_params(i, T);
+        p.mma = mma;
+        CHECK_OK(Moe(p, g_stream));
+      }, T > 64 ? 10 : T > 8 ? 50 : 200);
+      rows.push_back({fmt::format("moe fp8 {}{}T{}", mma ? "mma " : "", T == 1 ? "" : "grouped ", T),
+                      "E256 k8 F512 d2048 fp8", ms * 1e3, 2.0 * E * d + (touched + 1) * (3.0 * F * d + scale_bytes)});
     }
   }
 

@@ -129,6 +129,58 @@ TEST(Fp8GemvGpu, MatchesReferenceAndIsBatchInvariant) {
   }
 }
 
+// FP8 weights on the tensor-core product (ops.h 5d, prompt rows): against the reference; every token
+// alone, and every run of tokens at any offset, gives the long launch's bits (one kernel for every T,
+// no k_split); run to run. 128 x 128 blocks with partial edges, 32-wide block columns, per-tensor and
+// per-channel scales, XS.2's q/k/v and o_proj widths.
+TEST(Fp8MmaProductGpu, MatchesReferenceAndEveryTokenAlone) {
+  SKIP_WITHOUT_GPU();
+  for (const GemvCase c : {GemvCase{1024, 2048, 0, 128, 128}, GemvCase{2048, 8192, 0, 128, 128},
+                           GemvCase{333, 400, 0, 128, 128}, GemvCase{130, 144, 0, 128, 128},
+                           GemvCase{96, 256, 0, 32, 32}, GemvCase{200, 1040, 0, 0, 0},
+                           GemvCase{257, 2064, 0, 1, 0}}) {
+    SCOPED_TRACE(testing::Message() << c.out << "x" << c.in << " blocks " << c.br << "x" << c.bc);
+    const int T = 300;
+    const HostFp8 hw = QuantizedFp8(c.out, c.in, 191, 0.05f, c.br, c.bc);
+    const DeviceFp8 dw(hw);
+    auto x = RandomBf16(static_cast<size_t>(T) * c.in, 192);
+    auto d_x = Upload(x);
+    auto d_y = Alloc(static_cast<size_t>(T) * c.out * 2), d_y2 = Alloc(static_cast<size_t>(T) * c.out * 2);
+    GemvParams p = Fp8Gemv(dw.Weight(), d_x.as<bf16>(), d_y.as<bf16>(), c.out, c.in, T);
+    p.mma = true;
+    ASSERT_OK(Gemv(p, nullptr));
+    const auto y = Download<bf16>(d_y, static_cast<size_t>(T) * c.out);
+    std::vector<bf16> ref(static_cast<size_t>(T) * c.out);
+    ref::Gemv(Fp8Gemv(hw.Host(), x.data(), ref.data(), c.out, c.in, T));
+    ExpectClose(y, ref, 1e-4f, 1.0f / 128, "fp8 mma product");
+    GemvParams again = p;
+    again.y = d_y2.as<bf16>();
+    ASSERT_OK(Gemv(again, nullptr));
+    EXPECT_EQ(Download<bf16>(d_y2, static_cast<size_t>(T) * c.out), y) << "run to run";
+    for (auto [t0, n] : {std::pair{0, 1}, std::pair{7, 1}, std::pair{299, 1}, std::pair{5, 37}, std::pair{130, 130},
+                         std::pair{1, 299}}) {
+      GemvParams q = p;
+      q.x = d_x.as<bf16>() + static_cast<size_t>(t0) * c.in;
+      q.y = d_y2.as<bf16>();
+      q.num_tokens = n;
+      ASSERT_OK(Gemv(q, nullptr));
+      EXPECT_EQ(Download<bf16>(d_y2, static_cast<size_t>(n) * c.out), Rows(y, c.out, t0, n))
+          << "tokens " << t0 << " .. " << t0 + n - 1 << " alone";
+    }
+  }
+}
+
+TEST(Fp8MmaProductGpu, RefusesBlockShapesItDoesNotCover) {
+  SKIP_WITHOUT_GPU();
+  const DeviceFp8 dw(QuantizedFp8(64, 512, 1, 0.05f, 128, 16));
+  auto d_x = Upload(RandomBf16(512, 2)), d_y = Alloc(64 * 2);
+  GemvParams p = Fp8Gemv(dw.Weight(), d_x.as<bf16>(), d_y.as<bf16>(), 64, 512, 1);
+  p.mma = true;
+  const Status st = Gemv(p, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.ToString().find("power of two >= 32"), std::string::npos) << st.ToString();
+}
+
 // The streaming kernel (TMA ring) gives the plain kernel's bits, prefetch at every point of the
 // producer's loop, small rings that reuse every slot.
 TEST(Fp8GemvGpu, StreamMatchesPlainBitForBit) {
@@ -407,17 +459,20 @@ TEST(Fp8MoeGpu, MatchesReference) {
 }
 
 // The grouped path (T > 1) gives every token the bits it gets alone (batch 1) and inside a shuffled
-// subset of the batch; the grouped result also matches the reference per token.
-void ExpectGroupedMatchesAloneAndReference(const MoeShape& c, int T) {
+// subset of the batch; the grouped result also matches the reference per token. mma: the experts on
+// the tensor-core product (ops.h 5d; batch 1 through the lists too).
+void ExpectGroupedMatchesAloneAndReference(const MoeShape& c, int T, bool mma = false) {
   {
     SCOPED_TRACE(testing::Message() << "E " << c.E << " k " << c.k << " d " << c.d << " T " << T << " shared "
-                                    << (c.shared_fp8 ? "fp8" : "bf16"));
+                                    << (c.shared_fp8 ? "fp8" : "bf16") << " blocks " << c.br << "x" << c.bc
+                                    << (mma ? " mma" : ""));
     const Fp8MoeLayer layer(c.E, c.k, c.d, c.F, c.Fs, c.shared_fp8, 8000, c.br, c.bc);
     auto x = RandomBf16(static_cast<size_t>(T) * c.d, 801);
     auto d_x = Upload(x), d_y = Alloc(static_cast<size_t>(T) * c.d * 2), d_ids = Alloc(static_cast<size_t>(T) * c.k * 4);
     auto d_ws = Alloc(MoeWorkspaceBytes(c.d, c.E, c.k, c.F, c.Fs, T)), d_counter = Alloc(T * 4, 0);
-    const MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), nullptr, d_ws.data(),
-                                     d_counter.as<uint32_t>(), T);
+    MoeParams p = layer.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), nullptr, d_ws.data(),
+                               d_counter.as<uint32_t>(), T);
+    p.mma = mma;
     ASSERT_OK(Moe(p, nullptr));
     Sync();
     const auto y_all = Download<bf16>(d_y, static_cast<size_t>(T) * c.d);
@@ -455,6 +510,19 @@ TEST(Fp8MoeGpu, GroupedPathMatchesEveryTokenAloneAndTheReference) {
   ExpectGroupedMatchesAloneAndReference({16, 4, 512, 128, 64, true, 128, 128}, 40);
   ExpectGroupedMatchesAloneAndReference({64, 8, 512, 128, 128, false, 128, 128}, 33);
   ExpectGroupedMatchesAloneAndReference({32, 4, 400, 144, 80, true, 128, 128}, 9);
+}
+
+// The FP8 experts on the tensor-core product (ops.h 5d): the same properties, with 128 x 128 blocks
+// (partial edges), per-channel and per-tensor scales, a BF16 shared expert beside FP8 routed ones
+// (its BF16 bits in the FP8 launch), and XS.2's layer at T 64.
+TEST(Fp8MoeGpu, MmaExpertsMatchEveryTokenAloneAndTheReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGroupedMatchesAloneAndReference({16, 4, 512, 128, 64, true, 128, 128}, 40, true);
+  ExpectGroupedMatchesAloneAndReference({64, 8, 512, 128, 128, false, 128, 128}, 33, true);
+  ExpectGroupedMatchesAloneAndReference({32, 4, 400, 144, 80, true, 128, 128}, 9, true);
+  ExpectGroupedMatchesAloneAndReference({16, 4, 256, 64, 64, true, 1, 0}, 21, true);
+  ExpectGroupedMatchesAloneAndReference({16, 4, 256, 64, 64, false, 0, 0}, 21, true);
+  ExpectGroupedMatchesAloneAndReference({256, 8, 2048, 512, 512, true, 128, 128}, 64, true);
 }
 
 // XS.2's layer (E 256, k 8, d 2,048, F = Fs = 512) at T 64.
@@ -495,6 +563,14 @@ TEST(Fp8MoeGpu, RefusesMixedGroupsAndBadScales) {
   MoeParams odd = p;
   odd.shared_down_fp8.block_cols = 48;
   EXPECT_FALSE(Moe(odd, nullptr).ok()) << "block_cols 48";
+  const Fp8MoeLayer narrow(16, 4, 256, 64, 64, true, 9001, 128, 16);  // FP8 rule yes, the MMA experts no
+  auto d_ids = Alloc(4 * 4), d_wts = Alloc(4 * 4);
+  MoeParams mma = narrow.Params(d_x.as<bf16>(), d_y.as<bf16>(), d_ids.as<int32_t>(), d_wts.as<float>(), d_ws.data(),
+                                d_counter.as<uint32_t>(), 1);
+  EXPECT_TRUE(Moe(mma, nullptr).ok()) << "16-wide block columns on the FP8 rule";
+  mma.mma = true;
+  const Status st = Moe(mma, nullptr);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
 }
 
 }  // namespace

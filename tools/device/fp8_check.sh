@@ -5,18 +5,22 @@
 # GEMV/MoE tests (their bits must not move), compute-sanitizer memcheck and racecheck on the FP8 tests,
 # the kernel microbenchmark's FP8 sections beside BF16 (gemv_fp8, moe_fp8, moe), and, when the decodelab
 # binary takes FP8 shape weights (`--shape-dtype fp8 --fp8-layout all-linear`, helper fp8's flags),
-# `bench --shape xs2` BF16 against FP8 all-linear. Logs under $OUT.
+# `bench --shape xs2` BF16 against FP8 all-linear, and the prefill sweep (1K, 8K) of FP8 all-linear with
+# prompt rows on the tensor-core product (ops.h 5d, the default) and on the CUDA-core FP8 rule
+# (--tune prompt_fp8_mma=0) beside BF16. Logs under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
-#     bash tools/device/fp8_check.sh [--skip-sanitizer] [--skip-bench]
+#     bash tools/device/fp8_check.sh [--skip-tests] [--skip-sanitizer] [--skip-bench] [--skip-prefill]
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/fp8_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 source tools/device/env.sh
-SAN=1; BENCH=1
+SAN=1; BENCH=1; TESTS=1; PREFILL=1
 while [ $# -gt 0 ]; do
   case "$1" in
+    --skip-tests) TESTS=0 ;;
     --skip-sanitizer) SAN=0 ;;
     --skip-bench) BENCH=0 ;;
+    --skip-prefill) PREFILL=0 ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
   shift
@@ -27,6 +31,7 @@ dl_build "$OUT" kernels_fp8_gpu_test kernels_gpu_test kernels_bench cuda_runner_
 # Static SASS counts of the FP8 kernels (the rule's instruction mix: no FMUL per element, no spills).
 bash tools/device/fp8_sass.sh build > "$OUT/fp8_sass.txt" 2>&1
 cat "$OUT/fp8_sass.txt"
+if [ "$TESTS" = 1 ]; then
 timeout 300 ./build/tests/gpu/kernels_fp8_gpu_test > "$OUT/kernels_fp8_gpu_test.log" 2>&1
 dl_summary kernels_fp8_gpu_test "$OUT/kernels_fp8_gpu_test.log" $?
 timeout 300 ./build/tests/gpu/kernels_gpu_test --gtest_filter='GemvGpu*:MoeGpu*' > "$OUT/kernels_gpu_test.log" 2>&1
@@ -37,6 +42,8 @@ timeout 420 ./build/tests/gpu/cuda_runner_test \
   --gtest_filter='*Fp8*:*TeacherForced*:*BitIdentical*:*TokensIdentical*:*MissingPreset*' > "$OUT/cuda_runner_test.log" 2>&1
 dl_summary "cuda_runner_test (FP8 weights, BF16 goldens and invariances)" "$OUT/cuda_runner_test.log" $?
 echo "tests: $(( $(date +%s) - t0 )) s"
+grep -E "^\[(fp8-golden|prompt-fp8-mma)\]" "$OUT/cuda_runner_test.log"
+fi
 if [ "$SAN" = 1 ]; then
   # memcheck over every FP8 kernel (the XS.2-width MoE cases make the second run the long one); racecheck
   # over the fill and the grouped MoE's shared-memory staging on small layers (the TMA-ring kernels'
@@ -55,6 +62,15 @@ if [ "$SAN" = 1 ]; then
     --gtest_filter='Fp8FillGpu.*:Fp8MoeGpu.GroupedPathMatchesEveryTokenAloneAndTheReference' > "$OUT/sanitizer_racecheck.log" 2>&1
   echo "compute-sanitizer racecheck (fill, grouped MoE, small layers) rc=$?: $(tail -1 "$OUT/sanitizer_racecheck.log")"
   grep -E "^=+ (Race|Error|ERROR)" "$OUT/sanitizer_racecheck.log" | sort | uniq -c | head -10
+  # The tensor-core product with FP8 weights (ops.h 5d): dense and experts, in-place code conversion.
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
+    --gtest_filter='Fp8MmaProductGpu.*' > "$OUT/sanitizer_memcheck_mma.log" 2>&1
+  echo "compute-sanitizer memcheck (FP8 MMA product) rc=$?: $(tail -1 "$OUT/sanitizer_memcheck_mma.log")"
+  grep -E "^=+ (Invalid|Error|ERROR)" "$OUT/sanitizer_memcheck_mma.log" | sort | uniq -c | head -10
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
+    --gtest_filter='Fp8MmaProductGpu.Refuses*:Fp8MoeGpu.MmaExperts*' > "$OUT/sanitizer_racecheck_mma.log" 2>&1
+  echo "compute-sanitizer racecheck (FP8 MMA experts) rc=$?: $(tail -1 "$OUT/sanitizer_racecheck_mma.log")"
+  grep -E "^=+ (Race|Error|ERROR)" "$OUT/sanitizer_racecheck_mma.log" | sort | uniq -c | head -10
   echo "sanitizer: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$BENCH" = 1 ]; then
@@ -77,6 +93,19 @@ if [ "$BENCH" = 1 ]; then
   else
     echo "bench: decodelab bench has no ${FP8_FLAGS%% *} (the shape-only FP8 layout is not wired in this build): skipped"
   fi
+fi
+if [ "$PREFILL" = 1 ]; then
+  B=build/bin/decodelab
+  for run in "bf16" "fp8" "fp8 --tune prompt_fp8_mma=0"; do
+    read -r -a a <<< "$run"
+    extra=(); [ "${a[0]}" = fp8 ] && extra=(--shape-dtype fp8 --fp8-layout all-linear "${a[@]:1}")
+    tag=$(echo "$run" | tr ' =' '__')
+    timeout 400 $B bench --shape xs2 "${extra[@]}" --kv-dtype fp8 --page-size 32 --prefill-chunk 2048 \
+      --prefill-sweep 1024,8192 --repeat 3 --json-out "$OUT/prefill_$tag.json" > "$OUT/prefill_$tag.log" \
+      2> "$OUT/prefill_$tag.err"
+    echo "prefill sweep $run rc=$?:"; grep -vE "^  wrote" "$OUT/prefill_$tag.log" | tail -n 8
+    grep -iE "error|fail" "$OUT/prefill_$tag.err" | head -5
+  done
 fi
 echo "total: $(( $(date +%s) - t0 )) s"
 tar -czf "$RESULTS/fp8_check_logs.tgz" -C /tmp fp8_check 2>/dev/null

@@ -93,27 +93,52 @@ constexpr int kTileM = 128, kTileN = 128, kTileStages = 4, kTileStageChunks = 2,
 constexpr size_t kTileChunkBytes = static_cast<size_t>(kTileM + kTileN) * 64;
 constexpr size_t kTileStageBytes = kTileStageChunks * kTileChunkBytes;
 constexpr size_t kTileSmem = kTileStages * kTileStageBytes;
+// FP8 weights (ops.h 5d): W's codes have a ring of their own, a stage's 64 codes of each of the 128
+// rows ([128 rows][4 pieces of 16 codes]); the block converts a landed stage to BF16 into the W area
+// of the BF16 layout above, so the fragments and MMAs are the BF16 kernel's.
+constexpr size_t kTileCodeStageBytes = static_cast<size_t>(kTileM) * 64;
+constexpr size_t kTileFp8Smem = kTileSmem + kTileStages * kTileCodeStageBytes;
+
+// Where an FP8 weight's scales are (ops.h 5d): row o's scale of block column b at
+// scales[(o / block_rows) * cols + b]; a block column spans chunks_per_block chunks of 32.
+struct MmaFp8Scales {
+  const float* scales = nullptr;
+  int block_rows = 1, cols = 1, chunks_per_block = 1;
+};
 
 // Grid (ceil(T / 128), ceil(out / 128)): token blocks fastest, so the blocks reading the same rows
 // of W run together and share them through L2. Warp w: rows 64 (w / 4) .. + 64 (4 tiles of 16),
 // tokens 32 (w % 4) .. + 32 (4 tiles of 8) of the block.
-template <int KS>
-__global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, int chunks) {
+// kFp8 (ops.h 5d; KS 1): W is a.w_fp8's codes, staged through their own ring and converted to BF16
+// per stage; each block column's sum folds into the total with its scale.
+template <int KS, bool kFp8>
+__global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, int chunks, MmaFp8Scales fs) {
+  static_assert(!kFp8 || KS == 1, "FP8 weights have no k_split: their block columns are the slices");
   DL_TIMELINE_SCOPE(kGemv);
   AllowDependentsAtStart(a.release_after_wait);
   extern __shared__ __align__(128) unsigned char s_tile[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int wm = warp >> 2, wn = warp & 3;
   const int n0 = blockIdx.x * kTileN, m0 = blockIdx.y * kTileM;
-  const int n8 = a.in / 8;
+  const int n8 = a.in / 8, n16 = a.in / 16;
   const int64_t x_step = a.x_stride / 8;
-  const uint4* w = reinterpret_cast<const uint4*>(a.w);
+  const uint4* w = reinterpret_cast<const uint4*>(kFp8 ? static_cast<const void*>(a.w_fp8.codes) : a.w);
   const uint4* x = reinterpret_cast<const uint4*>(a.x);
+  uint4* s_codes = reinterpret_cast<uint4*>(s_tile + kTileSmem);  // kFp8: [kTileStages][kTileM * 4]
   WaitReleasing(a.release_after_wait);
   // Stage st holds chunks kTileStageChunks st + cc, each [W rows][4 pieces] then [x rows][4 pieces].
   // Thread tid copies pieces tid and tid + 256 of each operand's chunk: row idx / 4, piece idx % 4.
+  // FP8: W's pieces tid and tid + 256 of the stage's [128 rows][4 pieces of 16 codes] instead.
   const int steps = (chunks + kTileStageChunks - 1) / kTileStageChunks;
   auto load = [&](int stage, int st) {
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int idx = tid + kTileThreads * i, row = idx >> 2, piece = 4 * st + (idx & 3);
+        const bool wv = piece < n16 && m0 + row < a.out;
+        CpAsync16(s_codes + stage * kTileM * 4 + idx, w + (wv ? static_cast<size_t>(m0 + row) * n16 + piece : 0), wv);
+      }
+    }
 #pragma unroll
     for (int cc = 0; cc < kTileStageChunks; ++cc) {
       const int q = kTileStageChunks * st + cc;
@@ -124,26 +149,38 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
         const int idx = tid + kTileThreads * i, row = idx >> 2, piece = 4 * q + (idx & 3);
         const bool in = piece < n8;
         const bool wv = in && m0 + row < a.out, xv = in && n0 + row < a.num_tokens;
-        CpAsync16(sa + idx, w + (wv ? static_cast<size_t>(m0 + row) * n8 + piece : 0), wv);
+        if constexpr (!kFp8) CpAsync16(sa + idx, w + (wv ? static_cast<size_t>(m0 + row) * n8 + piece : 0), wv);
         CpAsync16(sb + idx, x + (xv ? (n0 + row) * x_step + piece : 0), xv);
       }
     }
+  };
+  // FP8: this lane's rows' scales of block column b (rows past `out` take the last row's: never stored).
+  auto row_scales = [&](int b, float (&sv)[4][2]) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = min(m0 + wm * 64 + mt * 16 + g + 8 * h, a.out - 1);
+        sv[mt][h] = __ldg(fs.scales + static_cast<size_t>(row / fs.block_rows) * fs.cols + b);
+      }
   };
 #pragma unroll
   for (int s = 0; s < kTileStages - 1; ++s) {
     if (s < steps) load(s, s);
     CpAsyncCommit();
   }
+  constexpr bool kTotal = KS > 1 || kFp8;
   float acc[4][4][4];
-  float total[KS > 1 ? 4 : 1][KS > 1 ? 4 : 1][4];
+  float total[kTotal ? 4 : 1][kTotal ? 4 : 1][4];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
-  const int per = chunks / KS;
+  const int per = kFp8 ? fs.chunks_per_block : chunks / KS;
   int slice_end = per;
+  int block_col = 0;  // FP8: the block column whose chunks acc sums
   for (int st = 0; st < steps; ++st) {
     CpAsyncWait<kTileStages - 2>();  // stage st has landed (this thread's copies)
     __syncthreads();                 // everyone's copies, and everyone is done with stage (st - 1) % S
@@ -151,6 +188,16 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
       const int sn = st + kTileStages - 1;
       if (sn < steps) load(sn % kTileStages, sn);
       CpAsyncCommit();
+    }
+    if constexpr (kFp8) {  // the stage's codes -> its W area as BF16 (piece j of a row: chunk j / 2, half j % 2)
+      const uint4* sc = s_codes + (st % kTileStages) * kTileM * 4;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int idx = tid + kTileThreads * i, row = idx >> 2, j = idx & 3;
+        uint4* sa = reinterpret_cast<uint4*>(s_tile + (st % kTileStages) * kTileStageBytes + (j >> 1) * kTileChunkBytes);
+        Fp8x16ToBf16(sc[idx], sa[row * 4 + 2 * (j & 1)], sa[row * 4 + 2 * (j & 1) + 1]);
+      }
+      __syncthreads();
     }
 #pragma unroll
     for (int cc = 0; cc < kTileStageChunks; ++cc) {
@@ -170,7 +217,25 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) MmaChunk(acc[mt][nt], af[mt][0], af[mt][1], bf[nt]);
-      if constexpr (KS > 1) {
+      if constexpr (kFp8) {
+        if (q + 1 == slice_end || q + 1 == chunks) {  // block column b's sum joins the total with its scale
+          float sv[4][2];
+          row_scales(block_col, sv);
+          const bool first = block_col == 0;
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float sc = sv[mt][e >> 1];
+                total[mt][nt][e] = first ? acc[mt][nt][e] * sc : fmaf(acc[mt][nt][e], sc, total[mt][nt][e]);
+                acc[mt][nt][e] = 0.0f;
+              }
+          slice_end += per;
+          ++block_col;
+        }
+      } else if constexpr (KS > 1) {
         if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
           const bool first = slice_end == per;
 #pragma unroll
@@ -197,7 +262,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
         const int row = m0 + wm * 64 + mt * 16 + g + (e >= 2 ? 8 : 0);
         const int t = n0 + wn * 32 + nt * 8 + 2 * c + (e & 1);
         float v;
-        if constexpr (KS > 1) {
+        if constexpr (kTotal) {
           v = total[mt][nt][e];
         } else {
           v = acc[mt][nt][e];
@@ -222,10 +287,37 @@ void LaunchMmaReg(const GemvParams& p, int ks, int chunks, cudaStream_t s) {
   }
 }
 
+// FP8 weights (ops.h 5d): the tiled kernel for every token count, its block columns as the slices.
+Status MmaGemvFp8(const GemvParams& p, cudaStream_t s) {
+  const Fp8Weight& w = p.w_fp8;
+  if (!MmaFp8Supported(w, p.in)) {
+    return InvalidArgument("gemv: the MMA product takes FP8 weights [{} x {}] with in % 16 == 0 and block columns "
+                           "of a power of two >= 32 or >= in (got {} x {} blocks{})",
+                           p.out, p.in, w.block_rows, w.block_cols, w.scales ? "" : ", no scales");
+  }
+  if (reinterpret_cast<uintptr_t>(w.codes) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
+    return InvalidArgument("gemv: the MMA product needs 16-byte aligned codes and x");
+  }
+  if (p.num_tokens > 65535 * kTileN || p.out > 65535 * kTileM) {
+    return InvalidArgument("gemv: [{} x {}] x {} tokens exceed the tiled MMA kernel's grid", p.out, p.in, p.num_tokens);
+  }
+  const int chunks = (p.in + kMmaChunk - 1) / kMmaChunk;
+  MmaFp8Scales fs;
+  fs.scales = w.scales;
+  fs.block_rows = w.block_rows;
+  fs.cols = (p.in + w.block_cols - 1) / w.block_cols;
+  fs.chunks_per_block = w.block_cols >= p.in ? chunks : w.block_cols / kMmaChunk;
+  const dim3 grid((p.num_tokens + kTileN - 1) / kTileN, (p.out + kTileM - 1) / kTileM);
+  LaunchDependentSmem(MmaTiledKernel<1, true>, grid, dim3(kTileThreads), kTileFp8Smem, s, p, chunks, fs);
+  DL_KERNEL_LAUNCH_CHECK("gemv_mma_tiled_fp8");
+  return Status::Ok();
+}
+
 Status MmaGemv(const GemvParams& p, cudaStream_t s) {
   if (p.norm.residual) return InvalidArgument("gemv: the MMA product (mma) takes no fused input norm");
   if (p.streaming.on) return InvalidArgument("gemv: the MMA product (mma) has no streaming kernel: streaming.on must be off");
   if (!p.x) return InvalidArgument("gemv: w, x and y must be set");
+  if (p.w_fp8.on()) return MmaGemvFp8(p, s);
   if (reinterpret_cast<uintptr_t>(p.w) % 16 != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) {
     return InvalidArgument("gemv: the MMA product needs 16-byte aligned w and x");
   }
@@ -242,10 +334,10 @@ Status MmaGemv(const GemvParams& p, cudaStream_t s) {
     const dim3 grid((p.num_tokens + kTileN - 1) / kTileN, (p.out + kTileM - 1) / kTileM);
     const dim3 block(kTileThreads);
     switch (ks) {
-      case 1: LaunchDependentSmem(MmaTiledKernel<1>, grid, block, kTileSmem, s, p, chunks); break;
-      case 2: LaunchDependentSmem(MmaTiledKernel<2>, grid, block, kTileSmem, s, p, chunks); break;
-      case 4: LaunchDependentSmem(MmaTiledKernel<4>, grid, block, kTileSmem, s, p, chunks); break;
-      default: LaunchDependentSmem(MmaTiledKernel<8>, grid, block, kTileSmem, s, p, chunks); break;
+      case 1: LaunchDependentSmem(MmaTiledKernel<1, false>, grid, block, kTileSmem, s, p, chunks, MmaFp8Scales{}); break;
+      case 2: LaunchDependentSmem(MmaTiledKernel<2, false>, grid, block, kTileSmem, s, p, chunks, MmaFp8Scales{}); break;
+      case 4: LaunchDependentSmem(MmaTiledKernel<4, false>, grid, block, kTileSmem, s, p, chunks, MmaFp8Scales{}); break;
+      default: LaunchDependentSmem(MmaTiledKernel<8, false>, grid, block, kTileSmem, s, p, chunks, MmaFp8Scales{}); break;
     }
     DL_KERNEL_LAUNCH_CHECK("gemv_mma_tiled");
     return Status::Ok();

@@ -47,6 +47,23 @@ __device__ __forceinline__ void MmaChunk(float (&d)[4], const uint4& wa, const u
   MmaChunkHalf<1>(d, wa, wb, xv);
 }
 
+// 16 E4M3 codes -> 16 BF16 values, exact (an E4M3 value is a half, a half from E4M3 is a float, and
+// that float has at most 4 significant bits, so BF16 holds it): the FP8 MMA rule's operand (ops.h 5d).
+// lo holds codes 0..7, hi codes 8..15, in the BF16 kernels' element order (element e in bits 16(e%2) of
+// word e/2).
+__device__ __forceinline__ uint32_t Fp8x2ToBf16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+__device__ __forceinline__ void Fp8x16ToBf16(const uint4& codes, uint4& lo, uint4& hi) {
+  lo = make_uint4(Fp8x2ToBf16x2(codes.x), Fp8x2ToBf16x2(codes.x >> 16), Fp8x2ToBf16x2(codes.y),
+                  Fp8x2ToBf16x2(codes.y >> 16));
+  hi = make_uint4(Fp8x2ToBf16x2(codes.z), Fp8x2ToBf16x2(codes.z >> 16), Fp8x2ToBf16x2(codes.w),
+                  Fp8x2ToBf16x2(codes.w >> 16));
+}
+
 // Lane (g, c)'s part of NM matrices' 16-row tiles times NT columns of 8 tokens over chunks [q_lo,
 // q_hi) of one slice, in the order of ops.h 5b (acc must start at zero). Matrix m: wa[m], wb[m] point
 // at rows g and g + 8 (16-byte pieces, already offset by c; live_* false: zeros), chunk q's piece at

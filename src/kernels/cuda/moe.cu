@@ -1685,8 +1685,14 @@ constexpr size_t kGemmSmem = static_cast<size_t>(kGemmStages) * kGemmStageChunks
 // 16-byte stores. Grid (P, ceil(Fmax / 64) or ceil(d / 128), shared_segments + min(E, T k)).
 // Gate/up: h(t, slot)[f] = bf16(bf16(silu(bf16(g))) * bf16(u)); down: bf16(bf16(o) * w(t, slot)) into
 // routed, the shared expert's bf16(o) into shared.
-template <bool kGateUp, bool kSplit>
-__device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const MoeMmaLists& lists) {
+// kFp8 (ops.h 5d, prompt rows): an FP8 group's blocks stage their codes in the upper half of the
+// stage's A area (cp.async), the block converts them to BF16 in place (exact) once the stage has
+// landed, and the MMAs run as for BF16; each block column's sum folds into the total with its row's
+// scale (the block columns are the slices). A BF16 group's blocks in the same launch run the BF16
+// arithmetic (their slices folded the same way: the same bits as kFp8 off).
+template <bool kGateUp, bool kSplit, bool kFp8>
+__device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const MoeMmaLists& lists,
+                                               const MoeFp8Maps& maps) {
   constexpr int kTok = kGemmTokens;
   constexpr int NT = kTok / 16;           // 8-column B tiles per warp
   constexpr int kBCopies = kTok / 32;     // B rows a thread copies per stage
@@ -1707,7 +1713,13 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   const int out = kGateUp ? F : a.d, in = kGateUp ? a.d : F;
   const int m0 = blockIdx.y * (kGateUp ? kGemmRows / 2 : kGemmRows);  // first output row
   if (m0 >= out) return;
-  const int n8 = in / 8, chunks = (in + kMmaChunk - 1) / kMmaChunk, per = chunks / ks;
+  // FP8 (block-uniform): this group's maps; a block column spans 2^(shift - 1) chunks of 32 (shift
+  // counts 16-code chunks; 30: one block column).
+  const bool fp8 = kFp8 && (shared ? a.shared_gate_fp8.on() : a.gate_fp8.on());
+  const Fp8ScaleMap& map0 = kGateUp ? (shared ? maps.shared_gate : maps.gate) : (shared ? maps.shared_down : maps.down);
+  const Fp8ScaleMap& map1 = kGateUp ? (shared ? maps.shared_up : maps.up) : map0;
+  const int n8 = in / 8, n16 = in / 16, chunks = (in + kMmaChunk - 1) / kMmaChunk;
+  const int per = fp8 ? (map0.shift >= 30 ? chunks : 1 << (map0.shift - 1)) : chunks / ks;
   const int steps = (chunks + kGemmStageChunks - 1) / kGemmStageChunks;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, c = lane & 3;
   const int wm = warp & 3, wn = warp >> 2;
@@ -1718,20 +1730,32 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   static_assert(kACopies == 4 && kGemmStageChunks == 2, "the A copy map below");
   const int cp_piece = tid & 3, cp_row = tid >> 2;
   const uint4* a_base[2];
-  if constexpr (kGateUp) {
+  const float* a_scales[2] = {nullptr, nullptr};  // FP8: the matrices' scales
+  if (fp8) {
+    if constexpr (kGateUp) {
+      a_base[0] = reinterpret_cast<const uint4*>(shared ? a.shared_gate_fp8.codes : a.gate_fp8.codes[gr.expert]);
+      a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_up_fp8.codes : a.up_fp8.codes[gr.expert]);
+      a_scales[0] = shared ? a.shared_gate_fp8.scales : a.gate_fp8.scales[gr.expert];
+      a_scales[1] = shared ? a.shared_up_fp8.scales : a.up_fp8.scales[gr.expert];
+    } else {
+      a_base[0] = a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_down_fp8.codes : a.down_fp8.codes[gr.expert]);
+      a_scales[0] = a_scales[1] = shared ? a.shared_down_fp8.scales : a.down_fp8.scales[gr.expert];
+    }
+  } else if constexpr (kGateUp) {
     a_base[0] = reinterpret_cast<const uint4*>(shared ? a.shared_gate_w : a.gate_w[gr.expert]);
     a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_up_w : a.up_w[gr.expert]);
   } else {
     a_base[0] = a_base[1] = reinterpret_cast<const uint4*>(shared ? a.shared_down_w : a.down_w[gr.expert]);
   }
-  // This thread's A sources (dead rows: the matrix base, never read: their copies fill zeros).
+  // This thread's A sources (dead rows: the matrix base, never read: their copies fill zeros). FP8:
+  // piece cp_piece of the stage's 4 pieces of 16 codes of the same rows.
   bool a_alive[2];
   const uint4* a_src[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + cp_row + (kGateUp ? 0 : 64 * h);
     a_alive[h] = row < out;
-    a_src[h] = a_base[kGateUp ? h : 0] + (a_alive[h] ? row * n8 + cp_piece : 0);
+    a_src[h] = a_base[kGateUp ? h : 0] + (a_alive[h] ? row * (fp8 ? n16 : n8) + cp_piece : 0);
   }
   // Warp (wm, wn)'s A tiles (first rows in the stage) and B columns.
   const int a_tile0 = kGateUp ? 16 * wm : 32 * wm, a_tile1 = kGateUp ? kGemmRows / 2 + 16 * wm : 32 * wm + 16;
@@ -1778,11 +1802,20 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
       uint4* sa = s_ring + s * (kStageA + kStageB);
       uint4* sb = sa + kStageA;
       const int lim = n8 - kGemmPieces * st - cp_piece;  // chunk c of the stage has this piece iff 4 c < lim
+      if (fp8) {  // [128 stage rows][4 pieces of 16 codes] in the upper half of the A area
+        const bool in16 = 4 * st + cp_piece < n16;
 #pragma unroll
-      for (int i = 0; i < kACopies; ++i) {
-        const int h = i & 1, chunk = i >> 1;
-        const bool v = a_alive[h] && 4 * chunk < lim;
-        CpAsync16(sa + tid + kGemmThreads * i, v ? a_src[h] + kGemmPieces * st + 4 * chunk : a_base[0], v);
+        for (int h = 0; h < 2; ++h) {
+          const bool v = a_alive[h] && in16;
+          CpAsync16(sa + kStageA / 2 + (cp_row + 64 * h) * 4 + cp_piece, v ? a_src[h] + 4 * st : a_base[0], v);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kACopies; ++i) {
+          const int h = i & 1, chunk = i >> 1;
+          const bool v = a_alive[h] && 4 * chunk < lim;
+          CpAsync16(sa + tid + kGemmThreads * i, v ? a_src[h] + kGemmPieces * st + 4 * chunk : a_base[0], v);
+        }
       }
 #pragma unroll
       for (int i = 0; i < kBCopies; ++i) {
@@ -1799,15 +1832,16 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
     // warp multiplies all its NT column tiles: a dead column's B rows are zeros and its sums are
     // never stored, and an MMA's column does not depend on the others (no branch per tile).
     const int live_cols = min(kTok / 2, gr.count - first - col0);
+    constexpr bool kTotal = kSplit || kFp8;
     float acc[2][NT][4];
-    float total[kSplit ? 2 : 1][kSplit ? NT : 1][4];
+    float total[kTotal ? 2 : 1][kTotal ? NT : 1][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
-    int slice_end = per;
+    int slice_end = per, slice = 0;
     for (int st = 0; st < steps; ++st) {
       CpAsyncWait<kGemmStages - 2>();  // stage st has landed (this thread's copies)
       __syncthreads();                 // everyone's, and everyone is done with stage st - 1
@@ -1815,6 +1849,15 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
         const int next = st + kGemmStages - 1;
         if (next < steps) load(next % kGemmStages, next);
         CpAsyncCommit();
+      }
+      if (fp8) {  // the stage's codes -> BF16 over its A area: piece j of a row is chunk j / 2, half j % 2
+        uint4* sa = s_ring + (st % kGemmStages) * (kStageA + kStageB);
+        const uint4 c0 = sa[kStageA / 2 + cp_row * 4 + cp_piece], c1 = sa[kStageA / 2 + (cp_row + 64) * 4 + cp_piece];
+        __syncthreads();  // every code read before any BF16 lands over them
+        const int at = (cp_piece >> 1) * kGemmRows * 4 + 2 * (cp_piece & 1);
+        Fp8x16ToBf16(c0, sa[at + cp_row * 4], sa[at + cp_row * 4 + 1]);
+        Fp8x16ToBf16(c1, sa[at + (cp_row + 64) * 4], sa[at + (cp_row + 64) * 4 + 1]);
+        __syncthreads();
       }
       if (live_cols <= 0) continue;
       const uint4* sa = s_ring + (st % kGemmStages) * (kStageA + kStageB);
@@ -1843,19 +1886,34 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
           MmaChunkHalf<1>(acc[0][j], a00, a01, b[j]);
           MmaChunkHalf<1>(acc[1][j], a10, a11, b[j]);
         }
-        if constexpr (kSplit) {
-          if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
-            const bool first_slice = slice_end == per;
+        if constexpr (kTotal) {
+          // The slice's sum joins the total: p0, then + p1, + p2, ... (BF16); FP8: block column b's
+          // sum times its row's scale, total = p0 s0, then fmaf(p_b, s_b, total) (ops.h 5d).
+          if (q + 1 == slice_end || q + 1 == chunks) {
+            float sv[2][2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
+            if (fp8) {
+#pragma unroll
+              for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const int row = min(m0 + (kGateUp ? 16 * wm : 32 * wm + 16 * m) + gq + 8 * h, out - 1);
+                  const Fp8ScaleMap& mp = m == 0 ? map0 : map1;
+                  sv[m][h] = __ldg(a_scales[m] + static_cast<size_t>(row / mp.block_rows) * mp.cols + slice);
+                }
+            }
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
               for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                  total[m][j][e] = first_slice ? acc[m][j][e] : total[m][j][e] + acc[m][j][e];
+                  const float p = acc[m][j][e], sc = sv[m][e >> 1];
+                  total[m][j][e] = fp8 ? (slice == 0 ? p * sc : fmaf(p, sc, total[m][j][e]))
+                                       : (slice == 0 ? p : total[m][j][e] + p);
                   acc[m][j][e] = 0.0f;
                 }
             slice_end += per;
+            ++slice;
           }
         }
       }
@@ -1868,7 +1926,7 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
     static_assert(static_cast<size_t>(kTok) * kOutStride * 2 <= kGemmSmem, "output tile fits the ring");
     uint16_t* s_out = reinterpret_cast<uint16_t*>(s_ring);
     auto sum = [&](int m, int j, int e) {
-      if constexpr (kSplit) {
+      if constexpr (kTotal) {
         return total[m][j][e];
       } else {
         return acc[m][j][e];
@@ -1905,19 +1963,22 @@ __device__ __forceinline__ void MoeMmaGemmBody(const MoeParams& a, int ks, const
   }
 }
 
-template <bool kSplit>
-__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmGateUpKernel(MoeParams a, int ks, MoeMmaLists lists) {
+template <bool kSplit, bool kFp8>
+__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmGateUpKernel(MoeParams a, int ks, MoeMmaLists lists,
+                                                                         MoeFp8Maps maps) {
   DL_TIMELINE_SCOPE(kMoeGateUp);
-  MoeMmaGemmBody<true, kSplit>(a, ks, lists);
+  MoeMmaGemmBody<true, kSplit, kFp8>(a, ks, lists, maps);
 }
-template <bool kSplit>
-__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmDownKernel(MoeParams a, int ks, MoeMmaLists lists) {
+template <bool kSplit, bool kFp8>
+__global__ void __launch_bounds__(kGemmThreads, 2) MoeMmaGemmDownKernel(MoeParams a, int ks, MoeMmaLists lists,
+                                                                       MoeFp8Maps maps) {
   DL_TIMELINE_SCOPE(kMoeDown);
-  MoeMmaGemmBody<false, kSplit>(a, ks, lists);
+  MoeMmaGemmBody<false, kSplit, kFp8>(a, ks, lists, maps);
 }
 
 // Gate/up then down of the grouped GEMM (the lists already launched), kGemmTokens pairs per block pass.
-inline Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
+// fp8: some expert group is FP8 (maps: the groups' scale maps; ops.h 5d).
+inline Status LaunchMoeMmaGemm(const MoeParams& p, bool fp8, const MoeFp8Maps& maps, cudaStream_t s) {
   const int gu_ks = MoeMmaGateUpSplit(p.d, p.ffn), dn_ks = MoeMmaDownSplit(p.d, p.ffn, p.shared_ffn);
   const int fmax = std::max(p.ffn, p.shared_ffn);
   int passes = 1;
@@ -1928,16 +1989,20 @@ inline Status LaunchMoeMmaGemm(const MoeParams& p, cudaStream_t s) {
   const dim3 gu_grid(passes, (fmax + kGemmRows / 2 - 1) / (kGemmRows / 2), rows_z);
   const dim3 dn_grid(passes, (p.d + kGemmRows - 1) / kGemmRows, rows_z);
   constexpr size_t smem = kGemmSmem;
-  if (gu_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<true>, gu_grid, block, smem, s, p, gu_ks, lists);
+  if (fp8) {
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false, true>, gu_grid, block, smem, s, p, gu_ks, lists, maps);
+  } else if (gu_ks > 1) {
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<true, false>, gu_grid, block, smem, s, p, gu_ks, lists, maps);
   } else {
-    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false>, gu_grid, block, smem, s, p, gu_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmGateUpKernel<false, false>, gu_grid, block, smem, s, p, gu_ks, lists, maps);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_gate_up");
-  if (dn_ks > 1) {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<true>, dn_grid, block, smem, s, p, dn_ks, lists);
+  if (fp8) {
+    LaunchDependentSmem(MoeMmaGemmDownKernel<false, true>, dn_grid, block, smem, s, p, dn_ks, lists, maps);
+  } else if (dn_ks > 1) {
+    LaunchDependentSmem(MoeMmaGemmDownKernel<true, false>, dn_grid, block, smem, s, p, dn_ks, lists, maps);
   } else {
-    LaunchDependentSmem(MoeMmaGemmDownKernel<false>, dn_grid, block, smem, s, p, dn_ks, lists);
+    LaunchDependentSmem(MoeMmaGemmDownKernel<false, false>, dn_grid, block, smem, s, p, dn_ks, lists, maps);
   }
   DL_KERNEL_LAUNCH_CHECK("moe_mma_gemm_down");
   return Status::Ok();
@@ -1950,8 +2015,17 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
   *fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() || p.shared_up_fp8.on() ||
          p.shared_down_fp8.on();
   if (*fp8) DL_RETURN_IF_ERROR(MoeFp8Setup(p, fp8_maps));
-  if (*fp8 && p.mma) {
-    return InvalidArgument("moe: the MMA experts are BF16-only; FP8 experts run on the FP8 kernels (mma off)");
+  if (*fp8 && p.mma) {  // ops.h 5d: every FP8 group's block shape must suit the chunks of 32
+    auto mma_fits = [&](const MoeParams::Fp8Experts& e, int in) {
+      return !e.on() || MmaFp8Supported(e.block_rows, e.block_cols, in);
+    };
+    auto mma_fits_shared = [&](const Fp8Weight& w, int in) { return !w.on() || MmaFp8Supported(w, in); };
+    if (!mma_fits(p.gate_fp8, p.d) || !mma_fits(p.up_fp8, p.d) || !mma_fits(p.down_fp8, p.ffn) ||
+        !mma_fits_shared(p.shared_gate_fp8, p.d) || !mma_fits_shared(p.shared_up_fp8, p.d) ||
+        !mma_fits_shared(p.shared_down_fp8, p.shared_ffn)) {
+      return InvalidArgument("moe: the MMA experts take FP8 blocks whose columns are a power of two >= 32 or the "
+                             "whole row (ops.h 5d)");
+    }
   }
   if (!p.x || !p.router_w || !p.router_bias ||
       (!*fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
@@ -2043,19 +2117,19 @@ Status Moe(const MoeParams& p, Stream stream) {
   const int T = p.num_tokens;
   DL_RETURN_IF_ERROR(dev::LaunchMoeRouter(p, s));
   const int fmax = std::max(p.ffn, p.shared_ffn);
-  if (p.mma && T == 1 && !p.mma_batch1_lists) {  // the experts on the tensor-core product, no lists
+  if (p.mma && T == 1 && !p.mma_batch1_lists && !fp8) {  // the experts on the tensor-core product, no lists
     dev::LaunchMoeMmaDirect(p, s);
     DL_KERNEL_LAUNCH_CHECK("moe_mma_direct");
     return Status::Ok();
   }
-  if (p.mma) {  // every T through the lists, the experts on the tensor-core product
+  if (p.mma) {  // every T through the lists, the experts on the tensor-core product (FP8: batch 1 too)
     if (!p.topk_ids) return InvalidArgument("moe: the MMA experts (mma) need topk_ids");
     if (p.num_experts > dev::kGroupThreads) {
       return InvalidArgument("moe: the MMA experts take at most {} experts", dev::kGroupThreads);
     }
     dev::LaunchMoeGroup(p, s);
     DL_KERNEL_LAUNCH_CHECK("moe_group");
-    DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm(p, s));
+    DL_RETURN_IF_ERROR(dev::LaunchMoeMmaGemm(p, fp8, fp8_maps, s));
     dev::LaunchDependent(dev::MoeCombineKernel, dim3((p.d + 255) / 256, T), dim3(256), s, p);
     DL_KERNEL_LAUNCH_CHECK("moe_combine");
     return Status::Ok();
