@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/dtype.h"
@@ -53,6 +54,16 @@ class SequenceKv {
   // block_table(g)[i] is the page holding positions [i*P, (i+1)*P), or -1 where the window dropped it.
   const std::vector<int32_t>& block_table(KvGroup g) const { return tables_[static_cast<int>(g)]; }
   int32_t pages_held() const;
+  // A sequence of `length` positions with these block tables that holds no page of any KvCache here:
+  // another process's sequence, as a tensor-parallel rank receives it in its step plan
+  // (model/forward_batch_codec.h). Its pages are the owner's; never Commit or Release it.
+  static SequenceKv Mirror(int32_t length, std::vector<int32_t> full_table, std::vector<int32_t> sliding_table) {
+    SequenceKv s;
+    s.length_ = length;
+    s.tables_[0] = std::move(full_table);
+    s.tables_[1] = std::move(sliding_table);
+    return s;
+  }
 
  private:
   friend class KvCache;
