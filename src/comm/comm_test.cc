@@ -145,6 +145,62 @@ TEST(TcpGroup, BroadcastAndAllReduce) {
   }
 }
 
+// Messages of any length both ways; an oversized one is refused unread; a closed peer is named.
+TEST(TcpGroup, MessagesOfAnyLengthAndAClosedPeer) {
+  auto l = Listen("127.0.0.1", 0);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  Status peer_status;
+  std::vector<std::byte> peer_got;
+  std::thread peer([&] {
+    auto g = TcpGroup::Create(1, 2, -1, Endpoint{"127.0.0.1", l->port}, DeadlineIn(10));
+    if (!g.ok()) {
+      peer_status = g.status();
+      return;
+    }
+    auto m = (*g)->ReceiveMessage(0, 1 << 20, DeadlineIn(10));
+    if (!m.ok()) {
+      peer_status = m.status();
+      return;
+    }
+    peer_got = *m;
+    std::vector<std::byte> reply(3, std::byte{7});
+    peer_status = (*g)->SendMessage(0, reply, DeadlineIn(10));
+    if (peer_status.ok()) peer_status = (*g)->SendMessage(0, std::vector<std::byte>(100), DeadlineIn(10));
+    // Then the peer goes away (its group closes the socket).
+  });
+  auto g = TcpGroup::Create(0, 2, l->fd, Endpoint{"127.0.0.1", l->port}, DeadlineIn(10));
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  std::vector<std::byte> big(100000);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::byte>(i * 31);
+  ASSERT_TRUE((*g)->SendMessage(1, big, DeadlineIn(10)).ok());
+  auto reply = (*g)->ReceiveMessage(1, 16, DeadlineIn(10));
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  EXPECT_EQ(*reply, std::vector<std::byte>(3, std::byte{7}));
+  auto oversized = (*g)->ReceiveMessage(1, 16, DeadlineIn(10));
+  ASSERT_FALSE(oversized.ok());
+  EXPECT_NE(oversized.status().message().find("above the limit of 16"), std::string::npos)
+      << oversized.status().message();
+  peer.join();
+  ASSERT_TRUE(peer_status.ok()) << peer_status.ToString();
+  EXPECT_EQ(peer_got, big);
+  EXPECT_FALSE((*g)->SendMessage(2, big, DeadlineIn(1)).ok());  // no rank 2
+}
+
+TEST(TcpGroup, ReceiveMessageNamesAPeerThatClosed) {
+  auto l = Listen("127.0.0.1", 0);
+  ASSERT_TRUE(l.ok());
+  std::thread peer([&] { (void)TcpGroup::Create(1, 2, -1, Endpoint{"127.0.0.1", l->port}, DeadlineIn(10)); });
+  auto g = TcpGroup::Create(0, 2, l->fd, Endpoint{"127.0.0.1", l->port}, DeadlineIn(10));
+  peer.join();  // its group is gone: the connection is closed
+  ASSERT_TRUE(g.ok());
+  auto m = (*g)->ReceiveMessage(1, 16, DeadlineIn(10));
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(m.status().message().find("rank 0 waiting for a message from rank 1: the peer closed the connection"),
+            std::string::npos)
+      << m.status().message();
+}
+
 TEST(TcpGroup, RootTimesOutNamingMissingRank) {
   auto l = Listen("127.0.0.1", 0);
   ASSERT_TRUE(l.ok());

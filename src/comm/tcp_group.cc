@@ -25,7 +25,8 @@ enum Tag : uint32_t {
   kBarrier = 5,
   kWelcome = 6,
   kGatherIn = 7,
-  kGatherOut = 8
+  kGatherOut = 8,
+  kMessage = 9
 };
 
 struct FrameHeader {
@@ -398,6 +399,31 @@ Status TcpGroup::AllGather(const void* local, std::span<const size_t> bytes_per_
   }
   DL_RETURN_IF_ERROR(SendFrame(0, kGatherIn, local, bytes_per_rank[rank_], deadline));
   return RecvFrame(0, kGatherOut, dst, total, deadline);
+}
+
+Status TcpGroup::SendMessage(int peer, std::span<const std::byte> message, Deadline deadline) {
+  if (peer < 0 || peer >= world_size_ || peer == rank_ || (rank_ != 0 && peer != 0)) {
+    return InvalidArgument("rank {} cannot send a message to rank {} (a star: rank 0 and one other)", rank_, peer);
+  }
+  return SendFrame(peer, kMessage, message.data(), message.size(), deadline);
+}
+
+Result<std::vector<std::byte>> TcpGroup::ReceiveMessage(int peer, size_t max_bytes, Deadline deadline) {
+  if (peer < 0 || peer >= world_size_ || peer == rank_ || (rank_ != 0 && peer != 0)) {
+    return InvalidArgument("rank {} cannot receive a message from rank {} (a star: rank 0 and one other)", rank_,
+                           peer);
+  }
+  const int fd = rank_ == 0 ? peers_[peer] : peers_[0];
+  const std::string what = fmt::format("rank {} waiting for a message from rank {}", rank_, peer);
+  FrameHeader h{};
+  DL_RETURN_IF_ERROR(RecvAll(fd, &h, sizeof(h), deadline, what));
+  if (h.magic != kMagic || h.tag != kMessage) {
+    return DataLoss("{}: expected a message, got frame {} (magic {:#x})", what, h.tag, h.magic);
+  }
+  if (h.bytes > max_bytes) return DataLoss("{}: a message of {} bytes, above the limit of {}", what, h.bytes, max_bytes);
+  std::vector<std::byte> message(h.bytes);
+  DL_RETURN_IF_ERROR(RecvAll(fd, message.data(), message.size(), deadline, what));
+  return message;
 }
 
 }  // namespace dl::comm

@@ -50,6 +50,13 @@ class TcpGroup {
   // sent to every rank); rank r contributes bytes_per_rank[r] bytes.
   Status AllGather(const void* local, std::span<const size_t> bytes_per_rank, void* out, Deadline deadline);
 
+  // Point-to-point messages of any length, for a control channel (a tensor-parallel step plan and
+  // its replies): rank 0 to any rank, any other rank to rank 0 only. A message above `max_bytes`
+  // is refused (DataLoss) without reading it; a closed connection is kUnavailable ("the peer closed
+  // the connection"), so the receiver learns at once that its peer is gone.
+  Status SendMessage(int peer, std::span<const std::byte> message, Deadline deadline);
+  Result<std::vector<std::byte>> ReceiveMessage(int peer, size_t max_bytes, Deadline deadline);
+
  private:
   TcpGroup(int rank, int world_size) : rank_(rank), world_size_(world_size) {}
   Status SendFrame(int peer, uint32_t tag, const void* data, size_t bytes, Deadline deadline);
