@@ -27,6 +27,8 @@ void AddInspectCommand(CLI::App& root, CommandContext& ctx);
 void AddKernelsCommand(CLI::App& root, CommandContext& ctx);
 void AddServeCommand(CLI::App& root, CommandContext& ctx);
 void AddLabCommand(CLI::App& root, CommandContext& ctx);
+// Hidden: a child rank of `--tp N --tp-transport processes` (cmd_tp_rank.cc).
+void AddTpRankCommand(CLI::App& root, CommandContext& ctx);
 
 
 }  // namespace dl::app

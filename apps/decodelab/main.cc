@@ -73,11 +73,12 @@ int main(int argc, char** argv) {
   dl::app::AddKernelsCommand(root, ctx);
   dl::app::AddServeCommand(root, ctx);
   dl::app::AddLabCommand(root, ctx);
+  dl::app::AddTpRankCommand(root, ctx);
   // --log-level may follow a subcommand: each passes options it does not know up to its parent.
-  // Not __probe-rank, whose unknown arguments are its own (allow_extras).
+  // Not __probe-rank or __tp-rank, whose unknown arguments are their own (allow_extras).
   std::function<void(CLI::App*)> pass_up = [&](CLI::App* app) {
     for (CLI::App* sub : app->get_subcommands([](CLI::App*) { return true; })) {
-      if (sub->get_name() == "__probe-rank") continue;
+      if (sub->get_name() == "__probe-rank" || sub->get_name() == "__tp-rank") continue;
       sub->fallthrough();
       pass_up(sub);
     }

@@ -39,6 +39,10 @@ class ByteWriter {
     const auto* p = reinterpret_cast<const std::byte*>(v.data());
     bytes_.insert(bytes_.end(), p, p + v.size_bytes());
   }
+  void PutBytes(std::span<const std::byte> b) {
+    Put<uint64_t>(b.size());
+    bytes_.insert(bytes_.end(), b.begin(), b.end());
+  }
   std::vector<std::byte>& bytes() { return bytes_; }
   std::vector<std::byte> Take() { return std::move(bytes_); }
 
@@ -83,6 +87,14 @@ class ByteReader {
     out->resize(n);
     std::memcpy(out->data(), bytes_.data() + pos_, n * sizeof(T));
     pos_ += n * sizeof(T);
+    return Status::Ok();
+  }
+  // A view of the bytes PutBytes wrote (valid while the message is).
+  Status GetBytes(std::span<const std::byte>* out, std::string_view field) {
+    uint64_t n = 0;
+    DL_RETURN_IF_ERROR(GetCount(&n, 1, field));
+    *out = bytes_.subspan(pos_, n);
+    pos_ += n;
     return Status::Ok();
   }
   // Every byte read: trailing bytes mean the two ends disagree on the format.

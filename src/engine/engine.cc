@@ -16,6 +16,7 @@
 #include "backend/cpu_tp_runner.h"
 #include "backend/cuda_runner.h"
 #include "backend/cuda_tp_runner.h"
+#include "engine/tp_rank_process.h"
 #include "model/backend_support.h"
 #include "model/param_count.h"
 #include "model/shapes.h"
@@ -207,6 +208,20 @@ Status CheckShapeWeightsFit(const ModelConfig& cfg, const Fp8Options* fp8, int t
   return Status::Ok();
 }
 
+Result<Checkpoint> LoadHostCheckpoint(const EngineOptions& o) {
+  if (o.model_dir.empty() == o.shape.empty()) {
+    return InvalidArgument("give exactly one of --model DIR or --shape NAME");
+  }
+  if (!o.model_dir.empty()) {
+    if (o.shape_fp8) {
+      return InvalidArgument("FP8 --shape weights apply only with --shape (a checkpoint's tensors say their own dtype)");
+    }
+    return Checkpoint::Open(o.model_dir);
+  }
+  DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
+  return MakeSyntheticCheckpoint(cfg, o.seed, DType::kBF16, o.shape_fp8 ? &*o.shape_fp8 : nullptr);
+}
+
 Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   auto engine = std::make_unique<Engine>();
   if (o.model_dir.empty() == o.shape.empty()) {
@@ -230,6 +245,16 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     engine->backend_choice_reason = "cpu: requested";
   }
+  if (o.tp_transport == "processes") {
+    if (chosen != BackendKind::kCpu) {
+      return InvalidArgument(
+          "--tp-transport processes runs the CPU reference's ranks as processes; the {} backend's ranks are threads "
+          "of one process (ranks as processes with CUDA IPC handles are not built): use --backend cpu, or one of "
+          "its transports (auto, device-oneshot, device-in-process, nccl)",
+          chosen == BackendKind::kCuda ? "cuda" : "chosen");
+    }
+    if (o.tp < 2) return InvalidArgument("--tp-transport processes needs --tp 2 or more (got --tp {})", o.tp);
+  }
   if (chosen == BackendKind::kCpu && !o.skip_ops.empty()) {
     return InvalidArgument("--skip-ops is a CUDA timing experiment; the CPU backend ({}) has no such switch",
                            engine->backend_choice_reason);
@@ -247,10 +272,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   // Weights: a checkpoint directory, or random weights for a shape (generated on the device for
   // CUDA, so large shapes need neither a file nor a host copy).
   if (!o.model_dir.empty()) {
-    if (o.shape_fp8) {
-      return InvalidArgument("FP8 --shape weights apply only with --shape (a checkpoint's tensors say their own dtype)");
-    }
-    DL_ASSIGN_OR_RETURN(Checkpoint ck, Checkpoint::Open(o.model_dir));
+    DL_ASSIGN_OR_RETURN(Checkpoint ck, LoadHostCheckpoint(o));
     engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
   } else {
     DL_ASSIGN_OR_RETURN(ModelConfig cfg, ShapeConfig(o.shape, o.num_layers));
@@ -268,7 +290,7 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
       DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeShapeOnlyCheckpoint(cfg, fp8));
       engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
     } else {
-      DL_ASSIGN_OR_RETURN(Checkpoint ck, MakeSyntheticCheckpoint(cfg, o.seed, DType::kBF16, fp8));
+      DL_ASSIGN_OR_RETURN(Checkpoint ck, LoadHostCheckpoint(o));
       engine->checkpoint = std::make_unique<Checkpoint>(std::move(ck));
     }
   }
@@ -336,11 +358,26 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
                                                         std::move(scales), co));
     engine->runner = std::move(runner);
   } else if (o.tp > 1) {
-    DL_ASSIGN_OR_RETURN(auto runner, CpuTpRunner::Create(*engine->checkpoint, engine->kv->spec(),
-                                                         std::move(scales), o.tp, o.embedding));
+    TpTransport transport = TpTransport::kInProcess;
+    if (o.tp_transport == "processes") {
+      transport = TpTransport::kProcesses;
+    } else if (o.tp_transport != "auto") {
+      return InvalidArgument("--tp-transport {} is a CUDA communicator; the CPU backend takes auto (ranks are threads "
+                             "of this process) or processes (ranks 1..N-1 are child processes)",
+                             o.tp_transport);
+    }
+    TpProcessOptions processes;
+    processes.exe = o.tp_rank_exe;
+    processes.argv_prefix = o.tp_rank_argv_prefix;
+    for (std::string& a : TpRankModelArgs(o)) processes.argv_prefix.push_back(std::move(a));
+    DL_ASSIGN_OR_RETURN(auto runner, CpuTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
+                                                         o.tp, o.embedding, transport, o.tp_timeout_s, processes));
     engine->runner = std::move(runner);
-    engine->backend_choice_reason += fmt::format("; tensor parallel {} (in-process ranks, embedding {})", o.tp,
-                                                 EmbeddingModeName(o.embedding));
+    engine->backend_choice_reason +=
+        fmt::format("; tensor parallel {} ({}, embedding {})", o.tp,
+                    transport == TpTransport::kProcesses ? "ranks 1.. as child processes, collectives over TCP"
+                                                         : "in-process ranks",
+                    EmbeddingModeName(o.embedding));
   } else {
     DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::Create(*engine->checkpoint, engine->kv->spec(),
                                                        std::move(scales)));

@@ -62,7 +62,17 @@ struct EngineOptions {
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
   // CUDA tensor parallelism's communicator: "auto" (NCCL when every rank has its own GPU and NCCL
   // loads, else device-oneshot), "device-oneshot", "device-in-process" (eager forwards) or "nccl".
+  // The CPU reference's ranks: "auto" (threads of this process, in-process collectives) or
+  // "processes" (ranks 1..tp-1 are child processes, collectives over TCP on 127.0.0.1;
+  // backend/tp_process_ranks.h).
   std::string tp_transport = "auto";
+  // "processes": how a child rank is started, this binary re-executed with the hidden subcommand
+  // (engine/tp_rank_process.h appends the model source and the rank's flags). Tests whose own
+  // binary answers the subcommand keep the defaults.
+  std::string tp_rank_exe = "/proc/self/exe";
+  std::vector<std::string> tp_rank_argv_prefix = {"decodelab", "__tp-rank"};
+  // Bounds every wait of one rank for another (a collective, a child's reply).
+  double tp_timeout_s = 600.0;
 };
 
 // A loaded model: checkpoint, KV bookkeeping and a backend runner.
@@ -74,6 +84,11 @@ struct Engine {
   EngineOptions options;
   const ModelConfig& config() const { return checkpoint->config(); }
 };
+
+// The weights as host memory: the checkpoint directory, or a --shape's synthetic weights (seed,
+// layers, FP8 layout), the same bits on every call with the same options (a tensor-parallel rank in
+// another process builds its copy with this).
+Result<Checkpoint> LoadHostCheckpoint(const EngineOptions& options);
 
 // Resolves the backend (auto = CUDA where a GPU is usable, else CPU), chooses KV scales (--kv-scales
 // file, else the checkpoint's k_scale/v_scale, else the built-in calibration) and builds the runner.

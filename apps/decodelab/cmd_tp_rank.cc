@@ -1,0 +1,29 @@
+// The hidden `__tp-rank` subcommand: a child rank of `--tp N --tp-transport processes` on the CPU
+// reference, started by rank 0 (engine/tp_rank_process.h). Hidden from --help; not for people.
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "apps/decodelab/commands.h"
+#include "engine/tp_rank_process.h"
+
+namespace dl::app {
+
+void AddTpRankCommand(CLI::App& root, CommandContext& ctx) {
+  (void)ctx;
+  CLI::App* rank = root.add_subcommand("__tp-rank", "internal: one CPU tensor-parallel rank as a process");
+  rank->group("");
+  rank->prefix_command();
+  rank->allow_extras();
+  rank->callback([rank] {
+    const std::vector<std::string> args = rank->remaining();
+    const Status st = RunTpRankProcess(args);
+    // Its output goes to rank 0's stderr: say which rank speaks.
+    if (!st.ok()) std::fprintf(stderr, "decodelab __tp-rank: error: %s\n", st.message().c_str());
+    std::fflush(nullptr);
+    // _exit, not return: rank 0 must see this rank's own exit code, whatever exit-time destructors do.
+    ::_exit(st.ok() ? 0 : 1);
+  });
+}
+
+}  // namespace dl::app

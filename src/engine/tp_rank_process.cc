@@ -1,0 +1,53 @@
+#include "engine/tp_rank_process.h"
+
+#include <charconv>
+
+#include "backend/tp_process_ranks.h"
+#include "comm/launch_env.h"
+
+namespace dl {
+
+std::vector<std::string> TpRankModelArgs(const EngineOptions& o) {
+  if (!o.model_dir.empty()) return {"--model", o.model_dir};
+  std::vector<std::string> a = {"--shape", o.shape, "--seed", std::to_string(o.seed)};
+  if (o.num_layers) a.insert(a.end(), {"--num-layers", std::to_string(*o.num_layers)});
+  return a;
+}
+
+namespace {
+
+Result<EngineOptions> ParseModelArgs(const std::vector<std::string>& args) {
+  EngineOptions o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& key = args[i];
+    if (i + 1 >= args.size()) return InvalidArgument("__tp-rank: '{}' without a value", key);
+    const std::string& value = args[++i];
+    if (key == "--model") {
+      o.model_dir = value;
+    } else if (key == "--shape") {
+      o.shape = value;
+    } else if (key == "--seed") {
+      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), o.seed);
+      if (ec != std::errc() || end != value.data() + value.size()) {
+        return InvalidArgument("__tp-rank: --seed '{}' is not a whole number", value);
+      }
+    } else if (key == "--num-layers") {
+      DL_ASSIGN_OR_RETURN(long long v, comm::ParseInteger(value, key));
+      o.num_layers = static_cast<int>(v);
+    } else {
+      return InvalidArgument("__tp-rank: unknown flag '{}'", key);
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+Status RunTpRankProcess(const std::vector<std::string>& args) {
+  std::vector<std::string> model_args;
+  DL_ASSIGN_OR_RETURN(TpRankArgs rank, ParseTpRankArgs(args, &model_args));
+  DL_ASSIGN_OR_RETURN(EngineOptions model, ParseModelArgs(model_args));
+  return RunCpuTpRankProcess(rank, [&]() { return LoadHostCheckpoint(model); });
+}
+
+}  // namespace dl

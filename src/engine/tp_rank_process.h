@@ -1,0 +1,27 @@
+// The hidden `__tp-rank` subcommand: one child rank of `--tp N --tp-transport processes` on the CPU
+// reference (backend/tp_process_ranks.h). Rank 0 starts it as
+//   <program> __tp-rank <model source> --tp-rank r --tp-size N --tp-control HOST:PORT --tp-data HOST:PORT
+//                     --tp-timeout-s S
+// where the model source (TpRankModelArgs) makes the child build the very weights rank 0 holds: the
+// same checkpoint directory, or the same --shape, --seed and --num-layers (synthetic weights are a
+// pure function of them). Everything else (KV geometry and scales, embedding mode) comes from rank 0
+// over the control connection.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "engine/engine.h"
+
+namespace dl {
+
+// The model-source flags for a child rank.
+std::vector<std::string> TpRankModelArgs(const EngineOptions& options);
+
+// The subcommand's body: `args` are the flags after "__tp-rank". Ok once rank 0 said stop; an error
+// (printed by the caller, which exits non-zero) when rank 0 went away, a message was bad, or the
+// rank could not be built.
+Status RunTpRankProcess(const std::vector<std::string>& args);
+
+}  // namespace dl
