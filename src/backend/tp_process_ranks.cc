@@ -1,8 +1,13 @@
 #include "backend/tp_process_ranks.h"
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <cstdlib>
 #include <optional>
@@ -118,6 +123,46 @@ bool WaitReaped(comm::ChildProcess& child, double seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return true;
+}
+
+// Rank 0's side of one rendezvous, watching the children meanwhile: TcpGroup::Create accepts on a
+// duplicate of the listener on a helper thread, and a child that ends first shuts the listening
+// socket down, which ends the accept at once (instead of at the deadline). Closes the listener.
+Result<std::unique_ptr<comm::TcpGroup>> RendezvousWatching(int tp, const comm::Listener& listener,
+                                                           const comm::Endpoint& endpoint, comm::Deadline deadline,
+                                                           std::vector<comm::ChildProcess>& children) {
+  const int accept_fd = ::fcntl(listener.fd, F_DUPFD_CLOEXEC, 0);
+  if (accept_fd < 0) {
+    ::close(listener.fd);
+    return Unavailable("duplicating the rendezvous listener: {}", std::strerror(errno));
+  }
+  Result<std::unique_ptr<comm::TcpGroup>> group = Status(StatusCode::kCancelled, "not run");
+  std::atomic<bool> done{false};
+  std::thread acceptor([&] {
+    group = comm::TcpGroup::Create(0, tp, accept_fd, endpoint, deadline);
+    done = true;
+  });
+  std::string ended;
+  while (!done && ended.empty()) {
+    for (int r = 1; r < tp; ++r) {
+      if (children[r].pid() > 0 && children[r].Poll()) {
+        ended += fmt::format("; rank {} (process {}) ended before it joined: {}", r, children[r].pid(),
+                             children[r].exit_info().ToString());
+      }
+    }
+    if (!ended.empty()) {
+      ::shutdown(listener.fd, SHUT_RDWR);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  acceptor.join();
+  ::close(listener.fd);
+  if (!ended.empty()) {
+    return Unavailable("{} (its output is on rank 0's stderr); the rendezvous was cut short: {}", ended.substr(2),
+                       group.ok() ? "the group had formed" : group.status().message());
+  }
+  return group;
 }
 
 }  // namespace
@@ -290,27 +335,19 @@ Result<std::unique_ptr<TpProcessRanks>> TpProcessRanks::Start(const TpProcessOpt
     return st;
   }
   // The children connect first thing (before loading weights), so this wait is short; a child that
-  // died before it connected is named with how it ended.
+  // ends before it connected ends the wait at once, named with how it ended.
   const comm::Deadline deadline = comm::DeadlineIn(kRendezvousSeconds);
-  auto control_group = comm::TcpGroup::Create(0, tp, control_listener.fd, control, deadline);
+  auto control_group = RendezvousWatching(tp, control_listener, control, deadline, p->children_);
   Result<std::unique_ptr<comm::TcpGroup>> data_group = Status(StatusCode::kCancelled, "not started");
   if (control_group.ok()) {
-    data_group = comm::TcpGroup::Create(0, tp, data_listener->fd, data, deadline);
+    data_group = RendezvousWatching(tp, *data_listener, data, deadline, p->children_);
   } else {
     ::close(data_listener->fd);
   }
   if (!control_group.ok() || !data_group.ok()) {
-    Status why = (!control_group.ok() ? control_group.status() : data_group.status())
-                     .WithContext("tensor-parallel ranks as processes: rendezvous");
-    std::string ended;
-    for (int r = 1; r < tp; ++r) {
-      if (p->children_[r].Poll()) {
-        ended += fmt::format("; rank {} ({}) ended: {}", r, p->children_[r].pid(),
-                             p->children_[r].exit_info().ToString());
-      }
-    }
     p->Stop(0);
-    return Status(why.code(), why.message() + ended);
+    return (!control_group.ok() ? control_group.status() : data_group.status())
+        .WithContext("tensor-parallel ranks as processes: rendezvous");
   }
   p->control_ = std::move(control_group).value();
   p->data_ = std::make_unique<comm::TcpCommunicator>(std::move(data_group).value(), timeout_s);
@@ -334,8 +371,7 @@ Status TpProcessRanks::ChildGone(int r, const Status& why, double wait_s) {
   const pid_t pid = child.pid();
   if (!WaitReaped(child, wait_s)) {
     child.KillAndReap();
-    return Status(why.code(), fmt::format("{} (process {} did not end within {} s: killed)", why.message(), pid,
-                                          wait_s));
+    return Status(why.code(), fmt::format("{} (process {} was still running: killed)", why.message(), pid));
   }
   return Status(why.code(), fmt::format("process {} ended ({}): {}", pid, child.exit_info().ToString(),
                                         why.message()));

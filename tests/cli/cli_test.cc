@@ -383,7 +383,9 @@ TEST(CliTest, TensorParallelGenerateAndInspect) {
   const std::string base = "generate --shape tiny --backend cpu --prompt-ids 5,6,7,8,9 --max-tokens 12 --ignore-eos --json";
   const CliRun one = Decodelab(base);
   ASSERT_EQ(one.rc, 0) << one.err;
-  for (const char* extra : {" --tp 2", " --tp 4 --embedding vocab-parallel", " --tp 2 --embedding replicated"}) {
+  // --tp-transport processes: ranks 1..N-1 are this binary re-executed as `__tp-rank` children.
+  for (const char* extra : {" --tp 2", " --tp 4 --embedding vocab-parallel", " --tp 2 --embedding replicated",
+                            " --tp 2 --tp-transport processes", " --tp 4 --embedding vocab-parallel --tp-transport processes"}) {
     const CliRun tp = Decodelab(base + extra);
     ASSERT_EQ(tp.rc, 0) << extra << ": " << tp.err;
     EXPECT_EQ(tokens(tp), tokens(one)) << extra;
@@ -402,6 +404,24 @@ TEST(CliTest, TensorParallelGenerateAndInspect) {
     EXPECT_NE(cuda.err.find("tensor parallel 2"), std::string::npos) << cuda.err;
   }
   EXPECT_EQ(Decodelab(base + " --embedding sideways").rc, 2);
+  const CliRun processes = Decodelab(base + " --tp 2 --tp-transport processes");
+  EXPECT_NE(processes.out.find("\"transport\":\"processes\""), std::string::npos) << processes.out;
+  EXPECT_EQ(Decodelab(base + " --tp 2 --tp-transport carrier-pigeon").rc, 2);
+  const CliRun one_rank = Decodelab(base + " --tp-transport processes");
+  EXPECT_EQ(one_rank.rc, 2);
+  EXPECT_NE(one_rank.err.find("needs --tp 2 or more"), std::string::npos) << one_rank.err;
+  const CliRun cuda_processes =
+      Decodelab("generate --shape tiny --backend cuda --tp 2 --tp-transport processes --prompt-ids 5,6 --max-tokens 2");
+  EXPECT_NE(cuda_processes.rc, 0);
+  EXPECT_TRUE(cuda_processes.err.find("no usable GPU") != std::string::npos ||
+              cuda_processes.err.find("CUDA IPC handles are not built") != std::string::npos)
+      << cuda_processes.err;
+  EXPECT_NE(Decodelab("generate --help").out.find("processes"), std::string::npos);
+  // The hidden rank subcommand is not for people: absent from --help, and refuses to run by hand.
+  EXPECT_EQ(Decodelab("--help").out.find("__tp-rank"), std::string::npos);
+  const CliRun by_hand = Decodelab("__tp-rank --model x");
+  EXPECT_EQ(by_hand.rc, 1);
+  EXPECT_NE(by_hand.err.find("started by rank 0"), std::string::npos) << by_hand.err;
   // The per-rank shapes of S 2.1 at TP=4, without a GPU or weights.
   const CliRun inspect = Decodelab("inspect --shape s21 --tp 4");
   ASSERT_EQ(inspect.rc, 0) << inspect.err;
