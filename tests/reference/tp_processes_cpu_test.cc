@@ -259,6 +259,37 @@ TEST(TpProcessesCpuTest, DestroyingTheRunnerStopsAndReapsEveryChild) {
   ExpectGone(pids);
 }
 
+// A plan the child cannot read (here: not a plan at all) is refused by the child, which says why to
+// rank 0 and leaves; nothing is run on a half-read plan.
+TEST(TpProcessesCpuTest, AChildRefusesACorruptPlanAndSaysWhy) {
+  // The model and cache geometry of a one-rank engine: what rank 0 would send.
+  auto one = LoadGolden(GoldenDir("tiny"), 1, EmbeddingMode::kReplicated, "auto");
+  ASSERT_TRUE(one);
+  const ModelConfig* c = &one->config();
+  const KvCache* kv = one->kv.get();
+  TpProcessOptions options;
+  options.argv_prefix = {"tp_processes_cpu_test", "__tp-rank", "--model", GoldenDir("tiny").string()};
+  TpRankSetup setup{.tp_size = 2,
+                    .embedding = EmbeddingMode::kReplicated,
+                    .kv = kv->spec(),
+                    .num_layers = c->num_hidden_layers,
+                    .hidden_size = c->hidden_size,
+                    .vocab_size = c->vocab_size};
+  auto ranks = TpProcessRanks::Start(options, setup, 30);
+  ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
+  ASSERT_TRUE((*ranks)->WaitReady().ok());
+  const std::vector<pid_t> pids = {(*ranks)->pid(1)};
+  const std::vector<std::byte> garbage(40, std::byte{0x5a});
+  std::vector<Status> statuses = (*ranks)->SendStep(garbage);
+  ASSERT_TRUE(statuses[1].ok()) << statuses[1].ToString();
+  (*ranks)->CollectReplies(false, &statuses);
+  ASSERT_FALSE(statuses[1].ok());
+  EXPECT_EQ(statuses[1].code(), StatusCode::kDataLoss) << statuses[1].ToString();
+  ExpectContains(statuses[1].message(), "rank 1: step plan: bad magic");
+  ranks->reset();
+  ExpectGone(pids);
+}
+
 TEST(TpProcessesCpuTest, RequestErrorsAreRefusedOnRankZeroWithoutEndingTheGroup) {
   auto engine = LoadGolden(GoldenDir("tiny"), 2, EmbeddingMode::kReplicated, "processes");
   ASSERT_TRUE(engine);
