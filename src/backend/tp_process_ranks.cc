@@ -378,6 +378,7 @@ Status TpProcessRanks::ChildGone(int r, const Status& why, double wait_s) {
 }
 
 Status TpProcessRanks::WaitReady() {
+  if (stopped_) return FailedPrecondition("the tensor-parallel group was stopped");
   std::vector<Status> statuses(children_.size());
   for (int r = 1; r < tp_size(); ++r) {
     auto m = control_->ReceiveMessage(r, kMaxControlBytes, comm::DeadlineIn(timeout_s_));
@@ -404,6 +405,11 @@ Status TpProcessRanks::WaitReady() {
 std::vector<Status> TpProcessRanks::SendStep(std::span<const std::byte> plan) {
   std::vector<Status> statuses(children_.size());
   for (int r = 1; r < tp_size(); ++r) {
+    if (stopped_) {
+      statuses[r] = FailedPrecondition("the tensor-parallel group was stopped");
+      sent_[r] = false;
+      continue;
+    }
     const Status injected = TakeInjected(r);
     statuses[r] = control_->SendMessage(r, EncodeControl(ControlKind::kStep, injected, plan),
                                         comm::DeadlineIn(timeout_s_));
@@ -418,7 +424,7 @@ void TpProcessRanks::CollectReplies(bool rank0_failed, std::vector<Status>* stat
   for (int r = 1; r < tp_size(); ++r) {
     Status& st = (*statuses)[r];
     if (!sent_[r]) {
-      st = ChildGone(r, st, 5.0);
+      if (!stopped_) st = ChildGone(r, st, 5.0);
       continue;
     }
     sent_[r] = false;
@@ -464,7 +470,9 @@ void TpProcessRanks::Stop(double grace_s) {
     child.KillGroup();  // anything the child started that outlived it
   }
   // The sockets last: a child that was still running saw its stop message, not a closed connection.
-  data_.reset();
+  // Rank 0's communicator object stays (its CpuRunner points to it) but is aborted: any later
+  // collective fails at once.
+  if (data_) data_->Abort(Status(StatusCode::kCancelled, "the tensor-parallel group was stopped"));
   control_.reset();
 }
 
