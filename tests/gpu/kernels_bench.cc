@@ -267,11 +267,13 @@ int main(int argc, char** argv) {
           }
         }
       }
-      // Prompt rows: the tensor-core product with FP8 weights (ops.h 5d) beside the BF16 one and the
+      // Prompt rows: the tensor-core product with FP8 weights (ops.h 5d) beside what BF16 prompt rows
+      // run (the library GEMM, where cuBLASLt loads; else the BF16 tensor-core product) and the
       // CUDA-core FP8 rule.
+      const bool library = LibraryGemmAvailable().ok();
       for (int T : {64, 512, 2048}) {
-        for (const char* kernel : {"bf16 mma", "fp8 mma", "fp8 cuda cores"}) {
-          const bool fp8 = kernel[0] == 'f', mma = kernel[4] == 'm';
+        for (const std::string kernel : {library ? "bf16 library" : "bf16 mma", "fp8 mma", "fp8 cuda cores"}) {
+          const bool fp8 = kernel[0] == 'f', mma = kernel.find("mma") != std::string::npos;
           if (fp8 && !mma && T > 512) continue;  // slow; T 512 says enough
           const double ms = TimeMs([&](int i) {
             GemvParams p;
@@ -282,6 +284,7 @@ int main(int argc, char** argv) {
             }
             p.x = xb.as<bf16>(), p.y = yb.as<bf16>(), p.out = out, p.in = in, p.num_tokens = T;
             p.mma = mma;
+            p.library_gemm = kernel == "bf16 library";
             p.batch_rows = 4;
             CHECK_OK(Gemv(p, g_stream));
           }, 20);

@@ -82,7 +82,9 @@ if [ "$BENCH" = 1 ]; then
   # The XS.2 shape end to end, BF16 and FP8 (all-linear) weights generated on the device, when this
   # binary's bench takes the shape-only FP8 layout (helper fp8's flags; FP8_BENCH_FLAGS overrides).
   FP8_FLAGS=${FP8_BENCH_FLAGS:---shape-dtype fp8 --fp8-layout all-linear}
-  if $B bench --help 2>&1 | grep -q -- "${FP8_FLAGS%% *}"; then
+  # (help captured first: grep -q closing the pipe early fails the pipeline under pipefail)
+  bench_help=$($B bench --help 2>&1)
+  if grep -q -- "${FP8_FLAGS%% *}" <<< "$bench_help"; then
     for wd in bf16 fp8; do
       extra=(); [ "$wd" = fp8 ] && read -r -a extra <<< "$FP8_FLAGS"
       timeout 300 $B bench --shape xs2 "${extra[@]}" --prompt-len 1024 --gen-len 1024 --repeat 1 --kv-dtype fp8 \
