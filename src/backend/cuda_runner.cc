@@ -480,9 +480,9 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       // Prompt rows (a class of their own) on the library GEMM where Tuning::prompt_gemm asks for it
       // and the layer's rows are 16-byte aligned (a property of its shapes, never of the batch).
       p.library_gemm = !fp8 && prompt_gemm(run) && kernels::LibraryGemmFits(p);
-      p.streaming.on = !p.mma && rows == 1 && tu.stream_gemv &&
-                       (fp8 ? kernels::GemvFp8StreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb)
-                            : kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb));
+      // Streaming is BF16's batch-1 kernel; FP8 weights take the plain kernel (ops.h 5).
+      p.streaming.on = !p.mma && !fp8 && rows == 1 && tu.stream_gemv &&
+                       kernels::GemvStreamSupported(p.out, p.in, tu.stream_ring_kb, tu.stream_stage_kb);
       p.batch_rows = tu.batch_gemv_rows > 0 ? tu.batch_gemv_rows : (run.count <= 8 ? 2 : 4);
       p.batch_tokens = tu.batch_gemv_tokens;
       p.release_after_wait = (qkvg && tu.late(LateRelease::kQkvg)) || (o_proj && tu.late(LateRelease::kOProj));

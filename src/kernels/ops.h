@@ -119,7 +119,7 @@ Status QkNormRopeAppend(const QkNormRopeAppendParams& p, Stream stream);
 // channel). block_cols must be a power of two that is a multiple of 16, or >= cols (one block
 // column), so a 16-byte chunk of codes never straddles two scale columns.
 //
-// THE FP8 RULE, shared by every FP8 path at every T (batch-1 streaming and plain, fused norm, batched
+// THE FP8 RULE, shared by every FP8 path at every T (batch-1 plain, fused norm, batched
 // T > 1, the MoE's batch-1 and grouped kernels), so batch 1 == batched == grouped bit for bit: a
 // lane's 16-byte chunk c of a row holds the 16 codes of elements 16c .. 16c + 15; with
 // s = scale[row / block_rows, 16c / block_cols] and v_e = float(code_e) (the code's value, exact), per
@@ -146,8 +146,6 @@ struct Fp8Weight {
 };
 // k_split of an FP8 weight [out, in]: GemvKSplitFor over in / 16 chunks of 16 bytes.
 int GemvFp8KSplitFor(int out, int in);
-// Whether GemvParams::streaming applies to an FP8 weight [out, in] with this ring.
-bool GemvFp8StreamSupported(int out, int in, int ring_kb = 128, int stage_kb = 32);
 
 // ---- 5. GEMV / small-T GEMM ------------------------------------------------------------------------
 // y[t, o] = bf16( sum_i W[o, i] * x[t, i] ), FP32 accumulation in a FIXED order per output element that
@@ -189,8 +187,9 @@ struct GemvParams {
   int batch_tokens = 8;
   bool release_after_wait = false;  // PDL release point (Tuning::late_release)
   // Set (codes != nullptr, w == nullptr): the weight is FP8 (the FP8 rule above; in % 16 == 0). Every
-  // path and option above applies unchanged (k_split 0 = GemvFp8KSplitFor; streaming needs
-  // GemvFp8StreamSupported).
+  // path and option above applies unchanged (k_split 0 = GemvFp8KSplitFor) except streaming: FP8
+  // weights have no streaming kernel (it lost to the plain kernel at batch 1, docs/performance.md
+  // session 17), so streaming.on must be off.
   Fp8Weight w_fp8;
   // on: the tensor-core product (section 5b below) instead of the CUDA-core kernels above; k_split
   // then means the MMA product's split (0 = MmaKSplitFor). Other bits than off (another summation

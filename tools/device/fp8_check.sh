@@ -44,33 +44,28 @@ dl_summary "cuda_runner_test (FP8 weights, BF16 goldens and invariances)" "$OUT/
 echo "tests: $(( $(date +%s) - t0 )) s"
 grep -E "^\[(fp8-golden|prompt-fp8-mma)\]" "$OUT/cuda_runner_test.log"
 fi
+# sanitize TOOL TIMEOUT LOG_NAME LABEL FILTER: one compute-sanitizer run over kernels_fp8_gpu_test's FILTER,
+# its summary line and its distinct error kinds.
+sanitize() {
+  local tool=$1 limit=$2 log="$OUT/sanitizer_$3.log" label=$4 filter=$5
+  timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
+    --gtest_filter="$filter" > "$log" 2>&1
+  echo "compute-sanitizer $tool ($label) rc=$?: $(tail -1 "$log")"
+  grep -E "^=+ (Invalid|Race|Error|ERROR)" "$log" | sort | uniq -c | head -10
+}
 if [ "$SAN" = 1 ]; then
   # memcheck over every FP8 kernel (the XS.2-width MoE cases make the second run the long one); racecheck
-  # over the fill and the grouped MoE's shared-memory staging on small layers (the TMA-ring kernels'
-  # bulk copies are async-proxy writes racecheck does not follow).
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
-    --gtest_filter='Fp8GemvGpu.StreamMatchesPlainBitForBit:Fp8GemvGpu.FusedInputNormMatchesSeparateKernels:Fp8GemvGpu.Refuses*:Fp8MoeGpu.Refuses*:Fp8FillGpu.*' \
-    > "$OUT/sanitizer_memcheck_gemv.log" 2>&1
-  echo "compute-sanitizer memcheck (GEMV stream/fused, fill) rc=$?: $(tail -1 "$OUT/sanitizer_memcheck_gemv.log")"
-  grep -E "^=+ (Invalid|Error|ERROR)" "$OUT/sanitizer_memcheck_gemv.log" | sort | uniq -c | head -10
-  timeout 360 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
-    --gtest_filter='Fp8GemvGpu.MatchesReferenceAndIsBatchInvariant:Fp8MoeGpu.MatchesReference:Fp8MoeGpu.GroupedPath*' \
-    > "$OUT/sanitizer_memcheck_moe.log" 2>&1
-  echo "compute-sanitizer memcheck (batched GEMV, MoE batch 1 and grouped) rc=$?: $(tail -1 "$OUT/sanitizer_memcheck_moe.log")"
-  grep -E "^=+ (Invalid|Error|ERROR)" "$OUT/sanitizer_memcheck_moe.log" | sort | uniq -c | head -10
-  timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
-    --gtest_filter='Fp8FillGpu.*:Fp8MoeGpu.GroupedPathMatchesEveryTokenAloneAndTheReference' > "$OUT/sanitizer_racecheck.log" 2>&1
-  echo "compute-sanitizer racecheck (fill, grouped MoE, small layers) rc=$?: $(tail -1 "$OUT/sanitizer_racecheck.log")"
-  grep -E "^=+ (Race|Error|ERROR)" "$OUT/sanitizer_racecheck.log" | sort | uniq -c | head -10
+  # over the fill and the grouped MoE's shared-memory staging on small layers.
+  sanitize memcheck 240 memcheck_gemv "GEMV fused norm, fill" \
+    'Fp8GemvGpu.FusedInputNormMatchesSeparateKernels:Fp8GemvGpu.Refuses*:Fp8MoeGpu.Refuses*:Fp8FillGpu.*'
+  sanitize memcheck 360 memcheck_moe "batched GEMV, MoE batch 1 and grouped" \
+    'Fp8GemvGpu.MatchesReferenceAndIsBatchInvariant:Fp8MoeGpu.MatchesReference:Fp8MoeGpu.GroupedPath*'
+  sanitize racecheck 240 racecheck "fill, grouped MoE, small layers" \
+    'Fp8FillGpu.*:Fp8MoeGpu.GroupedPathMatchesEveryTokenAloneAndTheReference'
   # The tensor-core product with FP8 weights (ops.h 5d): dense and experts, in-place code conversion.
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
-    --gtest_filter='Fp8MmaProductGpu.*' > "$OUT/sanitizer_memcheck_mma.log" 2>&1
-  echo "compute-sanitizer memcheck (FP8 MMA product) rc=$?: $(tail -1 "$OUT/sanitizer_memcheck_mma.log")"
-  grep -E "^=+ (Invalid|Error|ERROR)" "$OUT/sanitizer_memcheck_mma.log" | sort | uniq -c | head -10
-  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 ./build/tests/gpu/kernels_fp8_gpu_test \
-    --gtest_filter='Fp8MmaProductGpu.Refuses*:Fp8MoeGpu.MmaExperts*' > "$OUT/sanitizer_racecheck_mma.log" 2>&1
-  echo "compute-sanitizer racecheck (FP8 MMA experts) rc=$?: $(tail -1 "$OUT/sanitizer_racecheck_mma.log")"
-  grep -E "^=+ (Race|Error|ERROR)" "$OUT/sanitizer_racecheck_mma.log" | sort | uniq -c | head -10
+  sanitize memcheck 300 memcheck_mma "FP8 MMA product" 'Fp8MmaProductGpu.*:Fp8MoeGpu.MmaExperts*'
+  sanitize racecheck 300 racecheck_mma "FP8 MMA experts, small layers" \
+    'Fp8MmaProductGpu.Refuses*:Fp8MoeGpu.MmaExpertsMatchEveryTokenAloneAndTheReference'
   echo "sanitizer: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$BENCH" = 1 ]; then

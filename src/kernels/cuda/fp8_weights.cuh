@@ -65,36 +65,6 @@ __device__ __forceinline__ void Fp8ChunkFma(const float (&v)[16], float s, const
   for (int e = 0; e < 8; ++e) p = fmaf(v[8 + e], xf[e], p);
   acc = fmaf(p, s, acc);
 }
-// A consumer lane's part of the dot of an FP8 row and x, both in shared memory (the FP8 twin of
-// LaneDotShared): chunks c = begin + lane, + 32, ... below end, in that order; scale_row: the row's
-// scales (global memory: four chunks' scales and codes are loaded before any is used).
-__device__ __forceinline__ float Fp8LaneDotShared(const uint4* w_row, const uint4* x, const float* scale_row,
-                                                  int shift, int begin, int end, int lane) {
-  constexpr int U = 4;
-  float acc = 0.0f;
-  for (int c0 = begin + lane; c0 < end; c0 += 32 * U) {
-    uint4 wv[U];
-    float sv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < end) {
-        wv[u] = w_row[c];
-        sv[u] = __ldg(scale_row + (c >> shift));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c >= end) break;
-      float v[16];
-      Fp8ChunkValues(wv[u], v);
-      Fp8ChunkFma(v, sv[u], x[2 * c], x[2 * c + 1], acc);
-    }
-  }
-  return acc;
-}
-
 // Host: checks an FP8 operand [rows, in] for the kernels (16-byte aligned codes, in % 16, scales, block
 // shape) and makes its scale map.
 inline Status CheckFp8Weight(const Fp8Weight& w, int in, const char* op, Fp8ScaleMap* m) {

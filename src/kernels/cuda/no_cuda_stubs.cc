@@ -20,7 +20,6 @@ Status LibraryGemmAvailable() { return NoCuda("the library GEMM"); }
 Result<std::string> DescribeLibraryGemm(int, int) { return NoCuda("the library GEMM"); }
 std::vector<std::string> LibraryGemmAlgorithmsInUse() { return {}; }
 bool GemvStreamSupported(int, int, int, int) { return false; }
-bool GemvFp8StreamSupported(int, int, int, int) { return false; }
 size_t MoeWorkspaceBytes(int, int, int, int, int, int) { return 0; }
 void SetDependentLaunch(bool) {}
 bool DependentLaunchEnabled() { return false; }
