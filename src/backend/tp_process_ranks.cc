@@ -63,13 +63,7 @@ Status GetStatus(ByteReader& r, Status* out) {
 }
 
 Status GetHeader(ByteReader& r, uint32_t magic, uint8_t* kind) {
-  uint32_t m = 0, version = 0;
-  DL_RETURN_IF_ERROR(r.Get(&m, "magic"));
-  if (m != magic) return DataLoss("{}: bad magic {:#x}", r.what(), m);
-  DL_RETURN_IF_ERROR(r.Get(&version, "version"));
-  if (version != kControlVersion) {
-    return DataLoss("{}: version {}, this build reads version {}", r.what(), version, kControlVersion);
-  }
+  DL_RETURN_IF_ERROR(r.GetHeader(magic, kControlVersion));
   return r.Get(kind, "kind");
 }
 
@@ -245,13 +239,7 @@ std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s) {
 
 Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes) {
   ByteReader r(bytes, "tensor-parallel rank setup");
-  uint32_t magic = 0, version = 0;
-  DL_RETURN_IF_ERROR(r.Get(&magic, "magic"));
-  if (magic != kSetupMagic) return DataLoss("tensor-parallel rank setup: bad magic {:#x}", magic);
-  DL_RETURN_IF_ERROR(r.Get(&version, "version"));
-  if (version != kControlVersion) {
-    return DataLoss("tensor-parallel rank setup: version {}, this build reads version {}", version, kControlVersion);
-  }
+  DL_RETURN_IF_ERROR(r.GetHeader(kSetupMagic, kControlVersion));
   TpRankSetup s;
   uint8_t embedding = 0, dtype = 0;
   DL_RETURN_IF_ERROR(r.Get(&s.tp_size, "tp size"));

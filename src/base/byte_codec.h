@@ -63,6 +63,15 @@ class ByteReader {
     pos_ += sizeof(T);
     return Status::Ok();
   }
+  // A message's header: its magic (what kind of message) and its format version, both as expected.
+  Status GetHeader(uint32_t magic, uint32_t version) {
+    uint32_t m = 0, v = 0;
+    DL_RETURN_IF_ERROR(Get(&m, "magic"));
+    if (m != magic) return DataLoss("{}: bad magic {:#x} (not a {})", what_, m, what_);
+    DL_RETURN_IF_ERROR(Get(&v, "version"));
+    if (v != version) return DataLoss("{}: version {}, this build reads version {}", what_, v, version);
+    return Status::Ok();
+  }
   // A count of elements of `element_bytes` each that must fit in what is left.
   Status GetCount(uint64_t* count, size_t element_bytes, std::string_view field) {
     DL_RETURN_IF_ERROR(Get(count, field));

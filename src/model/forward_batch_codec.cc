@@ -58,13 +58,7 @@ std::vector<std::byte> EncodeForwardBatch(const ForwardBatch& b) {
 
 Result<DecodedForwardBatch> DecodeForwardBatch(std::span<const std::byte> bytes) {
   ByteReader r(bytes, "step plan");
-  uint32_t magic = 0, version = 0;
-  DL_RETURN_IF_ERROR(r.Get(&magic, "magic"));
-  if (magic != kForwardBatchMagic) return DataLoss("step plan: bad magic {:#x} (not a step plan)", magic);
-  DL_RETURN_IF_ERROR(r.Get(&version, "version"));
-  if (version != kForwardBatchVersion) {
-    return DataLoss("step plan: version {}, this build reads version {}", version, kForwardBatchVersion);
-  }
+  DL_RETURN_IF_ERROR(r.GetHeader(kForwardBatchMagic, kForwardBatchVersion));
   DecodedForwardBatch d;
   ForwardBatch& b = d.batch;
   uint8_t mode = 0;

@@ -76,6 +76,19 @@ inline std::unique_ptr<Engine> LoadGoldenModel(const fs::path& dir, BackendKind 
   return e.ok() ? std::move(e).value() : nullptr;
 }
 
+// The CPU reference at --tp `tp` with the goldens' KV settings (F32 KV, page 16, 256 positions): the
+// options the tensor-parallel CPU tests load with (model_dir or shape still to set).
+inline EngineOptions CpuTpOptions(int tp, EmbeddingMode embedding) {
+  EngineOptions o;
+  o.backend = BackendKind::kCpu;
+  o.kv_dtype = DType::kF32;
+  o.page_size = 16;
+  o.max_seq_len = 256;
+  o.tp = tp;
+  o.embedding = embedding;
+  return o;
+}
+
 // ||a - b|| / ||b||.
 inline double RelL2(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

@@ -36,6 +36,15 @@ std::unique_ptr<Engine> LoadDir(const fs::path& dir, DType kv, int32_t page, boo
   return LoadGoldenModel(dir, BackendKind::kCuda, kv, page, allow_fallback);
 }
 
+// Greedy decoding of a golden prompt teacher-forced along the golden's tokens.
+Result<GenerateResult> TeacherForced(Engine& engine, const GoldenPrompt& gp) {
+  GenerateOptions g;
+  g.max_tokens = static_cast<int32_t>(gp.tokens.size());
+  g.ignore_eos = true;
+  g.forced_tokens = gp.tokens;
+  return GenerateGreedy(engine, gp.prompt, g);
+}
+
 // The prompts as one mixed greedy/sampled batch (MixedSamplingRequests, 20 tokens each) through a
 // scheduler (prefill chunks of 64, 128 rows per step) whose drafter proposes k tokens (nullptr, 0:
 // plain decoding): (token, logprob) of every event, per request.
@@ -87,11 +96,7 @@ TEST(CudaRunnerTest, TeacherForcedAgainstTransformersBf16) {
       const auto& tokens = gp.tokens;
       const auto& margins = gp.margins;
       const auto& gaps = gp.router_gaps;
-      GenerateOptions g;
-      g.max_tokens = static_cast<int32_t>(tokens.size());
-      g.ignore_eos = true;
-      g.forced_tokens = tokens;
-      auto r = GenerateGreedy(*engine, prompt, g);
+      auto r = TeacherForced(*engine, gp);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       int checked = 0, agreed = 0;
       std::string mismatches;
@@ -146,11 +151,7 @@ TEST(CudaRunnerTest, TeacherForcedStrictWithoutRoutingNearTies) {
     for (float v : gp.last_logits) top = std::max(top, static_cast<double>(v));
     ASSERT_GE(top, 8.0) << "the premise: top logits in [8, 16)";
     ASSERT_LT(top, 16.0) << "the premise: top logits in [8, 16)";
-    GenerateOptions g;
-    g.max_tokens = static_cast<int32_t>(gp.tokens.size());
-    g.ignore_eos = true;
-    g.forced_tokens = gp.tokens;
-    auto r = GenerateGreedy(*engine, gp.prompt, g);
+    auto r = TeacherForced(*engine, gp);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     int checked = 0, one_step = 0, one_step_agreed = 0;
     for (size_t s = 0; s < gp.tokens.size(); ++s) {
@@ -192,11 +193,7 @@ TEST(CudaRunnerTest, TeacherForcedAgainstTransformersFp8) {
     auto engine = LoadGoldenModel(dir, BackendKind::kCuda, DType::kBF16, 16, /*allow_fallback=*/false, tu);
     ASSERT_TRUE(engine);
     for (const GoldenPrompt& gp : goldens) {
-      GenerateOptions g;
-      g.max_tokens = static_cast<int32_t>(gp.tokens.size());
-      g.ignore_eos = true;
-      g.forced_tokens = gp.tokens;
-      auto r = GenerateGreedy(*engine, gp.prompt, g);
+      auto r = TeacherForced(*engine, gp);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       int checked = 0, agreed = 0;
       for (size_t s = 0; s < gp.tokens.size(); ++s) {

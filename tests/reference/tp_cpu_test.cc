@@ -20,14 +20,8 @@ namespace {
 using namespace testing_golden;
 
 std::unique_ptr<Engine> LoadTp(const fs::path& dir, int tp, EmbeddingMode embedding) {
-  EngineOptions o;
+  EngineOptions o = CpuTpOptions(tp, embedding);
   o.model_dir = dir.string();
-  o.backend = BackendKind::kCpu;
-  o.kv_dtype = DType::kF32;
-  o.page_size = 16;
-  o.max_seq_len = 256;
-  o.tp = tp;
-  o.embedding = embedding;
   auto e = LoadEngine(o);
   EXPECT_TRUE(e.ok()) << e.status().ToString();
   return e.ok() ? std::move(e).value() : nullptr;

@@ -27,13 +27,7 @@ using namespace testing_golden;
 using Clock = std::chrono::steady_clock;
 
 EngineOptions Options(int tp, EmbeddingMode embedding, const std::string& transport) {
-  EngineOptions o;
-  o.backend = BackendKind::kCpu;
-  o.kv_dtype = DType::kF32;
-  o.page_size = 16;
-  o.max_seq_len = 256;
-  o.tp = tp;
-  o.embedding = embedding;
+  EngineOptions o = CpuTpOptions(tp, embedding);
   o.tp_transport = transport;
   o.tp_rank_argv_prefix = {"tp_processes_cpu_test", "__tp-rank"};
   o.tp_timeout_s = 60;

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
   const int per = kFp8 ? fs.chunks_per_block : chunks / KS;
   int slice_end = per;
-  int block_col = 0;  // FP8: the block column whose chunks acc sums
+  int slice = 0;  // the slice (FP8: the block column) whose chunks acc sums
   for (int st = 0; st < steps; ++st) {
     CpAsyncWait<kTileStages - 2>();  // stage st has landed (this thread's copies)
     __syncthreads();                 // everyone's copies, and everyone is done with stage (st - 1) % S
@@ -217,36 +217,28 @@ __global__ void __launch_bounds__(kTileThreads, 1) MmaTiledKernel(GemvParams a, 
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) MmaChunk(acc[mt][nt], af[mt][0], af[mt][1], bf[nt]);
-      if constexpr (kFp8) {
-        if (q + 1 == slice_end || q + 1 == chunks) {  // block column b's sum joins the total with its scale
-          float sv[4][2];
-          row_scales(block_col, sv);
-          const bool first = block_col == 0;
+      if constexpr (kTotal) {
+        // The slice's sum joins the total: p0, then + p1, + p2, ... (KS > 1); FP8: block column b's
+        // sum times its row's scale, total = p0 s0, then fmaf(p_b, s_b, total) (ops.h 5d).
+        if (q + 1 == slice_end || (kFp8 && q + 1 == chunks)) {
+          float sv[4][2] = {};
+          if constexpr (kFp8) row_scales(slice, sv);
+          const bool first = slice == 0;
 #pragma unroll
           for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const float sc = sv[mt][e >> 1];
-                total[mt][nt][e] = first ? acc[mt][nt][e] * sc : fmaf(acc[mt][nt][e], sc, total[mt][nt][e]);
+                const float p = acc[mt][nt][e];
+                if constexpr (kFp8) {
+                  total[mt][nt][e] = first ? p * sv[mt][e >> 1] : fmaf(p, sv[mt][e >> 1], total[mt][nt][e]);
+                } else {
+                  total[mt][nt][e] = first ? p : total[mt][nt][e] + p;
+                }
                 acc[mt][nt][e] = 0.0f;
               }
-          slice_end += per;
-          ++block_col;
-        }
-      } else if constexpr (KS > 1) {
-        if (q + 1 == slice_end) {  // the slice's sum joins the total: p0, then + p1, + p2, ...
-          const bool first = slice_end == per;
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                total[mt][nt][e] = first ? acc[mt][nt][e] : total[mt][nt][e] + acc[mt][nt][e];
-                acc[mt][nt][e] = 0.0f;
-              }
+          ++slice;
           slice_end += per;
         }
       }
