@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "base/dtype.h"
+#include "comm/communicator.h"
 #include "comm/nccl_api.h"
 #include "comm/rank_barrier.h"
 
@@ -23,6 +24,15 @@ namespace dl::comm {
 
 size_t DeviceElemBytes(DeviceElem e) { return e == DeviceElem::kF32 ? 4 : 2; }
 const char* DeviceElemName(DeviceElem e) { return e == DeviceElem::kF32 ? "f32" : "bf16"; }
+
+ExchangeBytes ExchangeOver(Communicator& comm) {
+  return [&comm](const std::vector<std::byte>& mine) -> Result<std::vector<std::byte>> {
+    const std::vector<size_t> sizes(static_cast<size_t>(comm.size()), mine.size());
+    std::vector<std::byte> all(mine.size() * sizes.size());
+    DL_RETURN_IF_ERROR(comm.AllGather(mine, sizes, all));
+    return all;
+  };
+}
 
 float RankOrderSum(const std::vector<float>& per_rank, DeviceElem elem) {
   float acc = per_rank.empty() ? 0.0f : per_rank[0];

@@ -22,6 +22,8 @@
 //                                 the device-in-process path: an eager rank launches kernels for the
 //                                 first time, and under CUDA lazy loading a first launch may wait
 //                                 for the whole context, including a peer's spinning kernel.
+//   CreateOneShotIpcRank          "device-oneshot-ipc": device-oneshot with ranks as processes (CUDA
+//                                 IPC handles; eager collectives run the kernels too).
 //   CreateNcclGroup               "nccl": one rank per GPU through NCCL (opened at run time,
 //                                 comm/nccl_api.h); capturable. NCCL's reduction order depends on
 //                                 its algorithm and the rank count: bit-identical run to run at a
@@ -30,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +42,8 @@
 struct CUstream_st;
 
 namespace dl::comm {
+
+class Communicator;
 
 enum class DeviceElem : uint8_t { kF32, kBF16 };
 size_t DeviceElemBytes(DeviceElem e);
@@ -101,6 +106,39 @@ class DeviceGroup {
   virtual DeviceCommunicator& rank(int r) = 0;
   virtual int size() const = 0;
 };
+
+// One rank of a one-shot group whose ranks are processes ("device-oneshot-ipc"; backend/
+// tp_process_ranks.h runs CUDA ranks so): the same kernels, slots, flags and epochs as CreateOneShot,
+// so the same bits (the rank-order FP32 sum, rounded once), the buffers shared through CUDA IPC
+// handles instead of pointers of one process. Called by every rank of the group with its own rank,
+// the same size, options and timeout, and its CUDA device.
+//
+// `exchange` all-gathers equal-sized byte records between the ranks (the caller's control channel:
+// the processes' TCP group): returns every rank's record concatenated in rank order. Called three
+// times by every rank, in the same order.
+//
+// Who owns what, and why: rank 0 allocates every rank's slots and flags (rank r's on rank r's
+// device) and exports them; ranks 1..N-1 open them (cudaIpcOpenMemHandle) and close them when their
+// communicator goes. So a child that dies or is killed never frees memory a survivor's kernel still
+// writes to (rank 0 outlives its children; a child dies with rank 0). Epochs are each rank's own.
+//
+// Abort: the kernels read one abort word in shared host memory (a /dev/shm page rank 0 creates and
+// every rank maps and registers with CUDA), so Abort on any rank ends the spinning kernels of every
+// rank at once, as the in-process group's abort does. A rank that dies without aborting is noticed
+// on the host (rank 0's supervision aborts for it) or by the spin timeout.
+//
+// Eager (uncaptured) collectives run the same one-shot kernels: each process has its own CUDA
+// context, so a first launch under lazy loading waits only for this rank's own work, never for a
+// peer's spinning kernel (the one-shot kernels are loaded at creation anyway). There is no host
+// meeting, so every collective, eager or captured, must fit the capacity.
+// (A vector, not a span: this header is also compiled as C++17 by the .cu files.)
+using ExchangeBytes = std::function<Result<std::vector<std::byte>>(const std::vector<std::byte>& mine)>;
+// The exchange over a host communicator (Communicator::AllGather of equal parts); `comm` must outlive
+// the returned function.
+ExchangeBytes ExchangeOver(Communicator& comm);
+Result<std::unique_ptr<DeviceCommunicator>> CreateOneShotIpcRank(int rank, int size, int device,
+                                                                 const DeviceGroup::OneShotOptions& oneshot,
+                                                                 double timeout_s, const ExchangeBytes& exchange);
 
 // One NCCL communicator per rank, ranks on `devices` (distinct GPUs: NCCL refuses two ranks on one
 // GPU), created together by this thread (ncclCommInitAll). Errors: NCCL not loadable, a repeated
