@@ -1,5 +1,5 @@
-// The hidden `__tp-rank` subcommand: a child rank of `--tp N --tp-transport processes` on the CPU
-// reference, started by rank 0 (engine/tp_rank_process.h). Hidden from --help; not for people.
+// The hidden `__tp-rank` subcommand: a child rank of `--tp N --tp-transport processes` (the CPU
+// reference or the CUDA backend: rank 0's setup message says which), started by rank 0 (engine/tp_rank_process.h). Hidden from --help; not for people.
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,7 +11,7 @@ namespace dl::app {
 
 void AddTpRankCommand(CLI::App& root, CommandContext& ctx) {
   (void)ctx;
-  CLI::App* rank = root.add_subcommand("__tp-rank", "internal: one CPU tensor-parallel rank as a process");
+  CLI::App* rank = root.add_subcommand("__tp-rank", "internal: one tensor-parallel rank as a process");
   rank->group("");
   rank->prefix_command();
   rank->allow_extras();

@@ -65,7 +65,9 @@ Result<std::unique_ptr<CpuTpRunner>> CpuTpRunner::Create(const Checkpoint& check
                       .scales = scales,
                       .num_layers = c.num_hidden_layers,
                       .hidden_size = c.hidden_size,
-                      .vocab_size = c.vocab_size};
+                      .vocab_size = c.vocab_size,
+                      .backend = TpRankBackend::kCpu,
+                      .cuda = {}};
     DL_ASSIGN_OR_RETURN(runner->children_, TpProcessRanks::Start(processes, setup, timeout_s));
     runner->comms_.push_back(&runner->children_->rank0_comm());
     // Rank 0 builds its shard while the children build theirs.

@@ -20,6 +20,8 @@
 #include "comm/tcp_communicator.h"
 #include "model/forward_batch_codec.h"
 
+#include <nlohmann/json.hpp>
+
 namespace dl {
 namespace {
 
@@ -30,7 +32,8 @@ using Clock = std::chrono::steady_clock;
 constexpr uint32_t kControlMagic = 0x4354'4c44;  // "DLTC"
 constexpr uint32_t kReplyMagic = 0x5254'4c44;    // "DLTR"
 constexpr uint32_t kSetupMagic = 0x5354'4c44;    // "DLTS"
-constexpr uint32_t kControlVersion = 1;
+// 2: the setup says the backend (and a CUDA rank's options); replies carry the rank's report.
+constexpr uint32_t kControlVersion = 2;
 enum class ControlKind : uint8_t { kStep = 1, kStop = 2 };
 enum class ReplyKind : uint8_t { kReady = 1, kStepDone = 2 };
 // The largest control message either side reads: far above any plan (tokens, tables, adjustments of
@@ -67,13 +70,14 @@ Status GetHeader(ByteReader& r, uint32_t magic, uint8_t* kind) {
   return r.Get(kind, "kind");
 }
 
-std::vector<std::byte> EncodeReply(ReplyKind kind, const Status& st, int64_t collectives) {
+std::vector<std::byte> EncodeReply(ReplyKind kind, const Status& st, int64_t collectives, const std::string& report) {
   ByteWriter w;
   w.Put<uint32_t>(kReplyMagic);
   w.Put<uint32_t>(kControlVersion);
   w.Put<uint8_t>(static_cast<uint8_t>(kind));
   PutStatus(w, st);
   w.Put<int64_t>(collectives);
+  w.PutString(report);
   return w.Take();
 }
 
@@ -81,6 +85,7 @@ struct Reply {
   ReplyKind kind = ReplyKind::kReady;
   Status status;
   int64_t collectives = 0;
+  std::string report;  // JSON text (TpProcessRanks::report)
 };
 
 Result<Reply> DecodeReply(std::span<const std::byte> bytes, int rank) {
@@ -94,6 +99,7 @@ Result<Reply> DecodeReply(std::span<const std::byte> bytes, int rank) {
   reply.kind = static_cast<ReplyKind>(kind);
   DL_RETURN_IF_ERROR(GetStatus(r, &reply.status));
   DL_RETURN_IF_ERROR(r.Get(&reply.collectives, "collectives"));
+  DL_RETURN_IF_ERROR(r.GetString(&reply.report, "report"));
   DL_RETURN_IF_ERROR(r.ExpectEnd());
   return reply;
 }
@@ -234,6 +240,28 @@ std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s) {
   w.Put<int64_t>(s.num_layers);
   w.Put<int64_t>(s.hidden_size);
   w.Put<int64_t>(s.vocab_size);
+  w.Put<uint8_t>(static_cast<uint8_t>(s.backend));
+  if (s.backend == TpRankBackend::kCuda) {
+    const CudaRunnerOptions& o = s.cuda.options;
+    w.Put<uint8_t>(o.allow_fallback ? 1 : 0);
+    w.Put<uint8_t>(o.use_graph ? 1 : 0);
+    w.Put<int32_t>(o.max_seq_len);
+    w.Put<int32_t>(o.max_rows);
+    w.Put<int32_t>(o.max_outputs);
+    w.Put<int32_t>(o.max_taps);
+    w.Put<uint64_t>(o.synthetic_seed);
+    w.Put<uint64_t>(o.skip_ops.size());
+    for (const std::string& op : o.skip_ops) w.PutString(op);
+    // The tuning as its "name=value" settings (kernels::SetTuning reads them back): every knob, so a
+    // child's kernels are rank 0's.
+    const auto settings = kernels::TuningSettings(o.tuning);
+    w.Put<uint64_t>(settings.size());
+    for (const auto& [name, value] : settings) w.PutString(name + "=" + value);
+    std::vector<int32_t> devices(s.cuda.devices.begin(), s.cuda.devices.end());
+    w.PutVector<int32_t>(devices);
+    w.Put<uint64_t>(s.cuda.oneshot_capacity);
+    w.Put<int32_t>(s.cuda.oneshot_blocks);
+  }
   return w.Take();
 }
 
@@ -271,6 +299,53 @@ Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes) {
   DL_RETURN_IF_ERROR(r.Get(&s.num_layers, "model num_layers"));
   DL_RETURN_IF_ERROR(r.Get(&s.hidden_size, "model hidden_size"));
   DL_RETURN_IF_ERROR(r.Get(&s.vocab_size, "model vocab_size"));
+  uint8_t backend = 0;
+  DL_RETURN_IF_ERROR(r.Get(&backend, "backend"));
+  if (backend > static_cast<uint8_t>(TpRankBackend::kCuda)) {
+    return DataLoss("tensor-parallel rank setup: unknown backend {}", backend);
+  }
+  s.backend = static_cast<TpRankBackend>(backend);
+  if (s.backend == TpRankBackend::kCuda) {
+    CudaRunnerOptions& o = s.cuda.options;
+    auto flag = [&](bool* out, const char* field) -> Status {
+      uint8_t v = 0;
+      DL_RETURN_IF_ERROR(r.Get(&v, field));
+      if (v > 1) return DataLoss("tensor-parallel rank setup: {} is {}, not 0 or 1", field, v);
+      *out = v == 1;
+      return Status::Ok();
+    };
+    DL_RETURN_IF_ERROR(flag(&o.allow_fallback, "cuda allow_fallback"));
+    DL_RETURN_IF_ERROR(flag(&o.use_graph, "cuda use_graph"));
+    DL_RETURN_IF_ERROR(r.Get(&o.max_seq_len, "cuda max_seq_len"));
+    DL_RETURN_IF_ERROR(r.Get(&o.max_rows, "cuda max_rows"));
+    DL_RETURN_IF_ERROR(r.Get(&o.max_outputs, "cuda max_outputs"));
+    DL_RETURN_IF_ERROR(r.Get(&o.max_taps, "cuda max_taps"));
+    DL_RETURN_IF_ERROR(r.Get(&o.synthetic_seed, "cuda synthetic_seed"));
+    uint64_t n = 0;
+    // Every string takes at least its 8-byte length: the count is checked against what remains.
+    DL_RETURN_IF_ERROR(r.GetCount(&n, 8, "cuda skip_ops"));
+    o.skip_ops.resize(n);
+    for (std::string& op : o.skip_ops) DL_RETURN_IF_ERROR(r.GetString(&op, "cuda skip_op"));
+    DL_RETURN_IF_ERROR(r.GetCount(&n, 8, "cuda tuning"));
+    o.tuning = kernels::Tuning{};
+    for (uint64_t i = 0; i < n; ++i) {
+      std::string setting;
+      DL_RETURN_IF_ERROR(r.GetString(&setting, "cuda tuning setting"));
+      Status st = kernels::SetTuning(&o.tuning, setting);
+      if (!st.ok()) return DataLoss("tensor-parallel rank setup: tuning '{}': {}", setting, st.message());
+    }
+    std::vector<int32_t> devices;
+    DL_RETURN_IF_ERROR(r.GetVector(&devices, "cuda devices"));
+    if (devices.size() != static_cast<size_t>(std::max(0, s.tp_size))) {
+      return DataLoss("tensor-parallel rank setup: {} devices for {} ranks", devices.size(), s.tp_size);
+    }
+    for (int32_t d : devices) {
+      if (d < 0) return DataLoss("tensor-parallel rank setup: device {}", d);
+    }
+    s.cuda.devices.assign(devices.begin(), devices.end());
+    DL_RETURN_IF_ERROR(r.Get(&s.cuda.oneshot_capacity, "cuda oneshot capacity"));
+    DL_RETURN_IF_ERROR(r.Get(&s.cuda.oneshot_blocks, "cuda oneshot blocks"));
+  }
   DL_RETURN_IF_ERROR(r.ExpectEnd());
   return s;
 }
@@ -289,6 +364,7 @@ Result<std::unique_ptr<TpProcessRanks>> TpProcessRanks::Start(const TpProcessOpt
   p->timeout_s_ = timeout_s;
   p->children_.resize(tp);
   p->collectives_.assign(tp, 0);
+  p->reports_.assign(tp, std::string());
   p->injected_.assign(tp, Status::Ok());
   p->sent_.assign(tp, false);
   // Both listeners before any child exists (port 0: the kernel picks free ports; close-on-exec, so
@@ -379,6 +455,7 @@ Status TpProcessRanks::WaitReady() {
       statuses[r] = DataLoss("rank {} replied to its setup with a step reply", r);
     } else {
       statuses[r] = reply->status;
+      reports_[r] = reply->report;
     }
   }
   std::string failures;
@@ -436,6 +513,7 @@ void TpProcessRanks::CollectReplies(bool rank0_failed, std::vector<Status>* stat
     } else {
       st = reply->status;
       collectives_[r] = reply->collectives;
+      if (!reply->report.empty()) reports_[r] = reply->report;
     }
   }
 }
@@ -473,7 +551,69 @@ Status TpProcessRanks::TakeInjected(int rank) { return std::exchange(injected_[r
 // ---------------------------------------------------------------------------------------------
 // A child's side.
 
-Status RunCpuTpRankProcess(const TpRankArgs& args, const std::function<Result<Checkpoint>()>& load) {
+namespace {
+
+// What a child process runs each step: its rank of one backend.
+class ChildRank {
+ public:
+  virtual ~ChildRank() = default;
+  // The rank's share of one step, to its end (results discarded: rank 0's are the step's).
+  virtual Status Step(const ForwardBatch& batch) = 0;
+  // Ends the group's collectives (every rank's pending and later ones fail).
+  virtual void Abort(const Status& reason) = 0;
+  virtual int64_t collectives_last_forward() const = 0;
+  virtual int32_t page_size() const = 0;
+  // TpProcessRanks::report's JSON text.
+  virtual std::string Report() const { return {}; }
+};
+
+class CpuChildRank final : public ChildRank {
+ public:
+  CpuChildRank(std::unique_ptr<CpuRunner> runner, comm::Communicator* comm) : runner_(std::move(runner)), comm_(comm) {}
+  Status Step(const ForwardBatch& batch) override {
+    ForwardResult discarded;
+    return runner_->Forward(batch, &discarded);
+  }
+  void Abort(const Status& reason) override { comm_->Abort(reason); }
+  int64_t collectives_last_forward() const override { return runner_->collectives_last_forward(); }
+  int32_t page_size() const override { return runner_->kv_spec().page_size; }
+
+ private:
+  std::unique_ptr<CpuRunner> runner_;
+  comm::Communicator* comm_;
+};
+
+// A CUDA rank: its own CudaRunner over the one-shot IPC communicator. No Prepare barrier as the
+// threads need: each process has its own CUDA context, so capturing or loading kernels here never
+// waits for a peer's spinning kernel.
+class CudaChildRank final : public ChildRank {
+ public:
+  // Declared first, destroyed last: the runner enqueues on it.
+  std::unique_ptr<comm::DeviceCommunicator> comm;
+  std::unique_ptr<CudaRunner> runner;
+
+  Status Step(const ForwardBatch& batch) override {
+    DL_RETURN_IF_ERROR(runner->Prepare(batch));
+    Status st = runner->Submit();
+    ForwardResult discarded;
+    Status waited = runner->Wait(&discarded);
+    return st.ok() ? waited : st;
+  }
+  void Abort(const Status& reason) override {
+    if (comm) comm->Abort(reason);
+  }
+  int64_t collectives_last_forward() const override { return runner->collectives_last_forward(); }
+  int32_t page_size() const override { return runner->kv_spec().page_size; }
+  std::string Report() const override {
+    const nlohmann::json d = runner->Describe();
+    return nlohmann::json{{"kernel_nodes", runner->kernel_nodes()}, {"topology", d["topology"]}}.dump();
+  }
+  ~CudaChildRank() override { runner.reset(); }
+};
+
+}  // namespace
+
+Status RunTpRankChild(const TpRankArgs& args, const std::function<Result<Checkpoint>()>& load) {
   const int r = args.rank;
   const comm::Deadline deadline = comm::DeadlineIn(kRendezvousSeconds);
   auto control_group = comm::TcpGroup::Create(r, args.tp_size, -1, args.control, deadline);
@@ -485,19 +625,30 @@ Status RunCpuTpRankProcess(const TpRankArgs& args, const std::function<Result<Ch
   auto receive = [&](double seconds) {
     return control->ReceiveMessage(0, kMaxControlBytes, comm::DeadlineIn(seconds));
   };
-  auto reply = [&](ReplyKind kind, const Status& st, int64_t collectives) {
-    return control->SendMessage(0, EncodeReply(kind, st, collectives), comm::DeadlineIn(args.timeout_s));
+  auto reply = [&](ReplyKind kind, const Status& st, int64_t collectives, const std::string& report) {
+    return control->SendMessage(0, EncodeReply(kind, st, collectives, report), comm::DeadlineIn(args.timeout_s));
   };
   auto setup_message = receive(args.timeout_s);
   if (!setup_message.ok()) return setup_message.status().WithContext(fmt::format("rank {}: setup", r));
   const std::vector<std::byte> setup_bytes = std::move(setup_message).value();
   // Everything that can go wrong while building the rank is reported to rank 0 before leaving.
   std::optional<Checkpoint> checkpoint;
-  std::unique_ptr<CpuRunner> runner;
+  std::unique_ptr<ChildRank> rank;
   Status built = [&]() -> Status {
     DL_ASSIGN_OR_RETURN(TpRankSetup setup, DecodeTpRankSetup(setup_bytes));
     if (setup.rank != r || setup.tp_size != args.tp_size) {
       return DataLoss("setup for rank {} of {} sent to rank {} of {}", setup.rank, setup.tp_size, r, args.tp_size);
+    }
+    std::unique_ptr<CudaChildRank> cuda_rank;
+    if (setup.backend == TpRankBackend::kCuda) {
+      // The communicator first: rank 0 builds its side right after sending the setups, and the
+      // handle exchange is bounded by the collective timeout (loading weights is not).
+      cuda_rank = std::make_unique<CudaChildRank>();
+      comm::DeviceGroup::OneShotOptions oneshot;
+      oneshot.capacity_bytes = setup.cuda.oneshot_capacity;
+      oneshot.blocks = setup.cuda.oneshot_blocks;
+      DL_ASSIGN_OR_RETURN(cuda_rank->comm, comm::CreateOneShotIpcRank(r, args.tp_size, setup.cuda.devices[r], oneshot,
+                                                                      args.timeout_s, comm::ExchangeOver(comm)));
     }
     DL_ASSIGN_OR_RETURN(Checkpoint ck, load());
     checkpoint.emplace(std::move(ck));
@@ -509,10 +660,24 @@ Status RunCpuTpRankProcess(const TpRankArgs& args, const std::function<Result<Ch
           c.num_hidden_layers, c.hidden_size, c.vocab_size, setup.num_layers, setup.hidden_size, setup.vocab_size);
     }
     DL_ASSIGN_OR_RETURN(TensorParallelPlan plan, MakeTensorParallelPlan(c, args.tp_size, setup.embedding));
-    DL_ASSIGN_OR_RETURN(runner, CpuRunner::CreateRank(*checkpoint, setup.kv, setup.scales, plan, r, &comm));
+    if (cuda_rank) {
+      CudaRunnerOptions o = setup.cuda.options;
+      o.device = setup.cuda.devices[r];
+      auto runner = CudaRunner::CreateRank(*checkpoint, setup.kv, setup.scales, o, plan, r, cuda_rank->comm.get());
+      if (!runner.ok()) return runner.status().WithContext(fmt::format("on GPU {}", o.device));
+      cuda_rank->runner = std::move(runner).value();
+      rank = std::move(cuda_rank);
+    } else {
+      DL_ASSIGN_OR_RETURN(auto runner, CpuRunner::CreateRank(*checkpoint, setup.kv, setup.scales, plan, r, &comm));
+      rank = std::make_unique<CpuChildRank>(std::move(runner), &comm);
+    }
     return Status::Ok();
   }();
-  DL_RETURN_IF_ERROR(reply(ReplyKind::kReady, built, 0).WithContext(fmt::format("rank {}: ready reply", r)));
+  // A rank that could not be built leaves the group: its peers must not wait for it in the handle
+  // exchange (or later).
+  if (!built.ok()) comm.Abort(built);
+  DL_RETURN_IF_ERROR(reply(ReplyKind::kReady, built, 0, built.ok() ? rank->Report() : std::string())
+                         .WithContext(fmt::format("rank {}: ready reply", r)));
   DL_RETURN_IF_ERROR(built.WithContext(fmt::format("rank {}", r)));
 
   for (;;) {
@@ -534,20 +699,20 @@ Status RunCpuTpRankProcess(const TpRankArgs& args, const std::function<Result<Ch
     if (st.ok()) st = reader.GetBytes(&plan_bytes, "plan");
     if (st.ok()) st = reader.ExpectEnd();
     Result<DecodedForwardBatch> plan = st.ok() ? DecodeForwardBatch(plan_bytes) : Result<DecodedForwardBatch>(st);
-    if (plan.ok()) st = plan->batch.Validate(checkpoint->config().vocab_size, runner->kv_spec().page_size);
+    if (plan.ok()) st = plan->batch.Validate(checkpoint->config().vocab_size, rank->page_size());
     if (!plan.ok() || !st.ok()) {
       // A plan this rank cannot read: the group cannot go on (the others would wait for this rank's
       // collectives). Say so to rank 0 and leave.
       const Status bad = (plan.ok() ? st : plan.status()).WithContext(fmt::format("rank {}", r));
+      rank->Abort(bad);
       comm.Abort(bad);
-      (void)reply(ReplyKind::kStepDone, bad, 0);
+      (void)reply(ReplyKind::kStepDone, bad, 0, std::string());
       return bad;
     }
-    ForwardResult discarded;  // rank 0's result is the step's
-    st = injected.ok() ? runner->Forward(plan->batch, &discarded) : injected;
+    st = injected.ok() ? rank->Step(plan->batch) : injected;
     // A failed rank must not leave the others waiting in a collective it will never join.
-    if (!st.ok()) comm.Abort(st);
-    DL_RETURN_IF_ERROR(reply(ReplyKind::kStepDone, st, runner->collectives_last_forward())
+    if (!st.ok()) rank->Abort(st);
+    DL_RETURN_IF_ERROR(reply(ReplyKind::kStepDone, st, rank->collectives_last_forward(), rank->Report())
                            .WithContext(fmt::format("rank {}: step reply", r)));
   }
 }

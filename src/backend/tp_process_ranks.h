@@ -1,17 +1,21 @@
-// Tensor-parallel CPU ranks as processes (CpuTpRunner with TpTransport::kProcesses): rank 0 is this
-// process and stays the ModelRunner the engine sees; ranks 1..N-1 are child processes, this binary
-// re-executed with a hidden subcommand (engine/tp_rank_process.h), each building its own shard of
-// the same weights. docs/tensor-parallel.md ("Ranks as processes") has the whole picture.
+// Tensor-parallel ranks as processes (CpuTpRunner with TpTransport::kProcesses, CudaTpRunner with
+// CudaTpTransport::kProcesses): rank 0 is this process and stays the ModelRunner the engine sees;
+// ranks 1..N-1 are child processes, this binary re-executed with a hidden subcommand
+// (engine/tp_rank_process.h), each building its own shard of the same weights: a CpuRunner, or a
+// CudaRunner over the one-shot IPC communicator (comm::CreateOneShotIpcRank), as the setup message
+// says. docs/tensor-parallel.md ("Ranks as processes") has the whole picture.
 //
 // Two TcpGroups over 127.0.0.1, both rendezvoused at listeners rank 0 opened on port 0 (the ports go
 // to the children in argv):
-//   - data: the collectives (comm::TcpCommunicator), summed on rank 0 in rank order, so the bits
-//     equal the in-process transport's. A rank whose forward fails aborts it (closes its sockets),
-//     so the others leave their collective at once.
+//   - data: the CPU's collectives (comm::TcpCommunicator), summed on rank 0 in rank order, so the
+//     bits equal the in-process transport's. A rank whose forward fails aborts it (closes its
+//     sockets), so the others leave their collective at once. CUDA ranks use it once, to exchange
+//     their IPC handles; their collectives run on the device.
 //   - control: rank 0's messages to each child (setup, each step's plan, stop) and the child's
-//     replies (ready, each step's status). Separate from the data group because it must outlive an
-//     aborted data group (a failed rank still reports why) and because a child waits on it for an
-//     unbounded time between steps, while every collective is bounded by the collective timeout.
+//     replies (ready, each step's status, collectives and report). Separate from the data group
+//     because it must outlive an aborted data group (a failed rank still reports why) and because a
+//     child waits on it for an unbounded time between steps, while every collective is bounded by
+//     the collective timeout.
 //
 // Supervision (the probe's rules, comm/process.h): every child has its own process group and dies
 // with the thread of rank 0 that spawned it (PR_SET_PDEATHSIG); rank 0 always reaps them. A child
@@ -28,8 +32,10 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda_runner.h"
 #include "base/status.h"
 #include "comm/communicator.h"
+#include "comm/device_communicator.h"
 #include "comm/launch_env.h"
 #include "comm/process.h"
 #include "comm/tcp_group.h"
@@ -62,6 +68,18 @@ struct TpRankArgs {
 // Takes the TpRankArgs flags out of `args`; what is left (the model source) stays in `rest`.
 Result<TpRankArgs> ParseTpRankArgs(const std::vector<std::string>& args, std::vector<std::string>* rest);
 
+// Which backend a child rank runs.
+enum class TpRankBackend : uint8_t { kCpu = 0, kCuda = 1 };
+
+// What a CUDA child rank needs beyond the CPU's setup: rank 0's CudaRunnerOptions (its `device`
+// replaced by devices[rank]) and the one-shot IPC communicator's size.
+struct TpCudaRankSetup {
+  CudaRunnerOptions options;
+  std::vector<int> devices;  // [tp]: rank r's GPU
+  uint64_t oneshot_capacity = 0;
+  int32_t oneshot_blocks = 16;
+};
+
 // What rank 0 sends a child before it builds its rank.
 struct TpRankSetup {
   int tp_size = 0;
@@ -71,6 +89,8 @@ struct TpRankSetup {
   KvScales scales;
   // The model rank 0 loaded, for a check that the child built the same one.
   int64_t num_layers = 0, hidden_size = 0, vocab_size = 0;
+  TpRankBackend backend = TpRankBackend::kCpu;
+  TpCudaRankSetup cuda;  // kCuda only
 };
 std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s);
 Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes);
@@ -114,6 +134,9 @@ class TpProcessRanks {
   pid_t pid(int rank) const { return rank == 0 ? 0 : children_[rank].pid(); }
   // Collectives child r reported for its last forward (0 before any).
   int64_t collectives_last_forward(int rank) const { return collectives_[rank]; }
+  // What child r reported with its last reply (ready or step): a JSON object, empty before any. A
+  // CUDA rank's: {"kernel_nodes", "topology": [its entry]}; a CPU rank's: {}.
+  const std::string& report(int rank) const { return reports_[rank]; }
 
  private:
   TpProcessRanks() = default;
@@ -126,6 +149,7 @@ class TpProcessRanks {
   std::unique_ptr<comm::TcpGroup> control_;
   std::unique_ptr<comm::Communicator> data_;
   std::vector<int64_t> collectives_;  // [tp]
+  std::vector<std::string> reports_;  // [tp]
   std::vector<Status> injected_;      // [tp]
   std::vector<bool> sent_;            // [tp]: this step's plan reached the child
   bool stopped_ = false;
@@ -133,10 +157,11 @@ class TpProcessRanks {
 
 // A child rank's whole life (the hidden subcommand's body): joins both groups, receives its setup,
 // calls `load` for the checkpoint (after the rendezvous, so rank 0 is not kept waiting to learn the
-// child is alive), builds its CpuRunner rank, replies ready, then runs each step plan rank 0 sends
-// until the stop message (Ok) or an error: rank 0 gone (the control connection closed), a bad plan
-// or setup (DataLoss), a checkpoint that is not rank 0's. A failed forward is not the end: the child
-// aborts its data group, reports the error and waits for rank 0's stop.
-Status RunCpuTpRankProcess(const TpRankArgs& args, const std::function<Result<Checkpoint>()>& load);
+// child is alive), builds its rank (a CpuRunner, or for TpRankBackend::kCuda a CudaRunner on
+// devices[rank] over the one-shot IPC communicator), replies ready, then runs each step plan rank 0
+// sends until the stop message (Ok) or an error: rank 0 gone (the control connection closed), a bad
+// plan or setup (DataLoss), a checkpoint that is not rank 0's. A failed forward is not the end: the
+// child aborts its group's collectives, reports the error and waits for rank 0's stop.
+Status RunTpRankChild(const TpRankArgs& args, const std::function<Result<Checkpoint>()>& load);
 
 }  // namespace dl

@@ -47,7 +47,7 @@ Status RunTpRankProcess(const std::vector<std::string>& args) {
   std::vector<std::string> model_args;
   DL_ASSIGN_OR_RETURN(TpRankArgs rank, ParseTpRankArgs(args, &model_args));
   DL_ASSIGN_OR_RETURN(EngineOptions model, ParseModelArgs(model_args));
-  return RunCpuTpRankProcess(rank, [&]() { return LoadHostCheckpoint(model); });
+  return RunTpRankChild(rank, [&]() { return LoadHostCheckpoint(model); });
 }
 
 }  // namespace dl

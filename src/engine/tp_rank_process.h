@@ -1,11 +1,12 @@
-// The hidden `__tp-rank` subcommand: one child rank of `--tp N --tp-transport processes` on the CPU
-// reference (backend/tp_process_ranks.h). Rank 0 starts it as
+// The hidden `__tp-rank` subcommand: one child rank of `--tp N --tp-transport processes`, on the CPU
+// reference or the CUDA backend (backend/tp_process_ranks.h). Rank 0 starts it as
 //   <program> __tp-rank <model source> --tp-rank r --tp-size N --tp-control HOST:PORT --tp-data HOST:PORT
 //                     --tp-timeout-s S
 // where the model source (TpRankModelArgs) makes the child build the very weights rank 0 holds: the
 // same checkpoint directory, or the same --shape, --seed and --num-layers (synthetic weights are a
 // pure function of them). Everything else (KV geometry and scales, embedding mode) comes from rank 0
-// over the control connection.
+// over the control connection (and for a CUDA rank its CudaRunnerOptions, its GPU and the one-shot
+// IPC communicator's size).
 #pragma once
 
 #include <string>

@@ -268,7 +268,9 @@ TEST(TpProcessesCpuTest, AChildRefusesACorruptPlanAndSaysWhy) {
                     .kv = kv->spec(),
                     .num_layers = c->num_hidden_layers,
                     .hidden_size = c->hidden_size,
-                    .vocab_size = c->vocab_size};
+                    .vocab_size = c->vocab_size,
+                    .backend = TpRankBackend::kCpu,
+                    .cuda = {}};
   auto ranks = TpProcessRanks::Start(options, setup, 30);
   ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
   ASSERT_TRUE((*ranks)->WaitReady().ok());
