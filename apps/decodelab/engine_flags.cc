@@ -54,16 +54,17 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
       ->default_val(2048);
   cmd->add_option("--tune", tune, "CUDA kernel tuning, name=value (repeatable). " + kernels::TuningHelp());
   cmd->add_option("--tp", tp,
-                  "Tensor-parallel ranks, threads of this process (CPU: or processes, --tp-transport processes). "
+                  "Tensor-parallel ranks, threads of this process (or processes: --tp-transport processes). "
                   "CUDA: rank r runs on GPU r % (visible GPUs), so a tp above the GPU count shares GPUs "
                   "round-robin; NCCL when every rank has its own GPU, else the one-shot device communicator "
                   "(--tp-transport). docs/tensor-parallel.md")
       ->default_val(1);
   cmd->add_option("--tp-transport", tp_transport,
                   "How tensor-parallel ranks meet. auto: CPU ranks are threads of this process; CUDA takes nccl "
-                  "when every rank has its own GPU and NCCL loads, else device-oneshot. CPU only: processes "
-                  "(ranks 1..N-1 are child processes of this one, collectives over TCP on 127.0.0.1, bit-identical "
-                  "to threads; their output goes to this process's stderr). CUDA only: device-oneshot (rank-order "
+                  "when every rank has its own GPU and NCCL loads, else device-oneshot. processes: ranks 1..N-1 "
+                  "are child processes of this one, bit-identical to threads, their output on this process's "
+                  "stderr (CPU: collectives over TCP on 127.0.0.1; CUDA: the one-shot all-reduce over CUDA IPC "
+                  "memory, device-oneshot-ipc, in graphs or eager). CUDA only: device-oneshot (rank-order "
                   "sum, inside the CUDA graphs), device-in-process (the same sum through host meetings; eager "
                   "forwards) or nccl")
       ->default_val("auto")

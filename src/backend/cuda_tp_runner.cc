@@ -2,12 +2,16 @@
 
 #include <algorithm>
 #include <set>
+#include <thread>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 
 #include "comm/nccl_api.h"
 #include "cuda/device.h"
 #include "model/backend_support.h"
+#include "model/forward_batch_codec.h"
 
 namespace dl {
 
@@ -17,16 +21,18 @@ const char* CudaTpTransportName(CudaTpTransport t) {
     case CudaTpTransport::kDeviceInProcess: return "device-in-process";
     case CudaTpTransport::kDeviceOneShot: return "device-oneshot";
     case CudaTpTransport::kNccl: return "nccl";
+    case CudaTpTransport::kProcesses: return "processes";
   }
   return "?";
 }
 
 Result<CudaTpTransport> ParseCudaTpTransport(std::string_view name) {
   for (CudaTpTransport t : {CudaTpTransport::kAuto, CudaTpTransport::kDeviceInProcess, CudaTpTransport::kDeviceOneShot,
-                            CudaTpTransport::kNccl}) {
+                            CudaTpTransport::kNccl, CudaTpTransport::kProcesses}) {
     if (name == CudaTpTransportName(t)) return t;
   }
-  return InvalidArgument("tensor-parallel transport '{}': auto, device-in-process, device-oneshot or nccl", name);
+  return InvalidArgument("tensor-parallel transport '{}': auto, device-in-process, device-oneshot, nccl or processes",
+                         name);
 }
 
 std::vector<int> TpRankDevices(int tp, int gpus) {
@@ -70,10 +76,70 @@ Status CheckCudaTensorParallel(const Checkpoint& ck, const TensorParallelPlan& p
   return Status::Ok();
 }
 
+namespace {
+
+// Staging for the largest collective: the [max_rows, d] BF16 all-reduce, or one rank's
+// [max_outputs, largest vocabulary slice] BF16 logits block of the all-gather.
+size_t LargestCollectiveBytes(const TensorParallelPlan& plan, const ModelConfig& c, const CudaRunnerOptions& base) {
+  int64_t vocab_stride = 0;
+  for (const RankShard& r : plan.ranks) vocab_stride = std::max(vocab_stride, r.lm_head_vocab.size);
+  return std::max<size_t>(static_cast<size_t>(std::max(1, base.max_rows)) * c.hidden_size * 2,
+                          static_cast<size_t>(std::max(1, base.max_outputs)) * vocab_stride * 2);
+}
+
+}  // namespace
+
+Status CudaTpRunner::StartProcesses(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales,
+                                    const CudaRunnerOptions& base, EmbeddingMode embedding, double timeout_s,
+                                    const TpProcessOptions& processes) {
+  const ModelConfig& c = checkpoint.config();
+  const int tp = plan_.tp_size;
+  TpRankSetup setup{.tp_size = tp,
+                    .rank = 0,
+                    .embedding = embedding,
+                    .kv = kv,
+                    .scales = scales,
+                    .num_layers = c.num_hidden_layers,
+                    .hidden_size = c.hidden_size,
+                    .vocab_size = c.vocab_size,
+                    .backend = TpRankBackend::kCuda,
+                    .cuda = {}};
+  setup.cuda.options = base;
+  setup.cuda.devices = devices_;
+  comm::DeviceGroup::OneShotOptions oneshot;
+  oneshot.capacity_bytes = LargestCollectiveBytes(plan_, c, base);
+  setup.cuda.oneshot_capacity = oneshot.capacity_bytes;
+  setup.cuda.oneshot_blocks = oneshot.blocks;
+  scales_ = scales;
+  DL_ASSIGN_OR_RETURN(children_, TpProcessRanks::Start(processes, setup, timeout_s));
+  // The handle exchange meets every child right after its setup (before it loads any weights).
+  auto ipc = comm::CreateOneShotIpcRank(0, tp, devices_[0], oneshot, timeout_s, comm::ExchangeOver(children_->rank0_comm()));
+  if (!ipc.ok()) {
+    // A child that failed first says why in its ready reply; the others must not wait for rank 0.
+    children_->rank0_comm().Abort(ipc.status());
+    const Status children = children_->WaitReady();
+    return Unavailable("tensor-parallel rank 0 on GPU {}: {}{}", devices_[0], ipc.status().ToString(),
+                       children.ok() ? "" : fmt::format("; {}", children.message()));
+  }
+  owned_.push_back(std::move(ipc).value());
+  comms_.push_back(owned_.back().get());
+  // Rank 0 builds its shard while the children build theirs.
+  CudaRunnerOptions o = base;
+  o.device = devices_[0];
+  auto rank = CudaRunner::CreateRank(checkpoint, kv, std::move(scales), o, plan_, 0, comms_[0]);
+  if (!rank.ok()) {
+    comms_[0]->Abort(rank.status());
+    children_->Stop();
+    return rank.status().WithContext(fmt::format("tensor-parallel rank 0 on GPU {}", o.device));
+  }
+  ranks_.push_back(std::move(rank).value());
+  return children_->WaitReady();
+}
+
 Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
                                                            KvScales scales, const CudaRunnerOptions& base, int tp,
                                                            EmbeddingMode embedding, CudaTpTransport transport, int gpus,
-                                                           double timeout_s) {
+                                                           double timeout_s, const TpProcessOptions& processes) {
   const ModelConfig& c = checkpoint.config();
   DL_ASSIGN_OR_RETURN(TensorParallelPlan plan, MakeTensorParallelPlan(c, tp, embedding));
   // What the shards need, before any GPU work.
@@ -95,16 +161,15 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
                     ? CudaTpTransport::kNccl
                     : CudaTpTransport::kDeviceOneShot;
   }
+  if (transport == CudaTpTransport::kProcesses) {
+    DL_RETURN_IF_ERROR(runner->StartProcesses(checkpoint, kv, std::move(scales), base, embedding, timeout_s, processes));
+    return runner;
+  }
   if (transport == CudaTpTransport::kNccl) {
     DL_ASSIGN_OR_RETURN(runner->owned_, comm::CreateNcclGroup(runner->devices_));
     for (auto& p : runner->owned_) runner->comms_.push_back(p.get());
   } else {
-    // Staging for the largest collective: the [max_rows, d] BF16 all-reduce, or one rank's
-    // [max_outputs, largest vocabulary slice] BF16 logits block of the all-gather.
-    int64_t vocab_stride = 0;
-    for (const RankShard& r : runner->plan_.ranks) vocab_stride = std::max(vocab_stride, r.lm_head_vocab.size);
-    const size_t capacity = std::max<size_t>(static_cast<size_t>(std::max(1, base.max_rows)) * c.hidden_size * 2,
-                                             static_cast<size_t>(std::max(1, base.max_outputs)) * vocab_stride * 2);
+    const size_t capacity = LargestCollectiveBytes(runner->plan_, c, base);
     if (transport == CudaTpTransport::kDeviceOneShot) {
       // One-shot slots as large as the largest collective: every forward's graph can hold its
       // collectives.
@@ -130,6 +195,15 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
 }
 
 CudaTpRunner::~CudaTpRunner() {
+  if (children_) {
+    if (in_flight_) {
+      ForwardResult discarded;
+      (void)WaitProcesses(&discarded);
+    }
+    // The children map rank 0's one-shot buffers: they go before rank 0's runner and communicator.
+    children_->Stop();
+    return;
+  }
   threads_.reset();
   // A forward still in flight must finish before the ranks' buffers go.
   if (in_flight_) {
@@ -140,7 +214,83 @@ CudaTpRunner::~CudaTpRunner() {
   }
 }
 
-void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) { threads_->InjectFailure(rank, std::move(error)); }
+void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) {
+  if (children_) {
+    children_->InjectFailure(rank, std::move(error));
+  } else {
+    threads_->InjectFailure(rank, std::move(error));
+  }
+}
+
+std::vector<pid_t> CudaTpRunner::rank_pids() const {
+  std::vector<pid_t> pids;
+  if (children_) {
+    for (int r = 0; r < plan_.tp_size; ++r) pids.push_back(children_->pid(r));
+  }
+  return pids;
+}
+
+Status CudaTpRunner::EndGroup(const std::string& failures) {
+  broken_ = Status(StatusCode::kUnavailable, fmt::format("tensor-parallel group of {} ended: {}", plan_.tp_size, failures));
+  // The group is over: child processes are stopped and reaped now, not when the runner goes.
+  if (children_) children_->Stop();
+  return broken_;
+}
+
+// The children get the plan first (each runs Prepare, Submit and Wait on its own CudaRunner, then
+// replies), then rank 0 prepares and submits its share. No Prepare barrier across processes: each
+// has its own CUDA context, so no rank's capture or kernel loading waits for a peer's spinning
+// kernel (cuda_runner.h says why threads need one).
+Status CudaTpRunner::LaunchProcesses(const ForwardBatch& batch) {
+  std::vector<Status> statuses = children_->SendStep(EncodeForwardBatch(batch));
+  bool all_sent = true;
+  for (int r = 1; r < plan_.tp_size; ++r) all_sent = all_sent && statuses[r].ok();
+  Status st = all_sent ? children_->TakeInjected(0)
+                       : Status(StatusCode::kCancelled, "not run: a rank could not be sent the step");
+  bool prepared = false;
+  if (st.ok()) st = ranks_[0]->Prepare(batch);
+  if (st.ok()) {
+    prepared = true;
+    st = ranks_[0]->Submit();
+  }
+  if (st.ok()) {
+    in_flight_ = true;
+    return Status::Ok();
+  }
+  // Rank 0 will not join this step's collectives: every rank's kernels leave their waits.
+  comms_[0]->Abort(st);
+  if (prepared) {
+    ForwardResult discarded;
+    (void)ranks_[0]->Wait(&discarded);
+  }
+  statuses[0] = st;
+  children_->CollectReplies(/*rank0_failed=*/true, &statuses);
+  return EndGroup(RankThreads::DescribeFailures(statuses));
+}
+
+// Rank 0 waits for its stream while a helper thread reads the children's replies: a child that
+// failed, died or stayed silent past the timeout aborts the group, which ends rank 0's spinning
+// kernels at once (they read the shared abort word) instead of at their own timeout.
+Status CudaTpRunner::WaitProcesses(ForwardResult* result) {
+  in_flight_ = false;
+  std::vector<Status> statuses(static_cast<size_t>(plan_.tp_size));
+  std::thread replies([&] {
+    children_->CollectReplies(/*rank0_failed=*/false, &statuses);
+    for (int r = 1; r < plan_.tp_size; ++r) {
+      if (!statuses[r].ok()) {
+        comms_[0]->Abort(Status(statuses[r].code(), fmt::format("rank {}: {}", r, statuses[r].message())));
+        break;
+      }
+    }
+  });
+  Status s0 = ranks_[0]->Wait(result);
+  if (!s0.ok()) comms_[0]->Abort(s0);
+  replies.join();
+  statuses[0] = s0;
+  const std::string failures = RankThreads::DescribeFailures(statuses);
+  if (failures.empty()) return Status::Ok();
+  return EndGroup(failures);
+}
 
 Status CudaTpRunner::LaunchRank(int r, const ForwardBatch& batch) {
   Status st = threads_->TakeInjected(r);
@@ -175,6 +325,7 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
     return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
                            batch.outputs.size(), max_rows(), max_outputs());
   }
+  if (children_) return LaunchProcesses(batch);
   std::vector<Status> statuses = threads_->Run([&](int r) { return LaunchRank(r, batch); });
   const std::string failures = RankThreads::DescribeFailures(statuses);
   if (failures.empty()) {
@@ -194,6 +345,7 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
 
 Status CudaTpRunner::Wait(ForwardResult* result) {
   if (!in_flight_) return FailedPrecondition("no forward in flight");
+  if (children_) return WaitProcesses(result);
   in_flight_ = false;
   // Every rank's stream drains (ranks 1.. first, so rank 0's device is current afterwards); rank 0's
   // result is the step's: the tokens every rank chose from the same gathered logits.
@@ -215,7 +367,10 @@ Status CudaTpRunner::Wait(ForwardResult* result) {
 
 std::vector<int64_t> CudaTpRunner::collectives_last_forward() const {
   std::vector<int64_t> v;
-  for (const auto& r : ranks_) v.push_back(r->collectives_last_forward());
+  for (int r = 0; r < plan_.tp_size; ++r) {
+    // A child process reports its count with each step's reply.
+    v.push_back(children_ && r > 0 ? children_->collectives_last_forward(r) : ranks_[r]->collectives_last_forward());
+  }
   return v;
 }
 
@@ -223,16 +378,32 @@ nlohmann::json CudaTpRunner::Describe() const {
   nlohmann::json d = ranks_[0]->Describe();
   d.erase("tensor_parallel_rank");
   nlohmann::json ranks = nlohmann::json::array(), topology = nlohmann::json::array();
+  const std::vector<int64_t> collectives = collectives_last_forward();
   for (int r = 0; r < plan_.tp_size; ++r) {
-    const nlohmann::json rd = ranks_[r]->Describe();
-    ranks.push_back({{"rank", r},
-                     {"device", devices_[r]},
-                     {"collectives_last_forward", ranks_[r]->collectives_last_forward()},
-                     {"decode_graph_kernel_nodes", ranks_[r]->kernel_nodes()},
-                     {"kv_heads", plan_.ranks[r].layers.empty() ? 0 : plan_.ranks[r].layers[0].kv_heads.size},
-                     {"kv_scales", ranks_[r]->kv_scales().ToJson()},
-                     {"lm_head_vocab", {plan_.ranks[r].lm_head_vocab.begin, plan_.ranks[r].lm_head_vocab.end()}}});
-    for (const auto& t : rd["topology"]) topology.push_back(t);
+    // A child process's topology and decode graph come with its last reply; its scales are the ones
+    // rank 0 sent it.
+    const bool child = children_ && r > 0;
+    nlohmann::json rd;
+    if (child) {
+      rd = nlohmann::json::parse(children_->report(r), nullptr, /*allow_exceptions=*/false);
+      if (!rd.is_object()) rd = nlohmann::json::object();
+    } else {
+      rd = ranks_[r]->Describe();
+      rd["kernel_nodes"] = ranks_[r]->kernel_nodes();
+    }
+    nlohmann::json entry = {
+        {"rank", r},
+        {"device", devices_[r]},
+        {"collectives_last_forward", collectives[r]},
+        {"decode_graph_kernel_nodes", rd.value("kernel_nodes", 0)},
+        {"kv_heads", plan_.ranks[r].layers.empty() ? 0 : plan_.ranks[r].layers[0].kv_heads.size},
+        {"kv_scales", (child ? scales_ : ranks_[r]->kv_scales()).ToJson()},
+        {"lm_head_vocab", {plan_.ranks[r].lm_head_vocab.begin, plan_.ranks[r].lm_head_vocab.end()}}};
+    if (children_) entry["pid"] = r == 0 ? static_cast<int64_t>(::getpid()) : static_cast<int64_t>(children_->pid(r));
+    ranks.push_back(std::move(entry));
+    if (rd.contains("topology")) {
+      for (const auto& t : rd["topology"]) topology.push_back(t);
+    }
   }
   d["topology"] = topology;
   d["tensor_parallel"] = {{"size", plan_.tp_size},

@@ -8,7 +8,9 @@
 // with its own stream, weights and workspace). The communicator: NCCL when every rank has a GPU of its
 // own and NCCL loads, else the one-shot device communicator (any ranks on any GPUs; the rank-order
 // FP32 sum); with either, each rank's forwards are CUDA graphs with the collectives inside. The
-// in-process device communicator (host meetings, eager forwards) on request. A rank whose forward
+// in-process device communicator (host meetings, eager forwards) on request. With kProcesses, ranks
+// 1..N-1 are child processes instead of threads (the CPU's TpProcessRanks: spawn, control channel,
+// supervision), and the one-shot buffers are shared through CUDA IPC handles. A rank whose forward
 // fails aborts the group, and every later step is refused with the error (docs/tensor-parallel.md).
 #pragma once
 
@@ -18,6 +20,7 @@
 
 #include "backend/cuda_runner.h"
 #include "backend/rank_threads.h"
+#include "backend/tp_process_ranks.h"
 #include "comm/device_communicator.h"
 #include "comm/rank_barrier.h"
 #include "model/shard_plan.h"
@@ -29,8 +32,10 @@ enum class CudaTpTransport : uint8_t {
   kDeviceInProcess,  // comm::DeviceGroup::CreateInProcess (not capturable: eager forwards)
   kDeviceOneShot,    // comm::DeviceGroup::CreateOneShot
   kNccl,             // comm::CreateNcclGroup (one rank per GPU)
+  kProcesses,        // ranks 1..N-1 are child processes (backend/tp_process_ranks.h) over
+                     // comm::CreateOneShotIpcRank ("device-oneshot-ipc")
 };
-// "auto", "device-in-process", "device-oneshot", "nccl"
+// "auto", "device-in-process", "device-oneshot", "nccl", "processes"
 const char* CudaTpTransportName(CudaTpTransport t);
 Result<CudaTpTransport> ParseCudaTpTransport(std::string_view name);
 
@@ -52,7 +57,8 @@ class CudaTpRunner final : public ModelRunner {
                                                       KvScales scales, const CudaRunnerOptions& base, int tp_size,
                                                       EmbeddingMode embedding,
                                                       CudaTpTransport transport = CudaTpTransport::kAuto,
-                                                      int gpus = 0, double collective_timeout_s = 600.0);
+                                                      int gpus = 0, double collective_timeout_s = 600.0,
+                                                      const TpProcessOptions& processes = {});
   ~CudaTpRunner() override;
 
   std::string backend_name() const override { return "cuda"; }
@@ -72,12 +78,23 @@ class CudaTpRunner final : public ModelRunner {
   // Collectives each rank issued in its last forward, by rank.
   std::vector<int64_t> collectives_last_forward() const;
   // Test hook: rank `rank`'s next forward fails with `error` before it starts (the other ranks then
-  // wait in their first collective until the group is aborted).
+  // wait in their first collective until the group is aborted). Child processes too.
   void FailNextForwardOnRank(int rank, Status error);
+  // kProcesses: rank r's process id (0 for rank 0, this process); empty for threads.
+  std::vector<pid_t> rank_pids() const;
 
  private:
   CudaTpRunner() = default;
   Status LaunchRank(int rank, const ForwardBatch& batch);
+  // kProcesses: spawns the children, builds rank 0's IPC communicator and runner, waits for theirs.
+  Status StartProcesses(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales,
+                        const CudaRunnerOptions& base, EmbeddingMode embedding, double timeout_s,
+                        const TpProcessOptions& processes);
+  // kProcesses: rank 0's share here, the children's through their control messages.
+  Status LaunchProcesses(const ForwardBatch& batch);
+  Status WaitProcesses(ForwardResult* result);
+  // The group ended: every later step is refused with it, and the children are stopped now.
+  Status EndGroup(const std::string& failures);
 
   TensorParallelPlan plan_;
   KvCacheSpec kv_spec_;
@@ -86,7 +103,10 @@ class CudaTpRunner final : public ModelRunner {
   std::shared_ptr<comm::DeviceGroup> in_process_;                   // kDeviceInProcess
   std::vector<std::unique_ptr<comm::DeviceCommunicator>> owned_;   // kNccl
   std::vector<comm::DeviceCommunicator*> comms_;                   // [tp]
-  std::vector<std::unique_ptr<CudaRunner>> ranks_;                 // [tp]
+  // kProcesses: ranks 1..tp-1 (stopped before anything below goes: they map rank 0's buffers).
+  std::unique_ptr<TpProcessRanks> children_;
+  KvScales scales_;                                                // kProcesses: what the children were sent
+  std::vector<std::unique_ptr<CudaRunner>> ranks_;                 // [tp]; kProcesses: [1], rank 0's
   KvObserver* observer_ = nullptr;
 
   // Ranks 1..tp-1 on their own threads: each enqueues its forward concurrently with the others (the

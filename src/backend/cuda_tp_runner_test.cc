@@ -33,7 +33,7 @@ TEST(CudaTpRunnerTest, RanksShareGpusRoundRobin) {
 // --tp-transport's names round-trip, and an unknown one is refused naming the choices.
 TEST(CudaTpRunnerTest, TransportNamesRoundTrip) {
   for (CudaTpTransport t : {CudaTpTransport::kAuto, CudaTpTransport::kDeviceInProcess, CudaTpTransport::kDeviceOneShot,
-                            CudaTpTransport::kNccl}) {
+                            CudaTpTransport::kNccl, CudaTpTransport::kProcesses}) {
     auto back = ParseCudaTpTransport(CudaTpTransportName(t));
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_EQ(*back, t);

@@ -245,15 +245,8 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   } else {
     engine->backend_choice_reason = "cpu: requested";
   }
-  if (o.tp_transport == "processes") {
-    if (chosen != BackendKind::kCpu) {
-      return InvalidArgument(
-          "--tp-transport processes runs the CPU reference's ranks as processes; the {} backend's ranks are threads "
-          "of one process (ranks as processes with CUDA IPC handles are not built): use --backend cpu, or one of "
-          "its transports (auto, device-oneshot, device-in-process, nccl)",
-          chosen == BackendKind::kCuda ? "cuda" : "chosen");
-    }
-    if (o.tp < 2) return InvalidArgument("--tp-transport processes needs --tp 2 or more (got --tp {})", o.tp);
+  if (o.tp_transport == "processes" && o.tp < 2) {
+    return InvalidArgument("--tp-transport processes needs --tp 2 or more (got --tp {})", o.tp);
   }
   if (chosen == BackendKind::kCpu && !o.skip_ops.empty()) {
     return InvalidArgument("--skip-ops is a CUDA timing experiment; the CPU backend ({}) has no such switch",
@@ -345,13 +338,21 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
   engine->kv = std::make_unique<KvCache>(std::move(kv));
   if (chosen == BackendKind::kCuda && o.tp > 1) {
     DL_ASSIGN_OR_RETURN(const CudaTpTransport transport, ParseCudaTpTransport(o.tp_transport));
+    // kProcesses: each child loads the same model source itself (a --shape model is rebuilt from
+    // the same shape, seed and layers) and builds its CUDA rank from the options rank 0 sends.
+    TpProcessOptions processes;
+    processes.exe = o.tp_rank_exe;
+    processes.argv_prefix = o.tp_rank_argv_prefix;
+    for (std::string& a : TpRankModelArgs(o)) processes.argv_prefix.push_back(std::move(a));
     DL_ASSIGN_OR_RETURN(auto runner, CudaTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
-                                                          co, o.tp, o.embedding, transport));
+                                                          co, o.tp, o.embedding, transport, /*gpus=*/0,
+                                                          o.tp_timeout_s, processes));
     const bool graphs = o.use_graph && runner->transport() != "device-in-process";
     engine->backend_choice_reason +=
-        fmt::format("; tensor parallel {} (ranks on GPUs [{}], {} communicator, {}, embedding {})", o.tp,
-                    fmt::join(runner->devices(), ", "), runner->transport(),
-                    graphs ? "CUDA graphs" : "eager forwards", EmbeddingModeName(o.embedding));
+        fmt::format("; tensor parallel {} (ranks on GPUs [{}]{}, {} communicator, {}, embedding {})", o.tp,
+                    fmt::join(runner->devices(), ", "),
+                    transport == CudaTpTransport::kProcesses ? ", ranks 1.. as child processes" : "",
+                    runner->transport(), graphs ? "CUDA graphs" : "eager forwards", EmbeddingModeName(o.embedding));
     engine->runner = std::move(runner);
   } else if (chosen == BackendKind::kCuda) {
     DL_ASSIGN_OR_RETURN(auto runner, CudaRunner::Create(*engine->checkpoint, engine->kv->spec(),
