@@ -13,6 +13,11 @@
 //   TP=1 margin is at least kMarginVsCuda must give TP=1's token (vs the CPU: its margin at least
 //   kMarginVsCpu), and the last prompt position's logits are within 2e-2 relative L2 of TP=1's.
 // Every test skips with the reason where no GPU is usable (CI).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 
@@ -21,8 +26,10 @@
 
 #include "backend/cuda_tp_runner.h"
 #include "comm/device_communicator.h"
+#include "comm/process.h"
 #include "cuda/device.h"
 #include "engine/engine.h"
+#include "engine/tp_rank_process.h"
 #include "engine/scheduler.h"
 #include "kernels/elementwise.h"
 #include "model/shard_plan.h"
@@ -54,6 +61,10 @@ std::unique_ptr<Engine> Load(const std::string& model, BackendKind backend, int 
   o.use_graph = use_graph;
   o.tp = tp;
   o.tp_transport = tp_transport;
+  // Ranks as processes: the children are this binary (main() below). The collective timeout bounds a
+  // spinning kernel too; on one GPU the ranks' contexts are time-sliced, so it is generous.
+  o.tp_rank_argv_prefix = {"cuda_tp_gpu_test", "__tp-rank"};
+  o.tp_timeout_s = 120;
   auto e = LoadEngine(o);
   EXPECT_TRUE(e.ok()) << model << " tp " << tp << ": " << e.status().ToString();
   return e.ok() ? std::move(e).value() : nullptr;
@@ -431,5 +442,202 @@ TEST(CudaTpGpuTest, ShardsTheKernelsCannotRunAreRefused) {
       << four.status().ToString();
 }
 
+// ---- Ranks as processes (--tp-transport processes): rank 0 is this test, rank 1 a child process ----
+//
+// The child is this binary re-executed (`cuda_tp_gpu_test __tp-rank ...`, main() below), building
+// its CUDA rank on GPU 0 beside rank 0's; the one-shot buffers are shared through CUDA IPC handles
+// ("device-oneshot-ipc"). On one GPU the two processes' kernels are time-sliced (no MPS), so a
+// spinning rank waits for the GPU to switch to its peer: slow, and correct.
+
+CudaTpRunner& TpRunner(Engine& e) { return dynamic_cast<CudaTpRunner&>(*e.runner); }
+
+std::vector<pid_t> ChildPids(Engine& e) {
+  std::vector<pid_t> pids = TpRunner(e).rank_pids();
+  if (!pids.empty()) pids.erase(pids.begin());  // rank 0 is this process
+  return pids;
+}
+
+// Every pid gone: not running, not a zombie, and reaped by us (waitpid finds no such child).
+void ExpectGone(const std::vector<pid_t>& pids) {
+  for (pid_t pid : pids) {
+    EXPECT_FALSE(comm::ProcessExists(pid)) << "rank process " << pid << " still exists (orphan or zombie)";
+    int status = 0;
+    EXPECT_EQ(::waitpid(pid, &status, WNOHANG), -1) << "rank process " << pid << " was not reaped";
+  }
+}
+
+void ExpectBitIdentical(const GenerateResult& got, const GenerateResult& ref, const std::string& what) {
+  EXPECT_EQ(got.tokens, ref.tokens) << what;
+  ASSERT_EQ(got.step_logits.size(), ref.step_logits.size()) << what;
+  for (size_t st = 0; st < ref.step_logits.size(); ++st) {
+    ASSERT_EQ(got.step_logits[st].size(), ref.step_logits[st].size()) << what;
+    for (size_t i = 0; i < ref.step_logits[st].size(); ++i) {
+      ASSERT_EQ(Bits(got.step_logits[st][i]), Bits(ref.step_logits[st][i])) << what << " step " << st << " logit " << i;
+    }
+  }
+}
+
+// Issue 19's acceptance with ranks as processes: TP=2 on one GPU in CUDA graphs, greedy tokens and
+// every step's logits bit-identical over 10 runs (two fresh groups of processes), and bit-identical
+// to TP=2 as threads over device-oneshot (the same kernels, the same rank-order sum); both ranks
+// report their decode graph (the child's through its step reply), with the threads' kernel nodes.
+TEST(CudaTpGpuTest, TwoRanksAsProcessesOnOneGpuAreBitIdenticalOverTenRunsAndEqualThreads) {
+  SKIP_WITHOUT_GPU();
+  const std::string model = "tiny_fixed_routing";
+  const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
+  GenerateOptions g;
+  g.max_tokens = 24;
+  g.ignore_eos = true;
+  g.keep_step_logits = true;
+  nlohmann::json threads_topology;
+  GenerateResult ref;
+  {
+    auto threads = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot");
+    ASSERT_TRUE(threads);
+    auto r = GenerateGreedy(*threads, gp.prompt, g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ref = std::move(r).value();
+    threads_topology = threads->runner->Describe()["topology"];
+  }
+  int runs = 0;
+  for (int fresh = 0; fresh < 2; ++fresh) {
+    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "processes");
+    ASSERT_TRUE(e);
+    const int64_t layers = e->config().num_hidden_layers;
+    const std::vector<pid_t> pids = ChildPids(*e);
+    ASSERT_EQ(pids.size(), 1u);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int again = 0; again < (fresh == 1 ? 9 : 1); ++again, ++runs) {
+      auto got = GenerateGreedy(*e, gp.prompt, g);
+      ASSERT_TRUE(got.ok()) << "run " << runs << ": " << got.status().ToString();
+      ExpectBitIdentical(*got, ref, fmt::format("run {}", runs));
+    }
+    const nlohmann::json d = e->runner->Describe();
+    EXPECT_EQ(d["tensor_parallel"]["transport"], "device-oneshot-ipc");
+    EXPECT_EQ(d["tensor_parallel"]["graphs"], true);
+    ASSERT_EQ(d["topology"].size(), 2u) << d.dump();
+    for (int r = 0; r < 2; ++r) {
+      const auto& t = d["topology"][r];
+      EXPECT_EQ(t["rank"], r);
+      EXPECT_GT(t["kernel_nodes"].get<int>(), 0) << "rank " << r << ": no captured decode graph";
+      EXPECT_EQ(t["kernel_nodes"], threads_topology[r]["kernel_nodes"]) << "rank " << r;
+      EXPECT_EQ(t["collectives"], 2 * layers + 1) << "rank " << r;
+      EXPECT_EQ(t["signature"], fmt::format("{}/{}/device-oneshot-ipc", t["kernel_nodes"].get<int>(), 2 * layers + 1));
+      EXPECT_EQ(d["tensor_parallel"]["ranks"][r]["collectives_last_forward"], 2 * layers + 1) << "rank " << r;
+      EXPECT_EQ(d["tensor_parallel"]["ranks"][r]["decode_graph_kernel_nodes"], t["kernel_nodes"]) << "rank " << r;
+    }
+    EXPECT_EQ(d["tensor_parallel"]["ranks"][1]["pid"].get<int64_t>(), pids[0]);
+    std::printf("[tp-processes] %d run(s) in %.1f s; topology %s\n", fresh == 1 ? 9 : 1,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                d["topology"].dump().c_str());
+    e.reset();
+    ExpectGone(pids);
+  }
+  EXPECT_EQ(runs, 10);
+}
+
+// Eager forwards (--no-graph) under processes run the one-shot kernels directly (no host meeting
+// across processes: each has its own CUDA context, so lazy loading never waits for a peer's
+// spinning kernel): the same bits as the graphs.
+TEST(CudaTpGpuTest, TwoRanksAsProcessesEagerAreBitIdenticalToThreadsInGraphs) {
+  SKIP_WITHOUT_GPU();
+  const std::string model = "tiny_fixed_routing";
+  const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
+  GenerateOptions g;
+  g.max_tokens = 12;
+  g.ignore_eos = true;
+  g.keep_step_logits = true;
+  GenerateResult ref;
+  {
+    auto threads = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot");
+    ASSERT_TRUE(threads);
+    auto r = GenerateGreedy(*threads, gp.prompt, g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ref = std::move(r).value();
+  }
+  auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/false, "processes");
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->runner->Describe()["tensor_parallel"]["graphs"], false);
+  auto got = GenerateGreedy(*e, gp.prompt, g);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ExpectBitIdentical(*got, ref, "eager processes");
+}
+
+// One prefill forward of `prompt` (a fresh sequence) with a greedy output row.
+Status ForwardOnce(Engine& e, const std::vector<int32_t>& prompt) {
+  SequenceKv seq;
+  DL_RETURN_IF_ERROR(e.kv->Reserve(seq, static_cast<int32_t>(prompt.size())));
+  ForwardBatch batch;
+  batch.mode = ForwardMode::kPrefill;
+  batch.AddSequence(seq, prompt);
+  batch.AddOutput(static_cast<int32_t>(prompt.size()) - 1);
+  ForwardResult result;
+  Status st = e.runner->Forward(batch, &result);
+  DL_RETURN_IF_ERROR(e.kv->Release(seq));
+  return st;
+}
+
+void ExpectContains(const std::string& text, const std::string& needle) {
+  EXPECT_NE(text.find(needle), std::string::npos) << "'" << needle << "' not in: " << text;
+}
+
+// A child killed mid-session ends the group naming the rank and how it ended, rank 0's spinning
+// kernel leaves at once (the group's abort word), later steps are refused, and no process remains.
+TEST(CudaTpGpuTest, AKilledChildRankEndsTheGroupNamingIt) {
+  SKIP_WITHOUT_GPU();
+  auto e = Load("tiny_fixed_routing", BackendKind::kCuda, 2, /*use_graph=*/true, "processes");
+  ASSERT_TRUE(e);
+  const std::vector<pid_t> pids = ChildPids(*e);
+  ASSERT_EQ(pids.size(), 1u);
+  ASSERT_TRUE(ForwardOnce(*e, {3, 4, 5, 6}).ok());
+  ASSERT_EQ(::kill(pids[0], SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = ForwardOnce(*e, {3, 4, 5, 6});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(st.ok());
+  std::printf("[tp-processes] after %.2f s: %s\n", s, st.message().c_str());
+  EXPECT_LT(s, 60.0) << "rank 0 waited for its kernel's timeout instead of the abort";
+  ExpectContains(st.message(), "tensor-parallel group of 2 ended");
+  ExpectContains(st.message(), fmt::format("rank 1: UNAVAILABLE: process {} ended (killed by signal 9", pids[0]));
+  ExpectGone(pids);
+  Status again = ForwardOnce(*e, {3, 4, 5, 6});
+  ASSERT_FALSE(again.ok());
+  ExpectContains(again.message(), "tensor-parallel group of 2 ended");
+  e.reset();
+  ExpectGone(pids);
+}
+
+// A child whose forward fails aborts the group: rank 0's kernel leaves its wait, the step names the
+// child's error.
+TEST(CudaTpGpuTest, AChildRanksFailureEndsTheGroupNamingIt) {
+  SKIP_WITHOUT_GPU();
+  auto e = Load("tiny_fixed_routing", BackendKind::kCuda, 2, /*use_graph=*/true, "processes");
+  ASSERT_TRUE(e);
+  const std::vector<pid_t> pids = ChildPids(*e);
+  ASSERT_TRUE(ForwardOnce(*e, {3, 4, 5, 6}).ok());
+  TpRunner(*e).FailNextForwardOnRank(1, Internal("injected failure"));
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = ForwardOnce(*e, {3, 4, 5, 6});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(st.ok());
+  std::printf("[tp-processes] after %.2f s: %s\n", s, st.message().c_str());
+  EXPECT_LT(s, 60.0);
+  ExpectContains(st.message(), "rank 1: INTERNAL: injected failure");
+  ExpectContains(st.message(), "rank 0: ");
+  ExpectGone(pids);
+}
+
 }  // namespace
 }  // namespace dl
+
+// The child ranks of --tp-transport processes are this binary: `cuda_tp_gpu_test __tp-rank ...`.
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "__tp-rank") {
+    const dl::Status st = dl::RunTpRankProcess(std::vector<std::string>(argv + 2, argv + argc));
+    if (!st.ok()) std::fprintf(stderr, "cuda_tp_gpu_test __tp-rank: error: %s\n", st.message().c_str());
+    std::fflush(nullptr);
+    ::_exit(st.ok() ? 0 : 1);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

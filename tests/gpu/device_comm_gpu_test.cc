@@ -5,6 +5,7 @@
 // same inside CUDA graphs replayed many times with no host meeting (its epochs live on the device),
 // and a rank that never comes must end a spinning peer with an error, not a hang. Skips without a GPU.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,7 +19,10 @@
 #include "base/rng.h"
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
+#include "comm/process.h"
 #include "comm/rank_barrier.h"
+#include "comm/tcp_communicator.h"
+#include "comm/tcp_group.h"
 #include "cuda/buffer.h"
 #include "cuda/device.h"
 #include "tests/gpu/gpu_skip.h"
@@ -287,6 +291,87 @@ std::vector<Status> OnEveryRank(DeviceGroup& group, const std::function<Status(i
   return statuses;
 }
 
+// One rank's side of ExpectOneShotInGraphs (and of the ranks-as-processes test): with `capture`, the
+// calls captured in one graph, `after_capture` (the ranks' meeting, for threads), then `replays`
+// replays; without, the same calls enqueued eagerly each time. Counts wrong elements and bytes into
+// `mismatches`, elements whose reversed-order sum differs into `order_sensitive`.
+Status CheckOneShotRank(DeviceCommunicator& comm, int r, int ranks, DeviceElem elem, const std::vector<int64_t>& counts,
+                        int replays, uint64_t seed, bool capture, const std::function<Status()>& after_capture,
+                        int64_t* mismatches, int64_t* order_sensitive) {
+  const size_t eb = DeviceElemBytes(elem);
+  const size_t gather_bytes = 1001;  // odd: the byte-wide gather
+  DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
+  // One input buffer per all-reduce (so each is checked on its own), the gather's local and out.
+  std::vector<cuda::DeviceBuffer> bufs;
+  for (int64_t c : counts) {
+    DL_ASSIGN_OR_RETURN(auto b, cuda::DeviceBuffer::Create(std::max<size_t>(16, c * eb)));
+    bufs.push_back(std::move(b));
+  }
+  DL_ASSIGN_OR_RETURN(auto local, cuda::DeviceBuffer::Create(gather_bytes));
+  DL_ASSIGN_OR_RETURN(auto gathered, cuda::DeviceBuffer::Create(gather_bytes * ranks));
+  cudaStream_t s = stream.get();
+  auto enqueue = [&]() -> Status {
+    DL_RETURN_IF_ERROR(comm.AllReduceSum(bufs[0].data(), counts[0], elem, s));
+    DL_RETURN_IF_ERROR(comm.AllGather(local.data(), gather_bytes, gathered.data(), s));
+    for (size_t k = 1; k < counts.size(); ++k) DL_RETURN_IF_ERROR(comm.AllReduceSum(bufs[k].data(), counts[k], elem, s));
+    return Status::Ok();
+  };
+  cudaGraphExec_t exec = nullptr;
+  Status st;
+  if (capture) {
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return Internal("begin capture");
+    st = enqueue();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+    DL_RETURN_IF_ERROR(st);
+    if (ended != cudaSuccess) return Internal("end capture: {}", cudaGetErrorString(ended));
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return Internal("instantiate");
+    cudaGraphDestroy(graph);
+  }
+  // Every rank has captured and instantiated before any replays (as CudaTpRunner does): a rank
+  // still setting up must not need the device while a peer's kernel spins. From here on the ranks
+  // never meet on the host.
+  DL_RETURN_IF_ERROR(after_capture());
+  std::vector<uint8_t> host, mine(gather_bytes), all(gather_bytes * ranks);
+  for (int k = 0; k < replays && st.ok(); ++k) {
+    for (size_t b = 0; b < counts.size(); ++b) {
+      std::vector<float> in(counts[b]);
+      for (int64_t i = 0; i < counts[b]; ++i) in[i] = InputAt(r, i, seed + 31 * k + b, elem);
+      Upload(in, elem, &host);
+      DL_RETURN_IF_ERROR(bufs[b].CopyFromHost(host.data(), host.size()));
+    }
+    for (size_t i = 0; i < gather_bytes; ++i) mine[i] = static_cast<uint8_t>(r * 37 + i * 11 + k);
+    DL_RETURN_IF_ERROR(local.CopyFromHost(mine.data(), gather_bytes));
+    if (capture) {
+      if (cudaGraphLaunch(exec, s) != cudaSuccess) return Internal("launch");
+    } else {
+      DL_RETURN_IF_ERROR(enqueue());
+    }
+    DL_RETURN_IF_ERROR(stream.Synchronize());
+    DL_RETURN_IF_ERROR(comm.DeviceError());
+    for (size_t b = 0; b < counts.size(); ++b) {
+      host.resize(counts[b] * eb);
+      DL_RETURN_IF_ERROR(bufs[b].CopyToHost(host.data(), host.size()));
+      for (int64_t i = 0; i < counts[b]; ++i) {
+        std::vector<float> per_rank(ranks);
+        for (int q = 0; q < ranks; ++q) per_rank[q] = InputAt(q, i, seed + 31 * k + b, elem);
+        const float want = RankOrderSum(per_rank, elem);
+        if (Bits(Download(host, i, elem)) != Bits(want)) ++*mismatches;
+        std::vector<float> reversed(per_rank.rbegin(), per_rank.rend());
+        if (Bits(RankOrderSum(reversed, elem)) != Bits(want)) ++*order_sensitive;
+      }
+    }
+    DL_RETURN_IF_ERROR(gathered.CopyToHost(all.data(), all.size()));
+    for (int q = 0; q < ranks; ++q) {
+      for (size_t i = 0; i < gather_bytes; ++i) {
+        if (all[q * gather_bytes + i] != static_cast<uint8_t>(q * 37 + i * 11 + k)) ++*mismatches;
+      }
+    }
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  return st;
+}
+
 // A captured graph per rank holding, in order: the all-reduce of `counts[0]` elements, an all-gather
 // of 1001 bytes, the all-reduces of counts[1..] (in place on prefixes of one buffer; every call
 // advances the epochs, so calls alternate slots within a replay too). Each rank's thread then replays
@@ -310,66 +395,8 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
   std::vector<int64_t> mismatches(ranks, 0), order_sensitive(ranks, 0);
   RankBarrier captured(ranks, 60.0, "test ranks");
   auto run = [&](int r) -> Status {
-    DeviceCommunicator& comm = group.value()->rank(r);
-    DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
-    // One input buffer per all-reduce (so each is checked on its own), the gather's local and out.
-    std::vector<cuda::DeviceBuffer> bufs;
-    for (int64_t c : counts) {
-      DL_ASSIGN_OR_RETURN(auto b, cuda::DeviceBuffer::Create(std::max<size_t>(16, c * eb)));
-      bufs.push_back(std::move(b));
-    }
-    DL_ASSIGN_OR_RETURN(auto local, cuda::DeviceBuffer::Create(gather_bytes));
-    DL_ASSIGN_OR_RETURN(auto gathered, cuda::DeviceBuffer::Create(gather_bytes * ranks));
-    cudaStream_t s = stream.get();
-    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return Internal("begin capture");
-    Status st = comm.AllReduceSum(bufs[0].data(), counts[0], elem, s);
-    if (st.ok()) st = comm.AllGather(local.data(), gather_bytes, gathered.data(), s);
-    for (size_t k = 1; k < counts.size() && st.ok(); ++k) st = comm.AllReduceSum(bufs[k].data(), counts[k], elem, s);
-    cudaGraph_t graph = nullptr;
-    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
-    DL_RETURN_IF_ERROR(st);
-    if (ended != cudaSuccess) return Internal("end capture: {}", cudaGetErrorString(ended));
-    cudaGraphExec_t exec = nullptr;
-    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return Internal("instantiate");
-    cudaGraphDestroy(graph);
-    // Every rank has captured and instantiated before any replays (as CudaTpRunner does): a rank
-    // still setting up must not need the device while a peer's kernel spins. From here on the ranks
-    // never meet on the host.
-    DL_RETURN_IF_ERROR(captured.Arrive(r, "captured"));
-    std::vector<uint8_t> host, mine(gather_bytes), all(gather_bytes * ranks);
-    for (int k = 0; k < replays && st.ok(); ++k) {
-      for (size_t b = 0; b < counts.size(); ++b) {
-        std::vector<float> in(counts[b]);
-        for (int64_t i = 0; i < counts[b]; ++i) in[i] = InputAt(r, i, seed + 31 * k + b, elem);
-        Upload(in, elem, &host);
-        DL_RETURN_IF_ERROR(bufs[b].CopyFromHost(host.data(), host.size()));
-      }
-      for (size_t i = 0; i < gather_bytes; ++i) mine[i] = static_cast<uint8_t>(r * 37 + i * 11 + k);
-      DL_RETURN_IF_ERROR(local.CopyFromHost(mine.data(), gather_bytes));
-      if (cudaGraphLaunch(exec, s) != cudaSuccess) return Internal("launch");
-      DL_RETURN_IF_ERROR(stream.Synchronize());
-      DL_RETURN_IF_ERROR(comm.DeviceError());
-      for (size_t b = 0; b < counts.size(); ++b) {
-        host.resize(counts[b] * eb);
-        DL_RETURN_IF_ERROR(bufs[b].CopyToHost(host.data(), host.size()));
-        for (int64_t i = 0; i < counts[b]; ++i) {
-          std::vector<float> per_rank(ranks);
-          for (int q = 0; q < ranks; ++q) per_rank[q] = InputAt(q, i, seed + 31 * k + b, elem);
-          const float want = RankOrderSum(per_rank, elem);
-          if (Bits(Download(host, i, elem)) != Bits(want)) ++mismatches[r];
-          std::vector<float> reversed(per_rank.rbegin(), per_rank.rend());
-          if (Bits(RankOrderSum(reversed, elem)) != Bits(want)) ++order_sensitive[r];
-        }
-      }
-      DL_RETURN_IF_ERROR(gathered.CopyToHost(all.data(), all.size()));
-      for (int q = 0; q < ranks; ++q) {
-        for (size_t i = 0; i < gather_bytes; ++i) {
-          if (all[q * gather_bytes + i] != static_cast<uint8_t>(q * 37 + i * 11 + k)) ++mismatches[r];
-        }
-      }
-    }
-    cudaGraphExecDestroy(exec);
-    return st;
+    return CheckOneShotRank(group.value()->rank(r), r, ranks, elem, counts, replays, seed, /*capture=*/true,
+                            [&] { return captured.Arrive(r, "captured"); }, &mismatches[r], &order_sensitive[r]);
   };
   const auto statuses = OnEveryRank(**group, [&](int r) {
     Status st = run(r);
@@ -505,5 +532,153 @@ TEST(DeviceCommGpuTest, OneShotWaitsEndOnTimeoutAndOnAbort) {
   }
 }
 
+// ---- Ranks as processes: CreateOneShotIpcRank ----------------------------------------------------
+//
+// Rank 0 is this test; ranks 1.. are this binary re-executed (`__ipc-rank`, main() below), meeting
+// rank 0 over a TcpGroup on 127.0.0.1 for the handle exchange only. Every rank runs
+// CheckOneShotRank on its own (no host meeting after the exchange) and checks its own results
+// against RankOrderSum; a child's verdict is its exit code. On one GPU the ranks' kernels are in
+// different contexts, which the GPU time-slices (no MPS): a spinning rank waits for the switch to
+// its peer's context, so this is slow, and it is the correctness of that case that is tested.
+
+const std::vector<int64_t> kIpcCounts = {100003, 1, 7, 4099};
+
+DeviceGroup::OneShotOptions IpcOptions(DeviceElem elem) {
+  DeviceGroup::OneShotOptions o;
+  o.capacity_bytes = std::max<size_t>(100003 * DeviceElemBytes(elem), 1001);
+  return o;
+}
+
+// mode: "graph" (captured, replayed), "eager" (the same calls enqueued directly), "abort" (rank 0
+// enqueues one all-reduce; the other ranks abort instead of joining).
+Status RunIpcRank(int rank, int ranks, Communicator& host, DeviceElem elem, const std::string& mode, int replays,
+                  int64_t* mismatches, int64_t* order_sensitive) {
+  if (cudaSetDevice(0) != cudaSuccess) return Internal("cudaSetDevice(0)");
+  // The abort case's timeout is short: a wait that the peer's abort did not end fails soon.
+  auto ipc = CreateOneShotIpcRank(rank, ranks, 0, IpcOptions(elem), mode == "abort" ? 15.0 : 60.0, ExchangeOver(host));
+  if (!ipc.ok()) {
+    host.Abort(ipc.status());
+    return ipc.status();
+  }
+  DeviceCommunicator& comm = **ipc;
+  if (comm.transport() != "device-oneshot-ipc") return Internal("transport {}", comm.transport());
+  if (mode == "abort") {
+    if (rank != 0) {
+      comm.Abort(Status(StatusCode::kCancelled, "test abort"));
+      // Stay until rank 0 has seen it (the exchange's TCP group is the meeting).
+      std::vector<float> one = {1.0f};
+      return host.AllReduceSum(one);
+    }
+    DL_ASSIGN_OR_RETURN(auto stream, cuda::Stream::Create());
+    DL_ASSIGN_OR_RETURN(auto buf, cuda::DeviceBuffer::Create(64));
+    const auto t0 = std::chrono::steady_clock::now();
+    DL_RETURN_IF_ERROR(comm.AllReduceSum(buf.data(), 16, elem, stream.get()));
+    DL_RETURN_IF_ERROR(stream.Synchronize());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const Status device = comm.DeviceError();
+    std::vector<float> one = {1.0f};
+    DL_RETURN_IF_ERROR(host.AllReduceSum(one));
+    if (device.code() != StatusCode::kCancelled) return Internal("rank 0's wait ended with {}", device.ToString());
+    if (s > 30.0) return Internal("rank 0's wait took {} s: the peer's abort did not reach it", s);
+    std::printf("[ipc] rank 0 left its wait after %.3f s: %s\n", s, device.ToString().c_str());
+    return Status::Ok();
+  }
+  Status st = CheckOneShotRank(comm, rank, ranks, elem, kIpcCounts, replays, 1200 + ranks, mode == "graph",
+                               [] { return Status::Ok(); }, mismatches, order_sensitive);
+  if (!st.ok()) comm.Abort(st);
+  // Collectives count when recorded (graph) or enqueued (eager).
+  const int64_t per_pass = static_cast<int64_t>(kIpcCounts.size()) + 1;
+  const int64_t want = mode == "graph" ? per_pass : per_pass * replays;
+  if (st.ok() && comm.collectives_issued() != want) {
+    return Internal("rank {} counted {} collectives, not {}", rank, comm.collectives_issued(), want);
+  }
+  return st;
+}
+
+// The child's side: `__ipc-rank RANK RANKS PORT ELEM MODE REPLAYS`.
+int IpcRankMain(const std::vector<std::string>& a) {
+  if (a.size() != 6) {
+    std::fprintf(stderr, "__ipc-rank: 6 arguments expected\n");
+    return 2;
+  }
+  const int rank = std::stoi(a[0]), ranks = std::stoi(a[1]), port = std::stoi(a[2]);
+  const DeviceElem elem = a[3] == "f32" ? DeviceElem::kF32 : DeviceElem::kBF16;
+  auto group = TcpGroup::Create(rank, ranks, -1, Endpoint{"127.0.0.1", port}, DeadlineIn(60));
+  if (!group.ok()) {
+    std::fprintf(stderr, "__ipc-rank %d: %s\n", rank, group.status().ToString().c_str());
+    return 1;
+  }
+  TcpCommunicator host(std::move(group).value(), 60.0);
+  int64_t mismatches = 0, order_sensitive = 0;
+  const Status st = RunIpcRank(rank, ranks, host, elem, a[4], std::stoi(a[5]), &mismatches, &order_sensitive);
+  std::printf("[ipc] rank %d (process %d): %s, %lld mismatches, %lld order-sensitive elements\n", rank, ::getpid(),
+              st.ToString().c_str(), static_cast<long long>(mismatches), static_cast<long long>(order_sensitive));
+  if (!st.ok()) host.Abort(st);
+  return st.ok() && mismatches == 0 ? 0 : 1;
+}
+
+void ExpectOneShotIpc(int ranks, DeviceElem elem, const std::string& mode, int replays) {
+  SKIP_WITHOUT_GPU();
+  auto listener = Listen("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status().ToString();
+  const int port = listener->port;
+  std::vector<ChildProcess> children;
+  for (int r = 1; r < ranks; ++r) {
+    SpawnSpec spec;
+    spec.exe = "/proc/self/exe";
+    spec.argv = {"device_comm_gpu_test", "__ipc-rank", std::to_string(r), std::to_string(ranks), std::to_string(port),
+                 DeviceElemName(elem), mode, std::to_string(replays)};
+    spec.env = EnvironmentWith({});
+    spec.output_fd = 2;
+    auto child = ChildProcess::Spawn(spec);
+    ASSERT_TRUE(child.ok()) << child.status().ToString();
+    children.push_back(std::move(child).value());
+  }
+  auto group = TcpGroup::Create(0, ranks, listener->fd, Endpoint{"127.0.0.1", port}, DeadlineIn(60));
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  TcpCommunicator host(std::move(group).value(), 60.0);
+  int64_t mismatches = 0, order_sensitive = 0;
+  const Status st = RunIpcRank(0, ranks, host, elem, mode, replays, &mismatches, &order_sensitive);
+  if (!st.ok()) host.Abort(st);
+  EXPECT_TRUE(st.ok()) << "rank 0: " << st.ToString();
+  EXPECT_EQ(mismatches, 0) << "rank 0";
+  if (ranks >= 3 && mode != "abort") {
+    EXPECT_GT(order_sensitive, 0);
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!children[i].Poll() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!children[i].reaped()) children[i].KillAndReap();
+    EXPECT_TRUE(children[i].exit_info().exited && children[i].exit_info().code == 0)
+        << "rank " << i + 1 << ": " << children[i].exit_info().ToString() << " (its output is above)";
+  }
+  std::printf("[ipc] %d ranks as processes, %s, %s, %d replays: rank 0 %lld mismatches\n", ranks, DeviceElemName(elem),
+              mode.c_str(), replays, static_cast<long long>(mismatches));
+}
+
+TEST(DeviceCommGpuTest, OneShotIpcBf16TwoProcessesInAGraphIsTheRankOrderSum) {
+  ExpectOneShotIpc(2, DeviceElem::kBF16, "graph", 40);
+}
+TEST(DeviceCommGpuTest, OneShotIpcF32ThreeProcessesInAGraphIsTheRankOrderSum) {
+  ExpectOneShotIpc(3, DeviceElem::kF32, "graph", 20);
+}
+TEST(DeviceCommGpuTest, OneShotIpcBf16TwoProcessesEagerIsTheRankOrderSum) {
+  ExpectOneShotIpc(2, DeviceElem::kBF16, "eager", 10);
+}
+TEST(DeviceCommGpuTest, OneShotIpcAPeersAbortEndsRankZerosWait) { ExpectOneShotIpc(2, DeviceElem::kBF16, "abort", 1); }
+
 }  // namespace
 }  // namespace dl::comm
+
+// Ranks 1.. of the ranks-as-processes tests are this binary: `device_comm_gpu_test __ipc-rank ...`.
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "__ipc-rank") {
+    const int code = dl::comm::IpcRankMain(std::vector<std::string>(argv + 2, argv + argc));
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
