@@ -5,19 +5,22 @@
 # CUDA graphs: bit-identical over 10 runs and equal to the eager run), `bench comm --tp 2` (all-reduce
 # latency in a graph, one-shot vs NCCL), `generate --backend cuda --tp 2` 10 times on the committed
 # tiny_fixed_routing model comparing tokens (and once over the eager device-in-process communicator),
-# the topology of both ranks, then `bench --tp 2` once on the XS.2 shape cut to a few layers beside
-# --tp 1. Logs and JSON under $OUT.
+# the topology of both ranks, the same generate 10 times with rank 1 as a child process
+# (--tp-transport processes: the one-shot all-reduce over CUDA IPC; tokens must equal the threads'
+# runs, and no rank process may remain), then `bench --tp 2` once on the XS.2 shape cut to a few
+# layers beside --tp 1. Logs and JSON under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
-#     bash tools/device/tp_check.sh [--skip-tests] [--skip-bench] [--layers N]
+#     bash tools/device/tp_check.sh [--skip-tests] [--skip-bench] [--skip-comm-bench] [--layers N]
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/tp_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 source tools/device/env.sh
-TESTS=1; BENCH=1; LAYERS=4
+TESTS=1; BENCH=1; COMM_BENCH=1; LAYERS=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
+    --skip-comm-bench) COMM_BENCH=0 ;;
     --layers) shift; LAYERS=$1 ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
@@ -44,11 +47,13 @@ if [ "$TESTS" = 1 ]; then
   run_test tests/gpu/cuda_tp_gpu_test 420
   grep -E "^\[tp\]" "$OUT/cuda_tp_gpu_test.log" | head -20
 fi
-timeout 180 $B bench comm --tp 2 --sizes 4K,16K,64K,1M --iters 200 --json-out "$OUT/bench_comm_tp2.json" \
-  > "$OUT/bench_comm_tp2.log" 2>&1
-echo "bench comm --tp 2 rc=$?:"; cat "$OUT/bench_comm_tp2.log"
-timeout 180 $B bench comm --tp 3 --sizes 4K,1M --iters 100 > "$OUT/bench_comm_tp3.log" 2>&1
-echo "bench comm --tp 3 rc=$?:"; tail -6 "$OUT/bench_comm_tp3.log"
+if [ "$COMM_BENCH" = 1 ]; then
+  timeout 180 $B bench comm --tp 2 --sizes 4K,16K,64K,1M --iters 200 --json-out "$OUT/bench_comm_tp2.json" \
+    > "$OUT/bench_comm_tp2.log" 2>&1
+  echo "bench comm --tp 2 rc=$?:"; cat "$OUT/bench_comm_tp2.log"
+  timeout 180 $B bench comm --tp 3 --sizes 4K,1M --iters 100 > "$OUT/bench_comm_tp3.log" 2>&1
+  echo "bench comm --tp 3 rc=$?:"; tail -6 "$OUT/bench_comm_tp3.log"
+fi
 # Greedy tokens, 10 runs, each a fresh process; then the eager communicator once.
 M=tests/data/golden/tiny_fixed_routing
 GEN=(generate --model "$M" --backend cuda --tp 2 --prompt-ids 2,17,42,7,99,3 --max-tokens 64 --ignore-eos
@@ -58,6 +63,12 @@ for i in $(seq 1 10); do
 done
 timeout 120 $B "${GEN[@]}" --tp-transport device-in-process > "$OUT/generate_eager.json" 2> "$OUT/generate_eager.log" \
   || echo "generate eager FAILED rc=$?"
+# Rank 1 as a child process (this binary re-executed), 10 fresh groups.
+for i in $(seq 1 10); do
+  timeout 120 $B "${GEN[@]}" --tp-transport processes > "$OUT/generate_proc_$i.json" 2> "$OUT/generate_proc_$i.log" \
+    || echo "generate processes run $i FAILED rc=$?"
+done
+echo "rank processes left after the processes runs: $(ps -eo args | grep -c '^[^ ]*decodelab __tp-rank')"
 timeout 120 $B generate --model "$M" --backend cuda --prompt-ids 2,17,42,7,99,3 --max-tokens 64 --ignore-eos \
   --kv-dtype bf16 --allow-fallback --json > "$OUT/generate_tp1.json" 2> "$OUT/generate_tp1.log" || echo "generate tp1 FAILED"
 python3 - "$OUT" <<'PY'
@@ -83,6 +94,15 @@ for t in b.get("topology", []):
           f"signature {t.get('signature')}")
 et = eager.get("backend", {}).get("tensor_parallel", {})
 print(f"  eager run: transport {et.get('transport')}, graphs {et.get('graphs')}")
+procs = [last(f"{d}/generate_proc_{i}.json") for i in range(1, 11)]
+ptoks = [r.get("tokens") for r in procs]
+psame = all(t == toks[0] and t is not None for t in ptoks)
+print(f"generate --tp 2 --tp-transport processes x10: tokens {'IDENTICAL to the threads runs' if psame else 'DIFFER'}")
+pb = procs[0].get("backend", {})
+ptp = pb.get("tensor_parallel", {})
+print(f"  transport {ptp.get('transport')}, graphs {ptp.get('graphs')}, pids {[r.get('pid') for r in ptp.get('ranks', [])]}")
+for t in pb.get("topology", []):
+    print(f"  topology rank {t.get('rank')}: signature {t.get('signature')}")
 PY
 if [ "$BENCH" = 1 ]; then
   for tp in 1 2; do
