@@ -52,7 +52,8 @@ class CudaTpRunner final : public ModelRunner {
   // `checkpoint` must outlive the runner and hold host weights (BF16/F32; not shape-only, not FP8).
   // `base` applies to every rank (its `device` is replaced by the rank's). `gpus`: how many GPUs the
   // ranks may use (0: every visible one). `collective_timeout_s` bounds the in-process communicator's
-  // host wait for another rank.
+  // host wait for another rank, the one-shot kernels' spin, and with kProcesses a child's reply.
+  // `processes` (kProcesses only) says how to start the children, which must build the same weights.
   static Result<std::unique_ptr<CudaTpRunner>> Create(const Checkpoint& checkpoint, const KvCacheSpec& kv,
                                                       KvScales scales, const CudaRunnerOptions& base, int tp_size,
                                                       EmbeddingMode embedding,
