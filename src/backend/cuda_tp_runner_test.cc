@@ -6,6 +6,7 @@
 
 #include "cuda/device.h"
 #include "model/checkpoint.h"
+#include "model/fp8_layout.h"
 #include "model/shapes.h"
 
 namespace dl {
@@ -77,6 +78,16 @@ TEST(CudaTpRunnerTest, ShardsTheKernelsCannotRunAreRefusedNamingTheRank) {
     ASSERT_TRUE(ck.ok()) << ck.status().ToString();
     const Status st = CheckCudaTensorParallel(*ck, Plan(c, 4));
     EXPECT_NE(st.ToString().find("leaves rank 2 an empty slice"), std::string::npos) << st.ToString();
+  }
+  {
+    // FP8 weights: the host shards carry them (the CPU ranks run them), the CUDA ranks not yet.
+    Fp8Options fp8;
+    fp8.layout = Fp8Layout::kAllLinear;
+    auto ck = MakeSyntheticCheckpoint(Tiny(), 1, DType::kBF16, &fp8);
+    ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+    const Status st = CheckCudaTensorParallel(*ck, Plan(Tiny(), 2));
+    EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st.ToString();
+    EXPECT_NE(st.ToString().find("FP8 weights under tensor parallelism"), std::string::npos) << st.ToString();
   }
 }
 

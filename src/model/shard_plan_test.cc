@@ -293,5 +293,63 @@ TEST(WeightShardTest, RowSlicesAreViewsAndColumnSlicesReassembleTheMatrix) {
   EXPECT_EQ(shards[1]->weights.lm_head_vocab_begin, 256);
 }
 
+// An FP8 weight's dequantised element (weights.h: code x its block's FP32 scale).
+float Dequantised(const WeightRef& w, int64_t row, int64_t col) {
+  const int64_t scale_cols = (w.cols() + w.block_cols - 1) / w.block_cols;
+  const uint8_t code = static_cast<const uint8_t*>(w.data)[row * w.cols() + col];
+  return Fp8E4M3ToFloat(code) * w.scales[(row / w.block_rows) * scale_cols + col / w.block_cols];
+}
+
+// FP8 weights are cut with their scales: every rank's slice dequantises to the whole matrix's
+// elements, bit for bit, for row slices on a block boundary (q, experts' gate), row slices inside one
+// block (the shared expert's 8 of 16 rows), and column slices (o_proj, down). A slice that starts
+// inside a block and crosses into the next is refused, naming the tensor.
+TEST(WeightShardTest, Fp8SlicesCarryTheirScales) {
+  const ModelConfig c = Shape("tiny");
+  Fp8Options fp8;
+  fp8.layout = Fp8Layout::kAllLinear;
+  fp8.block_rows = fp8.block_cols = 16;
+  auto ck = MakeSyntheticCheckpoint(c, 7, DType::kBF16, &fp8);
+  ASSERT_TRUE(ck.ok()) << ck.status().ToString();
+  const LagunaWeights full = HostLagunaWeights(ck->weights());
+  auto plan = MakeTensorParallelPlan(c, 2, EmbeddingMode::kReplicated);
+  ASSERT_TRUE(plan.ok());
+  std::vector<std::unique_ptr<HostWeightShard>> shards;
+  for (int r = 0; r < 2; ++r) {
+    auto s = ShardHostWeights(c, full, *plan, r);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    shards.push_back(std::move(s).value());
+  }
+  // The rank's slice `part` of `whole` starts at (row0, col0) of it.
+  auto expect_slice = [](const WeightRef& whole, const WeightRef& part, int64_t row0, int64_t col0) {
+    ASSERT_NE(part.scales, nullptr) << part.name;
+    for (int64_t i = 0; i < part.rows(); ++i)
+      for (int64_t j = 0; j < part.cols(); ++j)
+        ASSERT_EQ(Dequantised(part, i, j), Dequantised(whole, row0 + i, col0 + j)) << part.name << " " << i << "," << j;
+  };
+  const int64_t D = c.head_dim;
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    const LagunaLayerWeights& F = full.layers[1];
+    const LagunaLayerWeights& R = shards[r]->weights.layers[1];
+    const int64_t q = R.qkvg.parts[0].rows();
+    expect_slice(F.qkvg.parts[0], R.qkvg.parts[0], r * q, 0);
+    expect_slice(F.o.parts[0], R.o.parts[0], 0, r * q);
+    const int64_t f = c.moe_intermediate_size / 2, fs = R.moe.shared_gate.rows();
+    expect_slice(F.moe.gate[2], R.moe.gate[2], r * f, 0);
+    expect_slice(F.moe.down[2], R.moe.down[2], 0, r * f);
+    expect_slice(F.moe.shared_gate, R.moe.shared_gate, r * fs, 0);
+    expect_slice(F.moe.shared_down, R.moe.shared_down, 0, r * fs);
+    EXPECT_EQ(q % D, 0);
+  }
+  // Rows 8..40 of q_proj with 16-row blocks start inside block 0 and end in block 2.
+  const WeightRef& g = full.layers[1].qkvg.parts[0];
+  ASSERT_GE(g.rows(), 40);
+  auto crossing = RowSlice(g, Slice{8, 32});
+  ASSERT_FALSE(crossing.ok());
+  EXPECT_EQ(crossing.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(crossing.status().ToString().find(g.name), std::string::npos) << crossing.status().ToString();
+}
+
 }  // namespace
 }  // namespace dl

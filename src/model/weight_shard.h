@@ -22,13 +22,14 @@ struct HostWeightShard {
   std::vector<std::vector<uint8_t>> owned;  // backing of the column slices
 };
 
-// `full`: the whole model over host memory (HostLagunaWeights). Quantised (scaled) weights are
-// refused: the CPU reference does not run them.
+// `full`: the whole model over host memory (HostLagunaWeights). FP8 weights are cut with their
+// scales: a slice must start on a scale block's boundary or lie inside one block (else Unimplemented
+// naming the tensor); row slices view the scales, column slices copy them.
 Result<std::unique_ptr<HostWeightShard>> ShardHostWeights(const ModelConfig& config,
                                                           const LagunaWeights& full,
                                                           const TensorParallelPlan& plan, int rank);
 
-// Rows [rows.begin, rows.end()) of a matrix, as a view.
-WeightRef RowSlice(const WeightRef& w, Slice rows);
+// Rows [rows.begin, rows.end()) of a matrix, as a view (an FP8 weight's scales too).
+Result<WeightRef> RowSlice(const WeightRef& w, Slice rows);
 
 }  // namespace dl

@@ -52,7 +52,7 @@ CpuTpRunner& Runner(Engine& e) { return dynamic_cast<CpuTpRunner&>(*e.runner); }
 
 bool PlanAllows(const fs::path& dir, int tp) {
   auto c = ModelConfig::FromFile((dir / "config.json").string());
-  return c.ok() && !c->weight_quant.fp8() && MakeTensorParallelPlan(*c, tp, EmbeddingMode::kReplicated).ok();
+  return c.ok() && MakeTensorParallelPlan(*c, tp, EmbeddingMode::kReplicated).ok();
 }
 
 // Greedy tokens and the bits of every step's logits.
