@@ -58,16 +58,7 @@ Result<std::unique_ptr<CpuTpRunner>> CpuTpRunner::Create(const Checkpoint& check
   runner->vocab_size_ = c.vocab_size;
   runner->scales_ = scales;
   if (transport == TpTransport::kProcesses) {
-    TpRankSetup setup{.tp_size = tp,
-                      .rank = 0,
-                      .embedding = embedding,
-                      .kv = kv,
-                      .scales = scales,
-                      .num_layers = c.num_hidden_layers,
-                      .hidden_size = c.hidden_size,
-                      .vocab_size = c.vocab_size,
-                      .backend = TpRankBackend::kCpu,
-                      .cuda = {}};
+    const TpRankSetup setup = TpRankSetup::ForRankZero(c, tp, embedding, kv, scales, TpRankBackend::kCpu);
     DL_ASSIGN_OR_RETURN(runner->children_, TpProcessRanks::Start(processes, setup, timeout_s));
     runner->comms_.push_back(&runner->children_->rank0_comm());
     // Rank 0 builds its shard while the children build theirs.
@@ -95,24 +86,12 @@ CpuTpRunner::~CpuTpRunner() {
   if (children_) children_->Stop();
 }
 
-void CpuTpRunner::FailNextForwardOnRank(int rank, Status error) {
-  if (children_) {
-    children_->InjectFailure(rank, std::move(error));
-  } else {
-    threads_->InjectFailure(rank, std::move(error));
-  }
-}
+void CpuTpRunner::FailNextForwardOnRank(int rank, Status error) { injected_.Set(rank, std::move(error)); }
 
-std::vector<pid_t> CpuTpRunner::rank_pids() const {
-  std::vector<pid_t> pids;
-  if (children_) {
-    for (int r = 0; r < plan_.tp_size; ++r) pids.push_back(children_->pid(r));
-  }
-  return pids;
-}
+std::vector<pid_t> CpuTpRunner::rank_pids() const { return children_ ? children_->pids() : std::vector<pid_t>{}; }
 
 Status CpuTpRunner::RunRank(int r, const ForwardBatch& batch, ForwardResult* result) {
-  Status st = children_ ? children_->TakeInjected(r) : threads_->TakeInjected(r);
+  Status st = injected_.Take(r);
   if (st.ok()) st = ranks_[r]->Forward(batch, result);
   // A failed rank must not leave the others waiting in a collective it will never join.
   if (!st.ok()) comms_[r]->Abort(st);
@@ -128,7 +107,7 @@ std::vector<Status> CpuTpRunner::RunStep(const ForwardBatch& batch) {
   }
   // The children get the plan first, then rank 0 runs its share (the children wait for it in their
   // first collective), then each child's reply says how its share went.
-  std::vector<Status> statuses = children_->SendStep(EncodeForwardBatch(batch));
+  std::vector<Status> statuses = children_->SendStep(EncodeForwardBatch(batch), injected_);
   bool all_sent = true;
   for (int r = 1; r < plan_.tp_size; ++r) all_sent = all_sent && statuses[r].ok();
   if (all_sent) {

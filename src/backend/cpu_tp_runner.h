@@ -79,6 +79,7 @@ class CpuTpRunner final : public ModelRunner {
   std::vector<std::unique_ptr<comm::Communicator>> owned_;  // kTcpLoopback
   std::vector<comm::Communicator*> comms_;                 // [tp]
   std::unique_ptr<TpProcessRanks> children_;               // kProcesses: ranks 1..tp-1 (and rank 0's comm)
+  InjectedFailures injected_;                              // FailNextForwardOnRank's
   std::vector<std::unique_ptr<CpuRunner>> ranks_;          // [tp]; kProcesses: [1], rank 0's
   KvScales scales_;                                        // what every rank uses
   KvObserver* observer_ = nullptr;

@@ -100,16 +100,7 @@ Status CudaTpRunner::StartProcesses(const Checkpoint& checkpoint, const KvCacheS
                                     const TpProcessOptions& processes) {
   const ModelConfig& c = checkpoint.config();
   const int tp = plan_.tp_size;
-  TpRankSetup setup{.tp_size = tp,
-                    .rank = 0,
-                    .embedding = embedding,
-                    .kv = kv,
-                    .scales = scales,
-                    .num_layers = c.num_hidden_layers,
-                    .hidden_size = c.hidden_size,
-                    .vocab_size = c.vocab_size,
-                    .backend = TpRankBackend::kCuda,
-                    .cuda = {}};
+  TpRankSetup setup = TpRankSetup::ForRankZero(c, tp, embedding, kv, scales, TpRankBackend::kCuda);
   setup.cuda.options = base;
   setup.cuda.devices = devices_;
   comm::DeviceGroup::OneShotOptions oneshot;
@@ -220,21 +211,9 @@ CudaTpRunner::~CudaTpRunner() {
   }
 }
 
-void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) {
-  if (children_) {
-    children_->InjectFailure(rank, std::move(error));
-  } else {
-    threads_->InjectFailure(rank, std::move(error));
-  }
-}
+void CudaTpRunner::FailNextForwardOnRank(int rank, Status error) { injected_.Set(rank, std::move(error)); }
 
-std::vector<pid_t> CudaTpRunner::rank_pids() const {
-  std::vector<pid_t> pids;
-  if (children_) {
-    for (int r = 0; r < plan_.tp_size; ++r) pids.push_back(children_->pid(r));
-  }
-  return pids;
-}
+std::vector<pid_t> CudaTpRunner::rank_pids() const { return children_ ? children_->pids() : std::vector<pid_t>{}; }
 
 Status CudaTpRunner::EndGroup(const std::string& failures) {
   broken_ = Status(StatusCode::kUnavailable, fmt::format("tensor-parallel group of {} ended: {}", plan_.tp_size, failures));
@@ -248,10 +227,10 @@ Status CudaTpRunner::EndGroup(const std::string& failures) {
 // has its own CUDA context, so no rank's capture or kernel loading waits for a peer's spinning
 // kernel (cuda_runner.h says why threads need one).
 Status CudaTpRunner::LaunchProcesses(const ForwardBatch& batch) {
-  std::vector<Status> statuses = children_->SendStep(EncodeForwardBatch(batch));
+  std::vector<Status> statuses = children_->SendStep(EncodeForwardBatch(batch), injected_);
   bool all_sent = true;
   for (int r = 1; r < plan_.tp_size; ++r) all_sent = all_sent && statuses[r].ok();
-  Status st = all_sent ? children_->TakeInjected(0)
+  Status st = all_sent ? injected_.Take(0)
                        : Status(StatusCode::kCancelled, "not run: a rank could not be sent the step");
   bool prepared = false;
   if (st.ok()) st = ranks_[0]->Prepare(batch);
@@ -299,7 +278,7 @@ Status CudaTpRunner::WaitProcesses(ForwardResult* result) {
 }
 
 Status CudaTpRunner::LaunchRank(int r, const ForwardBatch& batch) {
-  Status st = threads_->TakeInjected(r);
+  Status st = injected_.Take(r);
   if (st.ok()) st = ranks_[r]->Prepare(batch);
   // No rank's graph runs before every rank has captured its own (CudaRunner::Prepare says why).
   if (st.ok()) {

@@ -106,6 +106,7 @@ class CudaTpRunner final : public ModelRunner {
   std::vector<comm::DeviceCommunicator*> comms_;                   // [tp]
   // kProcesses: ranks 1..tp-1 (stopped before anything below goes: they map rank 0's buffers).
   std::unique_ptr<TpProcessRanks> children_;
+  InjectedFailures injected_;  // FailNextForwardOnRank's
   KvScales scales_;                                                // kProcesses: what the children were sent
   std::vector<std::unique_ptr<CudaRunner>> ranks_;                 // [tp]; kProcesses: [1], rank 0's
   KvObserver* observer_ = nullptr;

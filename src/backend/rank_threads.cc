@@ -4,7 +4,7 @@
 
 namespace dl {
 
-RankThreads::RankThreads(int ranks) : ranks_(ranks), statuses_(ranks), injected_(ranks) {
+RankThreads::RankThreads(int ranks) : ranks_(ranks), statuses_(ranks) {
   for (int r = 1; r < ranks; ++r) workers_.emplace_back(&RankThreads::WorkerLoop, this, r);
 }
 
@@ -54,13 +54,16 @@ std::vector<Status> RankThreads::Run(const std::function<Status(int)>& step) {
   return statuses_;
 }
 
-void RankThreads::InjectFailure(int rank, Status error) {
+void InjectedFailures::Set(int rank, Status error) {
+  if (rank < 0) return;
   std::lock_guard<std::mutex> lk(mu_);
+  if (rank >= static_cast<int>(injected_.size())) injected_.resize(rank + 1);
   injected_[rank] = std::move(error);
 }
 
-Status RankThreads::TakeInjected(int rank) {
+Status InjectedFailures::Take(int rank) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (rank < 0 || rank >= static_cast<int>(injected_.size())) return Status::Ok();
   return std::exchange(injected_[rank], Status::Ok());
 }
 

@@ -16,6 +16,19 @@
 
 namespace dl {
 
+// The test hook of the tensor-parallel runners (FailNextForwardOnRank): rank r's next Take returns
+// the error Set for it, once; the runner's step then fails that rank before it starts its forward
+// (a thread rank) or sends it to the rank with its step plan (a process rank). Thread-safe.
+class InjectedFailures {
+ public:
+  void Set(int rank, Status error);  // a negative rank is ignored
+  Status Take(int rank);             // Ok when nothing was set for it
+
+ private:
+  std::mutex mu_;
+  std::vector<Status> injected_;  // by rank
+};
+
 class RankThreads {
  public:
   explicit RankThreads(int ranks);  // starts ranks - 1 worker threads
@@ -26,11 +39,6 @@ class RankThreads {
   // step(r) for every rank r, at once; returns when every rank's call has returned, with their
   // statuses by rank. Not reentrant.
   std::vector<Status> Run(const std::function<Status(int)>& step);
-
-  // Test hook: rank `rank`'s next TakeInjected returns `error` (the runner's step fails that rank
-  // before it starts its forward).
-  void InjectFailure(int rank, Status error);
-  Status TakeInjected(int rank);
 
   // "rank r: <status>; rank s: <status>" over the failed ranks, "" when none failed.
   static std::string DescribeFailures(const std::vector<Status>& statuses);
@@ -46,7 +54,6 @@ class RankThreads {
   int done_ = 0;
   bool stop_ = false;
   std::vector<Status> statuses_;  // [ranks], of the current step
-  std::vector<Status> injected_;  // [ranks]
   std::vector<std::thread> workers_;
 };
 

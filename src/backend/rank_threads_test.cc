@@ -39,12 +39,14 @@ TEST(RankThreadsTest, RunsEveryRankAtOnceAndReturnsStatusesByRank) {
 }
 
 TEST(RankThreadsTest, InjectedFailureIsTakenOnce) {
-  RankThreads threads(3);
-  threads.InjectFailure(2, Unavailable("planted"));
-  EXPECT_TRUE(threads.TakeInjected(1).ok());
-  const Status first = threads.TakeInjected(2);
+  InjectedFailures injected;
+  injected.Set(2, Unavailable("planted"));
+  injected.Set(-1, Unavailable("ignored"));
+  EXPECT_TRUE(injected.Take(1).ok());
+  const Status first = injected.Take(2);
   EXPECT_EQ(first.code(), StatusCode::kUnavailable);
-  EXPECT_TRUE(threads.TakeInjected(2).ok()) << "taken once";
+  EXPECT_TRUE(injected.Take(2).ok()) << "taken once";
+  EXPECT_TRUE(injected.Take(7).ok()) << "never set";
 }
 
 }  // namespace

@@ -365,7 +365,6 @@ Result<std::unique_ptr<TpProcessRanks>> TpProcessRanks::Start(const TpProcessOpt
   p->children_.resize(tp);
   p->collectives_.assign(tp, 0);
   p->reports_.assign(tp, std::string());
-  p->injected_.assign(tp, Status::Ok());
   p->sent_.assign(tp, false);
   // Both listeners before any child exists (port 0: the kernel picks free ports; close-on-exec, so
   // no child inherits them).
@@ -467,7 +466,7 @@ Status TpProcessRanks::WaitReady() {
   return Unavailable("tensor-parallel ranks as processes did not start: {}", failures);
 }
 
-std::vector<Status> TpProcessRanks::SendStep(std::span<const std::byte> plan) {
+std::vector<Status> TpProcessRanks::SendStep(std::span<const std::byte> plan, InjectedFailures& injected_failures) {
   std::vector<Status> statuses(children_.size());
   for (int r = 1; r < tp_size(); ++r) {
     if (stopped_) {
@@ -475,7 +474,7 @@ std::vector<Status> TpProcessRanks::SendStep(std::span<const std::byte> plan) {
       sent_[r] = false;
       continue;
     }
-    const Status injected = TakeInjected(r);
+    const Status injected = injected_failures.Take(r);
     statuses[r] = control_->SendMessage(r, EncodeControl(ControlKind::kStep, injected, plan),
                                         comm::DeadlineIn(timeout_s_));
     sent_[r] = statuses[r].ok();
@@ -542,11 +541,11 @@ void TpProcessRanks::Stop(double grace_s) {
   control_.reset();
 }
 
-void TpProcessRanks::InjectFailure(int rank, Status error) {
-  if (rank >= 0 && rank < tp_size()) injected_[rank] = std::move(error);
+std::vector<pid_t> TpProcessRanks::pids() const {
+  std::vector<pid_t> p;
+  for (int r = 0; r < tp_size(); ++r) p.push_back(pid(r));
+  return p;
 }
-
-Status TpProcessRanks::TakeInjected(int rank) { return std::exchange(injected_[rank], Status::Ok()); }
 
 // ---------------------------------------------------------------------------------------------
 // A child's side.

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "backend/cuda_runner.h"
+#include "backend/rank_threads.h"
 #include "base/status.h"
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
@@ -91,6 +92,14 @@ struct TpRankSetup {
   int64_t num_layers = 0, hidden_size = 0, vocab_size = 0;
   TpRankBackend backend = TpRankBackend::kCpu;
   TpCudaRankSetup cuda;  // kCuda only
+
+  // Rank 0's setup for a group of `tp` over `config` (cuda left empty for the caller to fill).
+  static TpRankSetup ForRankZero(const ModelConfig& config, int tp, EmbeddingMode embedding, const KvCacheSpec& kv,
+                                 const KvScales& scales, TpRankBackend backend) {
+    return {.tp_size = tp, .rank = 0, .embedding = embedding, .kv = kv, .scales = scales,
+            .num_layers = config.num_hidden_layers, .hidden_size = config.hidden_size,
+            .vocab_size = config.vocab_size, .backend = backend, .cuda = {}};
+  }
 };
 std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s);
 Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes);
@@ -113,10 +122,11 @@ class TpProcessRanks {
   // each rank that failed or ended.
   Status WaitReady();
 
-  // One step on every child: `plan` (EncodeForwardBatch) to each, with rank r's injected failure
-  // when set (the test hook: the child fails that step before its forward). Returns per rank (index
-  // r, rank 0's entry unused) the send's status: a child that cannot be sent its plan is gone.
-  std::vector<Status> SendStep(std::span<const std::byte> plan);
+  // One step on every child: `plan` (EncodeForwardBatch) to each, with the runner's injected
+  // failure for it, taken from `injected` (the test hook: the child fails that step before its
+  // forward). Returns per rank (index r, rank 0's entry unused) the send's status: a child that
+  // cannot be sent its plan is gone.
+  std::vector<Status> SendStep(std::span<const std::byte> plan, InjectedFailures& injected);
   // Each child's reply to the step (statuses[r] for r >= 1; entries that already failed are kept
   // and completed with how the child ended). `rank0_failed`: rank 0's own forward failed, so a child
   // still computing is given a short grace instead of the collective timeout.
@@ -125,13 +135,10 @@ class TpProcessRanks {
   // process remains. Idempotent.
   void Stop(double grace_s = 5.0);
 
-  // The test hook's store, as RankThreads has for threads: rank r's next step fails with `error`.
-  void InjectFailure(int rank, Status error);
-  Status TakeInjected(int rank);
-
   int tp_size() const { return static_cast<int>(children_.size()); }
   // Child r's pid (0 for rank 0 itself).
   pid_t pid(int rank) const { return rank == 0 ? 0 : children_[rank].pid(); }
+  std::vector<pid_t> pids() const;  // every rank's, by rank
   // Collectives child r reported for its last forward (0 before any).
   int64_t collectives_last_forward(int rank) const { return collectives_[rank]; }
   // What child r reported with its last reply (ready or step): a JSON object, empty before any. A
@@ -150,7 +157,6 @@ class TpProcessRanks {
   std::unique_ptr<comm::Communicator> data_;
   std::vector<int64_t> collectives_;  // [tp]
   std::vector<std::string> reports_;  // [tp]
-  std::vector<Status> injected_;      // [tp]
   std::vector<bool> sent_;            // [tp]: this step's plan reached the child
   bool stopped_ = false;
 };

@@ -263,20 +263,15 @@ TEST(TpProcessesCpuTest, AChildRefusesACorruptPlanAndSaysWhy) {
   const KvCache* kv = one->kv.get();
   TpProcessOptions options;
   options.argv_prefix = {"tp_processes_cpu_test", "__tp-rank", "--model", GoldenDir("tiny").string()};
-  TpRankSetup setup{.tp_size = 2,
-                    .embedding = EmbeddingMode::kReplicated,
-                    .kv = kv->spec(),
-                    .num_layers = c->num_hidden_layers,
-                    .hidden_size = c->hidden_size,
-                    .vocab_size = c->vocab_size,
-                    .backend = TpRankBackend::kCpu,
-                    .cuda = {}};
+  const TpRankSetup setup =
+      TpRankSetup::ForRankZero(*c, 2, EmbeddingMode::kReplicated, kv->spec(), KvScales{}, TpRankBackend::kCpu);
   auto ranks = TpProcessRanks::Start(options, setup, 30);
   ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
   ASSERT_TRUE((*ranks)->WaitReady().ok());
   const std::vector<pid_t> pids = {(*ranks)->pid(1)};
   const std::vector<std::byte> garbage(40, std::byte{0x5a});
-  std::vector<Status> statuses = (*ranks)->SendStep(garbage);
+  InjectedFailures none;
+  std::vector<Status> statuses = (*ranks)->SendStep(garbage, none);
   ASSERT_TRUE(statuses[1].ok()) << statuses[1].ToString();
   (*ranks)->CollectReplies(false, &statuses);
   ASSERT_FALSE(statuses[1].ok());
