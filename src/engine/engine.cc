@@ -340,13 +340,9 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
     DL_ASSIGN_OR_RETURN(const CudaTpTransport transport, ParseCudaTpTransport(o.tp_transport));
     // kProcesses: each child loads the same model source itself (a --shape model is rebuilt from
     // the same shape, seed and layers) and builds its CUDA rank from the options rank 0 sends.
-    TpProcessOptions processes;
-    processes.exe = o.tp_rank_exe;
-    processes.argv_prefix = o.tp_rank_argv_prefix;
-    for (std::string& a : TpRankModelArgs(o)) processes.argv_prefix.push_back(std::move(a));
     DL_ASSIGN_OR_RETURN(auto runner, CudaTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
                                                           co, o.tp, o.embedding, transport, /*gpus=*/0,
-                                                          o.tp_timeout_s, processes));
+                                                          o.tp_timeout_s, TpProcessOptionsFor(o)));
     const bool graphs = o.use_graph && runner->transport() != "device-in-process";
     engine->backend_choice_reason +=
         fmt::format("; tensor parallel {} (ranks on GPUs [{}]{}, {} communicator, {}, embedding {})", o.tp,
@@ -367,12 +363,9 @@ Result<std::unique_ptr<Engine>> LoadEngine(const EngineOptions& o) {
                              "of this process) or processes (ranks 1..N-1 are child processes)",
                              o.tp_transport);
     }
-    TpProcessOptions processes;
-    processes.exe = o.tp_rank_exe;
-    processes.argv_prefix = o.tp_rank_argv_prefix;
-    for (std::string& a : TpRankModelArgs(o)) processes.argv_prefix.push_back(std::move(a));
     DL_ASSIGN_OR_RETURN(auto runner, CpuTpRunner::Create(*engine->checkpoint, engine->kv->spec(), std::move(scales),
-                                                         o.tp, o.embedding, transport, o.tp_timeout_s, processes));
+                                                         o.tp, o.embedding, transport, o.tp_timeout_s,
+                                                         TpProcessOptionsFor(o)));
     engine->runner = std::move(runner);
     engine->backend_choice_reason +=
         fmt::format("; tensor parallel {} ({}, embedding {})", o.tp,

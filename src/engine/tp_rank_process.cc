@@ -11,7 +11,22 @@ std::vector<std::string> TpRankModelArgs(const EngineOptions& o) {
   if (!o.model_dir.empty()) return {"--model", o.model_dir};
   std::vector<std::string> a = {"--shape", o.shape, "--seed", std::to_string(o.seed)};
   if (o.num_layers) a.insert(a.end(), {"--num-layers", std::to_string(*o.num_layers)});
+  if (o.shape_fp8) {  // every field of the FP8 layout: the child must quantise exactly as rank 0 did
+    const Fp8Options& f = *o.shape_fp8;
+    a.insert(a.end(), {"--fp8-layout", std::string(Fp8LayoutName(f.layout)), "--fp8-format",
+                       std::string(Fp8FormatName(f.format)), "--fp8-granularity",
+                       std::string(Fp8GranularityName(f.granularity)), "--fp8-block-rows",
+                       std::to_string(f.block_rows), "--fp8-block-cols", std::to_string(f.block_cols)});
+  }
   return a;
+}
+
+TpProcessOptions TpProcessOptionsFor(const EngineOptions& o) {
+  TpProcessOptions p;
+  p.exe = o.tp_rank_exe;
+  p.argv_prefix = o.tp_rank_argv_prefix;
+  for (std::string& a : TpRankModelArgs(o)) p.argv_prefix.push_back(std::move(a));
+  return p;
 }
 
 namespace {
@@ -34,6 +49,20 @@ Result<EngineOptions> ParseModelArgs(const std::vector<std::string>& args) {
     } else if (key == "--num-layers") {
       DL_ASSIGN_OR_RETURN(long long v, comm::ParseInteger(value, key));
       o.num_layers = static_cast<int>(v);
+    } else if (key.starts_with("--fp8-")) {
+      Fp8Options& f = o.shape_fp8 ? *o.shape_fp8 : o.shape_fp8.emplace();
+      if (key == "--fp8-layout") {
+        DL_ASSIGN_OR_RETURN(f.layout, ParseFp8Layout(value));
+      } else if (key == "--fp8-format") {
+        DL_ASSIGN_OR_RETURN(f.format, ParseFp8Format(value));
+      } else if (key == "--fp8-granularity") {
+        DL_ASSIGN_OR_RETURN(f.granularity, ParseFp8Granularity(value));
+      } else if (key == "--fp8-block-rows" || key == "--fp8-block-cols") {
+        DL_ASSIGN_OR_RETURN(long long v, comm::ParseInteger(value, key));
+        (key == "--fp8-block-rows" ? f.block_rows : f.block_cols) = v;
+      } else {
+        return InvalidArgument("__tp-rank: unknown flag '{}'", key);
+      }
     } else {
       return InvalidArgument("__tp-rank: unknown flag '{}'", key);
     }

@@ -13,12 +13,16 @@
 #include <vector>
 
 #include "base/status.h"
+#include "backend/tp_process_ranks.h"
 #include "engine/engine.h"
 
 namespace dl {
 
-// The model-source flags for a child rank.
+// The model-source flags for a child rank (a --shape's FP8 layout included).
 std::vector<std::string> TpRankModelArgs(const EngineOptions& options);
+// How rank 0 starts its children for `options`: the options' executable and argv prefix, then the
+// model source.
+TpProcessOptions TpProcessOptionsFor(const EngineOptions& options);
 
 // The subcommand's body: `args` are the flags after "__tp-rank". Ok once rank 0 said stop; an error
 // (printed by the caller, which exits non-zero) when rank 0 went away, a message was bad, or the

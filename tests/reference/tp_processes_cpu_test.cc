@@ -159,19 +159,29 @@ TEST(TpProcessesCpuTest, TokensAndLogitsAreBitIdenticalToInProcessOnTheGoldens) 
 }
 
 // A --shape model: each child generates its own synthetic weights from the same shape and seed.
+// BF16 and FP8 --shape weights (an FP8 layout other than the defaults: every field must reach the
+// children, or they would build other weights than rank 0's).
 TEST(TpProcessesCpuTest, ShapeWeightsAreRebuiltBitIdenticallyInEachChild) {
-  EngineOptions o = Options(2, EmbeddingMode::kVocabParallel, "processes");
-  o.shape = "tiny";
-  o.seed = 1234;
-  auto processes = Load(o);
-  o.tp_transport = "auto";
-  auto threads = Load(o);
-  ASSERT_TRUE(processes && threads);
-  const std::vector<int32_t> prompt = {5, 77, 300, 2, 9, 128, 64, 401};
-  const GreedyRun want = Generate(*threads, prompt, 10);
-  const GreedyRun got = Generate(*processes, prompt, 10);
-  EXPECT_EQ(got.tokens, want.tokens);
-  EXPECT_EQ(got.logit_bits, want.logit_bits);
+  Fp8Options fp8;
+  fp8.layout = Fp8Layout::kAllLinear;
+  fp8.format = WeightQuantFormat::kFp8CompressedTensors;
+  fp8.block_rows = fp8.block_cols = 16;
+  for (const std::optional<Fp8Options>& shape_fp8 : {std::optional<Fp8Options>{}, std::optional<Fp8Options>{fp8}}) {
+    SCOPED_TRACE(shape_fp8 ? "fp8" : "bf16");
+    EngineOptions o = Options(2, EmbeddingMode::kVocabParallel, "processes");
+    o.shape = "tiny";
+    o.seed = 1234;
+    o.shape_fp8 = shape_fp8;
+    auto processes = Load(o);
+    o.tp_transport = "auto";
+    auto threads = Load(o);
+    ASSERT_TRUE(processes && threads);
+    const std::vector<int32_t> prompt = {5, 77, 300, 2, 9, 128, 64, 401};
+    const GreedyRun want = Generate(*threads, prompt, 10);
+    const GreedyRun got = Generate(*processes, prompt, 10);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.logit_bits, want.logit_bits);
+  }
 }
 
 TEST(TpProcessesCpuTest, AChildsForwardFailureEndsTheGroupNamingTheRank) {
