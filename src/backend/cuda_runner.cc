@@ -108,26 +108,15 @@ struct CudaRunner::Impl final : LagunaOps {
   // Whether a row's product follows its class (prompt rows on the tensor-core product, generated rows
   // on the CUDA cores): then RowRun::mma marks the prompt rows.
   bool mma_products_only_for_prompts() const { return !opt.tuning.mma_products && opt.tuning.prompt_mma; }
-  // Whether a run's products may take the library GEMM: prompt rows, a class of their own, with
-  // Tuning::prompt_gemm (each product then also needs LibraryGemmFits, a property of its shapes).
-  bool prompt_gemm(const RowRun& run) const {
-    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_gemm;
-  }
-  // Whether a run's FP8 weight takes the tensor-core product (ops.h 5d): prompt rows, a class of
-  // their own, with Tuning::prompt_fp8_mma, and a block shape the product takes.
-  bool prompt_fp8_mma(const RowRun& run, const kernels::Fp8Weight& w, int in) const {
-    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_fp8_mma && kernels::MmaFp8Supported(w, in);
-  }
-  bool prompt_fp8_mma_experts(const RowRun& run, const kernels::MoeParams& mp) const {
-    auto fits = [&](bool on, int block_rows, int block_cols, int in) {
-      return !on || kernels::MmaFp8Supported(block_rows, block_cols, in);
-    };
-    return run.mma && mma_products_only_for_prompts() && opt.tuning.prompt_fp8_mma &&
-           fits(mp.gate_fp8.on(), mp.gate_fp8.block_rows, mp.gate_fp8.block_cols, mp.d) &&
-           fits(mp.down_fp8.on(), mp.down_fp8.block_rows, mp.down_fp8.block_cols, mp.ffn) &&
-           fits(mp.shared_gate_fp8.on(), mp.shared_gate_fp8.block_rows, mp.shared_gate_fp8.block_cols, mp.d) &&
-           fits(mp.shared_down_fp8.on(), mp.shared_down_fp8.block_rows, mp.shared_down_fp8.block_cols, mp.shared_ffn);
-  }
+  // Whether a run is prompt rows made a class of their own (they then take the prompt products the
+  // tuning asks for below).
+  bool prompt_class(const RowRun& run) const { return run.mma && mma_products_only_for_prompts(); }
+  // Whether a run's products may take the library GEMM: Tuning::prompt_gemm (each product then also
+  // needs LibraryGemmFits, a property of its shapes).
+  bool prompt_gemm(const RowRun& run) const { return prompt_class(run) && opt.tuning.prompt_gemm; }
+  // Whether a run's FP8 weights take the tensor-core product (ops.h 5d): Tuning::prompt_fp8_mma (each
+  // then also needs a block shape the product takes: MmaFp8Supported, MoeFp8MmaSupported).
+  bool prompt_fp8_mma(const RowRun& run) const { return prompt_class(run) && opt.tuning.prompt_fp8_mma; }
   bool Skips(std::string_view op) const {
     return std::find(opt.skip_ops.begin(), opt.skip_ops.end(), op) != opt.skip_ops.end();
   }
@@ -475,7 +464,7 @@ Status CudaRunner::Impl::Linear(const LinearWeights& w, Act in, Act out) {
       // weights take it for prompt rows only (ops.h 5d, Tuning::prompt_fp8_mma), and only where their
       // block shape allows (a property of the checkpoint, never of the batch); every other row keeps
       // the FP8 rule's kernels.
-      p.mma = run.mma && (!fp8 || prompt_fp8_mma(run, p.w_fp8, p.in));
+      p.mma = run.mma && (!fp8 || (prompt_fp8_mma(run) && kernels::MmaFp8Supported(p.w_fp8, p.in)));
       p.mma_tiled_min_tokens = tu.mma_tiled_min_tokens;
       // Prompt rows (a class of their own) on the library GEMM where Tuning::prompt_gemm asks for it
       // and the layer's rows are 16-byte aligned (a property of its shapes, never of the batch).
@@ -690,7 +679,7 @@ Status CudaRunner::Impl::Moe(int32_t l, const MoeWeights& w) {
     // (ops.h 5d, Tuning::prompt_fp8_mma) where every FP8 group's block shape allows; other rows keep
     // the FP8 rule's kernels.
     const bool fp8_experts = mp.gate_fp8.on() || mp.shared_gate_fp8.on();
-    rp.mma = run.mma && (!fp8_experts || prompt_fp8_mma_experts(run, mp));
+    rp.mma = run.mma && (!fp8_experts || (prompt_fp8_mma(run) && kernels::MoeFp8MmaSupported(mp)));
     if (const kernels::GemvParams g = router_gemm(run); g.library_gemm) {
       DL_RETURN_IF_ERROR(kernels::Gemv(g, s()).WithContext(fmt::format("layer {} router", l)));
       rp.router_logits = g.y;

@@ -51,6 +51,17 @@ bool MmaFp8Supported(const Fp8Weight& w, int in) {
   return w.on() && w.scales != nullptr && MmaFp8Supported(w.block_rows, w.block_cols, in);
 }
 
+bool MoeFp8MmaSupported(const MoeParams& p) {
+  auto fits = [](bool on, int block_rows, int block_cols, int in) {
+    return !on || MmaFp8Supported(block_rows, block_cols, in);
+  };
+  auto fits_routed = [&](const MoeParams::Fp8Experts& e, int in) { return fits(e.on(), e.block_rows, e.block_cols, in); };
+  auto fits_shared = [&](const Fp8Weight& w, int in) { return fits(w.on(), w.block_rows, w.block_cols, in); };
+  return fits_routed(p.gate_fp8, p.d) && fits_routed(p.up_fp8, p.d) && fits_routed(p.down_fp8, p.ffn) &&
+         fits_shared(p.shared_gate_fp8, p.d) && fits_shared(p.shared_up_fp8, p.d) &&
+         fits_shared(p.shared_down_fp8, p.shared_ffn);
+}
+
 }  // namespace dl::kernels
 
 namespace dl::kernels {

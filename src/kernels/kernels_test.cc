@@ -270,6 +270,23 @@ TEST(Tuning, SettingsParseRoundTripAndRejectWhatTheyDoNotKnow) {
     EXPECT_FALSE(MmaFp8Supported(w, 2056));     // in % 16 != 0
     w.scales = nullptr;
     EXPECT_FALSE(MmaFp8Supported(w, 2048));
+    // The MoE's FP8 groups, each matrix over its own input width.
+    MoeParams m;
+    m.d = 2048, m.ffn = 512, m.shared_ffn = 512;
+    EXPECT_TRUE(MoeFp8MmaSupported(m)) << "no FP8 group";
+    const uint8_t* const codes[1] = {&code};
+    const float* const scales[1] = {&scale};
+    m.gate_fp8 = m.up_fp8 = m.down_fp8 = {codes, scales, 128, 128};
+    EXPECT_TRUE(MoeFp8MmaSupported(m));
+    m.shared_down_fp8 = Fp8Weight{&code, &scale, 1, 512};  // per channel over F
+    EXPECT_TRUE(MoeFp8MmaSupported(m));
+    m.down_fp8.block_cols = 16;
+    EXPECT_FALSE(MoeFp8MmaSupported(m)) << "16-wide block columns of the routed down";
+    m.down_fp8.block_cols = 128;
+    m.shared_down_fp8.block_cols = 256;  // two 256-wide blocks over F = 512: a power of two, fine
+    EXPECT_TRUE(MoeFp8MmaSupported(m));
+    m.shared_down_fp8.block_cols = 96;
+    EXPECT_FALSE(MoeFp8MmaSupported(m)) << "96-wide block columns of the shared down";
   }
   // The multi-row router's threshold: 16 by default, 0 (never) up to the token limit of a launch.
   EXPECT_EQ(Tuning{}.moe_router_rows_min_tokens, 128);

@@ -244,6 +244,10 @@ int MmaKSplitFor(int out, int in);
 // chunk of 32 must not straddle two scales) or >= in (MmaFp8Supported).
 bool MmaFp8Supported(const Fp8Weight& w, int in);
 bool MmaFp8Supported(int block_rows, int block_cols, int in);  // the block shape alone
+struct MoeParams;
+// Whether every FP8 expert group of `p` has a block shape the MMA experts take (MmaFp8Supported over
+// each matrix's input width); true when no group is FP8.
+bool MoeFp8MmaSupported(const MoeParams& p);
 
 // ---- 5c. The library GEMM (GemvParams::library_gemm) -----------------------------------------------
 // y[t, o] = bf16( sum_i W[o, i] x[t, i] ) by cuBLASLt (BF16 operands, FP32 accumulation and scale,

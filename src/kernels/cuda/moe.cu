@@ -2015,17 +2015,9 @@ inline Status CheckMoe(const MoeParams& p, bool* fp8, MoeFp8Maps* fp8_maps) {
   *fp8 = p.gate_fp8.on() || p.up_fp8.on() || p.down_fp8.on() || p.shared_gate_fp8.on() || p.shared_up_fp8.on() ||
          p.shared_down_fp8.on();
   if (*fp8) DL_RETURN_IF_ERROR(MoeFp8Setup(p, fp8_maps));
-  if (*fp8 && p.mma) {  // ops.h 5d: every FP8 group's block shape must suit the chunks of 32
-    auto mma_fits = [&](const MoeParams::Fp8Experts& e, int in) {
-      return !e.on() || MmaFp8Supported(e.block_rows, e.block_cols, in);
-    };
-    auto mma_fits_shared = [&](const Fp8Weight& w, int in) { return !w.on() || MmaFp8Supported(w, in); };
-    if (!mma_fits(p.gate_fp8, p.d) || !mma_fits(p.up_fp8, p.d) || !mma_fits(p.down_fp8, p.ffn) ||
-        !mma_fits_shared(p.shared_gate_fp8, p.d) || !mma_fits_shared(p.shared_up_fp8, p.d) ||
-        !mma_fits_shared(p.shared_down_fp8, p.shared_ffn)) {
-      return InvalidArgument("moe: the MMA experts take FP8 blocks whose columns are a power of two >= 32 or the "
-                             "whole row (ops.h 5d)");
-    }
+  if (*fp8 && p.mma && !MoeFp8MmaSupported(p)) {  // ops.h 5d: block shapes that suit the chunks of 32
+    return InvalidArgument("moe: the MMA experts take FP8 blocks whose columns are a power of two >= 32 or the "
+                           "whole row (ops.h 5d)");
   }
   if (!p.x || !p.router_w || !p.router_bias ||
       (!*fp8 && (!p.gate_w || !p.up_w || !p.down_w || !p.shared_gate_w || !p.shared_up_w || !p.shared_down_w)) ||
