@@ -251,6 +251,19 @@ TEST(TensorParallelPlanTest, ReadBytesSplitTheWeightsOverRanks) {
   EXPECT_NEAR(ExpectedDistinctExperts(256, 10, 64), 236.0, 0.1);
 }
 
+// Every rank's shard of `full` (empty when one fails, which the test reports).
+std::vector<std::unique_ptr<HostWeightShard>> ShardEveryRank(const ModelConfig& c, const LagunaWeights& full,
+                                                             const TensorParallelPlan& plan) {
+  std::vector<std::unique_ptr<HostWeightShard>> shards;
+  for (int r = 0; r < plan.tp_size; ++r) {
+    auto s = ShardHostWeights(c, full, plan, r);
+    EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s.status().ToString();
+    if (!s.ok()) return {};
+    shards.push_back(std::move(s).value());
+  }
+  return shards;
+}
+
 TEST(WeightShardTest, RowSlicesAreViewsAndColumnSlicesReassembleTheMatrix) {
   const ModelConfig c = Shape("tiny");
   auto ck = MakeSyntheticCheckpoint(c, 7, DType::kBF16);
@@ -258,12 +271,8 @@ TEST(WeightShardTest, RowSlicesAreViewsAndColumnSlicesReassembleTheMatrix) {
   const LagunaWeights full = HostLagunaWeights(ck->weights());
   auto plan = MakeTensorParallelPlan(c, 2, EmbeddingMode::kVocabParallel);
   ASSERT_TRUE(plan.ok());
-  std::vector<std::unique_ptr<HostWeightShard>> shards;
-  for (int r = 0; r < 2; ++r) {
-    auto s = ShardHostWeights(c, full, *plan, r);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    shards.push_back(std::move(s).value());
-  }
+  const std::vector<std::unique_ptr<HostWeightShard>> shards = ShardEveryRank(c, full, *plan);
+  ASSERT_EQ(shards.size(), 2u);
   const int64_t D = c.head_dim, d = c.hidden_size;
   const LagunaLayerWeights& F = full.layers[1];
   const LagunaLayerWeights& R1 = shards[1]->weights.layers[1];
@@ -314,12 +323,8 @@ TEST(WeightShardTest, Fp8SlicesCarryTheirScales) {
   const LagunaWeights full = HostLagunaWeights(ck->weights());
   auto plan = MakeTensorParallelPlan(c, 2, EmbeddingMode::kReplicated);
   ASSERT_TRUE(plan.ok());
-  std::vector<std::unique_ptr<HostWeightShard>> shards;
-  for (int r = 0; r < 2; ++r) {
-    auto s = ShardHostWeights(c, full, *plan, r);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    shards.push_back(std::move(s).value());
-  }
+  const std::vector<std::unique_ptr<HostWeightShard>> shards = ShardEveryRank(c, full, *plan);
+  ASSERT_EQ(shards.size(), 2u);
   // The rank's slice `part` of `whole` starts at (row0, col0) of it.
   auto expect_slice = [](const WeightRef& whole, const WeightRef& part, int64_t row0, int64_t col0) {
     ASSERT_NE(part.scales, nullptr) << part.name;
