@@ -48,12 +48,9 @@ Status CheckCudaTensorParallel(const Checkpoint& ck, const TensorParallelPlan& p
     return InvalidArgument("CUDA tensor parallelism shards the host weights; this checkpoint is shape-only (weights "
                            "generated on one device): give a checkpoint or host synthetic weights");
   }
-  if (c.weight_quant.fp8()) {
-    // The host shards carry FP8 weights with their scales (model/weight_shard.h, and the CPU ranks run
-    // them), but no GPU has run CUDA ranks over them yet: refused until tests/gpu/cuda_tp_gpu_test has.
-    return Unimplemented("FP8 weights under tensor parallelism on the CUDA backend are not enabled yet (the CPU "
-                         "reference runs them: --backend cpu)");
-  }
+  // FP8 weights shard with their scales (model/weight_shard.h refuses a slice that would split a
+  // scale block); each rank's upload then checks that its kernels take the slice's width and block
+  // shape, naming the tensor and the rank (CudaWeights, backend_support.h).
   for (int r = 0; r < tp; ++r) {
     const RankShard& rs = plan.ranks[r];
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {

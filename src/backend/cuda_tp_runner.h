@@ -49,7 +49,7 @@ Status CheckCudaTensorParallel(const Checkpoint& checkpoint, const TensorParalle
 
 class CudaTpRunner final : public ModelRunner {
  public:
-  // `checkpoint` must outlive the runner and hold host weights (BF16/F32; not shape-only, not FP8).
+  // `checkpoint` must outlive the runner and hold host weights (BF16, F32 or FP8 with scales; not shape-only).
   // `base` applies to every rank (its `device` is replaced by the rank's). `gpus`: how many GPUs the
   // ranks may use (0: every visible one). `collective_timeout_s` bounds the in-process communicator's
   // host wait for another rank, the one-shot kernels' spin, and with kProcesses a child's reply.

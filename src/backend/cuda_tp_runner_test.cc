@@ -54,6 +54,13 @@ TEST(CudaTpRunnerTest, ShardsTheKernelsCanRunAreAccepted) {
   // A vocab-parallel embedding: each rank looks up its rows, one all-reduce completes the rows.
   const Status vp = CheckCudaTensorParallel(*ck, Plan(c, 2, EmbeddingMode::kVocabParallel));
   EXPECT_TRUE(vp.ok()) << vp.ToString();
+  // FP8 weights: the shards carry their scales (tests/gpu/cuda_tp_gpu_test.cc runs them).
+  Fp8Options fp8;
+  fp8.layout = Fp8Layout::kAllLinear;
+  auto f8 = MakeSyntheticCheckpoint(c, 1, DType::kBF16, &fp8);
+  ASSERT_TRUE(f8.ok()) << f8.status().ToString();
+  const Status f8st = CheckCudaTensorParallel(*f8, Plan(c, 2));
+  EXPECT_TRUE(f8st.ok()) << f8st.ToString();
 }
 
 TEST(CudaTpRunnerTest, ShardsTheKernelsCannotRunAreRefusedNamingTheRank) {
@@ -78,16 +85,6 @@ TEST(CudaTpRunnerTest, ShardsTheKernelsCannotRunAreRefusedNamingTheRank) {
     ASSERT_TRUE(ck.ok()) << ck.status().ToString();
     const Status st = CheckCudaTensorParallel(*ck, Plan(c, 4));
     EXPECT_NE(st.ToString().find("leaves rank 2 an empty slice"), std::string::npos) << st.ToString();
-  }
-  {
-    // FP8 weights: the host shards carry them (the CPU ranks run them), the CUDA ranks not yet.
-    Fp8Options fp8;
-    fp8.layout = Fp8Layout::kAllLinear;
-    auto ck = MakeSyntheticCheckpoint(Tiny(), 1, DType::kBF16, &fp8);
-    ASSERT_TRUE(ck.ok()) << ck.status().ToString();
-    const Status st = CheckCudaTensorParallel(*ck, Plan(Tiny(), 2));
-    EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st.ToString();
-    EXPECT_NE(st.ToString().find("FP8 weights under tensor parallelism"), std::string::npos) << st.ToString();
   }
 }
 
