@@ -10,17 +10,20 @@
 # runs, and no rank process may remain), then `bench --tp 2` once on the XS.2 shape cut to a few
 # layers beside --tp 1. Logs and JSON under $OUT.
 #   usage (repo root, GPU machine, .deps and .decodelab-commit carried):
-#     bash tools/device/tp_check.sh [--skip-tests] [--skip-bench] [--skip-comm-bench] [--layers N]
+#     bash tools/device/tp_check.sh [--skip-tests] [--skip-bench] [--skip-comm-bench] [--skip-fp8] [--layers N]
+# --skip-fp8: without the FP8 runs (generate on the XS.2 shape cut to 2 layers with FP8 weights in
+# 128 x 128 blocks, --tp 2 as threads and as processes, whose tokens must be equal, beside --tp 1).
 set -uo pipefail
 RESULTS=${OUT:-/tmp/out}
 OUT=/tmp/tp_check; rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 source tools/device/env.sh
-TESTS=1; BENCH=1; COMM_BENCH=1; LAYERS=4
+TESTS=1; BENCH=1; COMM_BENCH=1; FP8=1; LAYERS=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
     --skip-comm-bench) COMM_BENCH=0 ;;
+    --skip-fp8) FP8=0 ;;
     --layers) shift; LAYERS=$1 ;;
     *) echo "unknown flag $1"; exit 2 ;;
   esac
@@ -120,6 +123,26 @@ try:
           f"topology {[t['signature'] for t in b['topology']]}")
 except Exception as e:
     print(f"  bench tp 2 JSON: {e}")
+PY
+fi
+if [ "$FP8" = 1 ]; then
+  F8=(generate --shape xs2 --num-layers 2 --shape-dtype fp8 --backend cuda --prompt-ids 2,17,42,7,99,3 --max-tokens 32
+      --ignore-eos --kv-dtype bf16 --allow-fallback --json)
+  for v in "tp1:--tp 1" "threads:--tp 2 --tp-transport device-oneshot" "processes:--tp 2 --tp-transport processes"; do
+    timeout 300 $B "${F8[@]}" ${v#*:} > "$OUT/fp8_${v%%:*}.json" 2> "$OUT/fp8_${v%%:*}.log" || { echo "fp8 ${v%%:*} FAILED rc=$?"; tail -3 "$OUT/fp8_${v%%:*}.log"; }
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+d = sys.argv[1]
+def toks(n):
+    try:
+        return json.loads(open(f"{d}/fp8_{n}.json").read().strip().splitlines()[-1]).get("tokens")
+    except Exception as e:
+        return None
+t1, th, pr = toks("tp1"), toks("threads"), toks("processes")
+print(f"FP8 xs2 2 layers --tp 2: threads vs processes {'IDENTICAL' if th is not None and th == pr else 'DIFFER'}; "
+      f"tp 1: {'same tokens' if t1 == th else 'other tokens (allowed: BF16 partial sums)'}; {len(th or [])} tokens")
+print(f"  tp1 {t1[:12] if t1 else t1}\n  tp2 {th[:12] if th else th}")
 PY
 fi
 echo "total: $(( $(date +%s) - t0 )) s"
