@@ -1,5 +1,5 @@
 // decodelab bench comm: all-reduce latency inside a CUDA graph, per message size, for the one-shot
-// device communicator and NCCL (docs/tensor-parallel.md). Each transport's ranks are threads of this
+// device communicator (one-shot and two-shot kernels) and NCCL (docs/tensor-parallel.md). Each transport's ranks are threads of this
 // process, rank r on GPU r % GPUs; each rank captures --calls all-reduces into one graph and replays
 // it --iters times, the ranks starting each replay together; a replay's time is the slowest rank's,
 // divided by --calls. Prints p50/p99 per call and the bus bandwidth (nccl-tests' definition) with the
@@ -98,11 +98,14 @@ int RunBenchComm(const BenchCommFlags& f) {
   bool failed = false;
   nlohmann::json results = nlohmann::json::array();
 
-  // The one-shot device communicator: slots as large as the largest size.
-  {
+  // The one-shot device communicator (slots as large as the largest size) with every size on the
+  // one-shot kernel, then every size on the two-shot kernel (the same bits; `--tune
+  // tp_two_shot_min_kb` picks between them by size in the engine).
+  for (const bool two_shot : {false, true}) {
     comm::DeviceGroup::OneShotOptions o;
     o.capacity_bytes = max_bytes;
     o.blocks = f.oneshot_blocks;
+    o.two_shot_min_bytes = two_shot ? 1 : 0;
     auto group = comm::DeviceGroup::CreateOneShot(devices, max_bytes, o, 60.0);
     std::vector<comm::DeviceCommunicator*> comms;
     std::string not_run;
@@ -112,7 +115,10 @@ int RunBenchComm(const BenchCommFlags& f) {
     } else {
       for (int r = 0; r < f.tp; ++r) comms.push_back(&(*group)->rank(r));
     }
-    for (auto& row : TimeTransport("device-oneshot", comms, not_run, *sizes, elem, f, &failed)) results.push_back(row);
+    for (auto& row : TimeTransport(two_shot ? "device-twoshot" : "device-oneshot", comms, not_run, *sizes, elem, f,
+                                   &failed)) {
+      results.push_back(row);
+    }
   }
   // NCCL: one rank per GPU.
   {

@@ -89,7 +89,7 @@ class InProcessDeviceRank final : public DeviceCommunicator {
   // The one-shot buffers on this rank's device: two slots of `capacity` (rounded up to 16 bytes),
   // zeroed flags and epochs. The view's peer pointers are filled in by the group once every rank has
   // its buffers.
-  Status InitOneShot(size_t capacity, int blocks) {
+  Status InitOneShot(size_t capacity, int blocks, size_t two_shot_min_bytes) {
     DL_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const size_t slot = std::max<size_t>(16, (capacity + 15) / 16 * 16);
     DL_ASSIGN_OR_RETURN(os_slots_, cuda::DeviceBuffer::Create(2 * slot));
@@ -102,6 +102,7 @@ class InProcessDeviceRank final : public DeviceCommunicator {
     view_.rank = rank_;
     view_.blocks = blocks;
     view_.capacity = slot;
+    view_.two_shot_min_bytes = two_shot_min_bytes;
     view_.epochs = os_epochs_.as<uint64_t>();
     return Status::Ok();
   }
@@ -114,6 +115,7 @@ class InProcessDeviceRank final : public DeviceCommunicator {
   int device() const override { return device_; }
   std::string transport() const override { return oneshot_ ? "device-oneshot" : "device-in-process"; }
   bool capturable() const override { return oneshot_; }
+  std::string all_reduce_rule() const override { return oneshot_ ? TwoShotRule(view_) : ""; }
   Status AllReduceSum(void* data, int64_t count, DeviceElem elem, CUstream_st* stream) override;
   Status AllGather(const void* local, size_t bytes, void* out, CUstream_st* stream) override;
   void Abort(const Status& reason) override;
@@ -158,7 +160,7 @@ class InProcessDeviceGroup final : public DeviceGroup {
       const std::string where = fmt::format("rank {} on device {}", r, devices[r]);
       DL_RETURN_IF_ERROR(ranks_.back()->Init(capacity).WithContext(where));
       if (oneshot != nullptr) {
-        DL_RETURN_IF_ERROR(ranks_.back()->InitOneShot(oneshot->capacity_bytes, oneshot->blocks).WithContext(where));
+        DL_RETURN_IF_ERROR(ranks_.back()->InitOneShot(oneshot->capacity_bytes, oneshot->blocks, oneshot->two_shot_min_bytes).WithContext(where));
       }
     }
     if (oneshot == nullptr) return Status::Ok();

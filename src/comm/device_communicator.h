@@ -57,6 +57,10 @@ class DeviceCommunicator {
   virtual int device() const = 0;  // the CUDA device of this rank's buffers and stream
   // "device-in-process", "device-oneshot", "nccl".
   virtual std::string transport() const = 0;
+  // How the all-reduce is chosen by size, where there is a choice ("two-shot>=524288": messages of at
+  // least that many bytes take the two-shot kernel); empty where every size takes one algorithm.
+  // Part of the topology signature: it names what a captured graph's collectives run.
+  virtual std::string all_reduce_rule() const { return ""; }
   // Whether the collectives may be recorded into a CUDA graph (stream capture).
   virtual bool capturable() const = 0;
 
@@ -98,6 +102,9 @@ class DeviceGroup {
   struct OneShotOptions {
     size_t capacity_bytes = size_t{2} << 20;
     int blocks = 16;  // the fixed grid of every one-shot kernel (1 to 64): small, so ranks sharing a GPU co-reside
+    // All-reduces of at least this many bytes take the two-shot kernel (comm/device_reduce.h: the
+    // same bits as one-shot, fewer bytes read from peers at 3+ ranks); 0: never.
+    size_t two_shot_min_bytes = 0;
   };
   static Result<std::shared_ptr<DeviceGroup>> CreateOneShot(const std::vector<int>& devices, size_t capacity_bytes,
                                                            const OneShotOptions& oneshot, double timeout_s = 600.0);

@@ -43,6 +43,7 @@ struct RankRecord {
   int32_t rank = 0, size = 0, device = 0, blocks = 0;
   uint64_t slot_bytes = 0;
   int32_t pid = 0;
+  uint64_t two_shot_min_bytes = 0;  // every rank must take the same kernel for a size
 };
 // Round 2: rank 0's handles (the other ranks send zeros of the same size).
 struct HandleRecord {
@@ -103,15 +104,17 @@ class IpcOneShotRank final : public DeviceCommunicator {
     *error_word_.as<uint32_t>() = 0;
 
     RankRecord me{.rank = rank_, .size = size_, .device = device_, .blocks = o.blocks, .slot_bytes = slot,
-                  .pid = static_cast<int32_t>(::getpid())};
+                  .pid = static_cast<int32_t>(::getpid()), .two_shot_min_bytes = o.two_shot_min_bytes};
     DL_ASSIGN_OR_RETURN(std::vector<RankRecord> ranks, ExchangeRecords(exchange, me, size_, "ranks"));
     for (int q = 0; q < size_; ++q) {
       const RankRecord& r = ranks[q];
-      if (r.rank != q || r.size != size_ || r.blocks != o.blocks || r.slot_bytes != slot) {
+      if (r.rank != q || r.size != size_ || r.blocks != o.blocks || r.slot_bytes != slot ||
+          r.two_shot_min_bytes != o.two_shot_min_bytes) {
         return FailedPrecondition(
-            "one-shot IPC group: rank {} says rank {} of {}, {} blocks, {}-byte slots; rank {} has rank {} of {}, {} "
-            "blocks, {}-byte slots",
-            q, r.rank, r.size, r.blocks, r.slot_bytes, rank_, rank_, size_, o.blocks, slot);
+            "one-shot IPC group: rank {} says rank {} of {}, {} blocks, {}-byte slots, two-shot from {} bytes; rank {} "
+            "has rank {} of {}, {} blocks, {}-byte slots, two-shot from {} bytes",
+            q, r.rank, r.size, r.blocks, r.slot_bytes, r.two_shot_min_bytes, rank_, rank_, size_, o.blocks, slot,
+            o.two_shot_min_bytes);
       }
     }
 
@@ -137,6 +140,7 @@ class IpcOneShotRank final : public DeviceCommunicator {
     view_.size = size_;
     view_.blocks = o.blocks;
     view_.capacity = slot;
+    view_.two_shot_min_bytes = o.two_shot_min_bytes;
     view_.epochs = epochs_.as<uint64_t>();
     view_.error = error_word_.as<uint32_t>();
     view_.timeout_ns = static_cast<uint64_t>(std::min(timeout_s_, 1e9) * 1e9);
@@ -148,6 +152,7 @@ class IpcOneShotRank final : public DeviceCommunicator {
   int device() const override { return device_; }
   std::string transport() const override { return "device-oneshot-ipc"; }
   bool capturable() const override { return true; }
+  std::string all_reduce_rule() const override { return TwoShotRule(view_); }
 
   Status AllReduceSum(void* data, int64_t count, DeviceElem elem, CUstream_st* stream) override {
     DL_RETURN_IF_ERROR(Begin("all-reduce", static_cast<size_t>(count) * DeviceElemBytes(elem)));

@@ -46,19 +46,21 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
-// Step 2 for block b of this rank: every thread's slot writes are done (bar.sync), thread t < size
-// tells rank t and waits for rank t. False when the wait gave up (abort or timeout): the block then
-// leaves without combining.
-__device__ __forceinline__ bool OneShotBarrier(const OneShotView& v, uint64_t epoch, volatile int* failed) {
+// A meeting of block b of every rank (device_reduce.h's step 2): every thread's slot writes are done
+// (bar.sync), thread t < size stores `mark` into rank t's flags[b][rank] and waits until rank t has
+// stored `mark` or later into ours. Marks grow by two per call (device_reduce.h): 2e at a one-shot
+// call's meeting, 2e - 1 and 2e at a two-shot call's two. False when the wait gave up (abort or
+// timeout): the block then leaves without combining.
+__device__ __forceinline__ bool OneShotBarrier(const OneShotView& v, uint64_t mark, volatile int* failed) {
   __syncthreads();
   const int t = threadIdx.x;
   const int b = blockIdx.x;
   if (t < v.size) {
-    StoreRelease(v.flags[t] + b * kMaxOneShotRanks + v.rank, epoch);
+    StoreRelease(v.flags[t] + b * kMaxOneShotRanks + v.rank, mark);
     const uint64_t* mine = v.flags[v.rank] + b * kMaxOneShotRanks + t;
     uint32_t spins = 0;
     uint64_t start = 0;
-    while (LoadAcquire(mine) < epoch) {
+    while (LoadAcquire(mine) < mark) {
       if ((++spins & 1023u) != 0) continue;
       // Host-mapped reads are slow: every 1024 spins only.
       if (*v.abort != 0) {
@@ -85,6 +87,25 @@ struct alignas(sizeof(T) * kV) Pack {
   T e[kV];
 };
 
+// Rank-order sum of kV elements of every rank's slot at unit u, rounded once: the one-shot's bits.
+template <typename T, int kV>
+__device__ __forceinline__ Pack<T, kV> SumUnit(const OneShotView& v, size_t off, int64_t u) {
+  using P = Pack<T, kV>;
+  float acc[kV];
+  const P p0 = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[0]) + off)[u];
+#pragma unroll
+  for (int k = 0; k < kV; ++k) acc[k] = Load(p0.e, k);
+  for (int q = 1; q < v.size; ++q) {
+    const P pq = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[q]) + off)[u];
+#pragma unroll
+    for (int k = 0; k < kV; ++k) acc[k] = __fadd_rn(acc[k], Load(pq.e, k));
+  }
+  P o;
+#pragma unroll
+  for (int k = 0; k < kV; ++k) Store(o.e, k, acc[k]);
+  return o;
+}
+
 // data [count] of T, in place. Units of kV elements (16 bytes when data is 16-byte aligned, else
 // one element) split over the grid by u = b * threads + t, u += blocks * threads; the count % kV
 // tail elements go to block 0's first threads, in both steps.
@@ -106,29 +127,51 @@ __global__ void __launch_bounds__(kOneShotThreads) OneShotAllReduceKernel(OneSho
     for (int64_t u = first; u < units; u += stride) mine[u] = in[u];
     if (tail) reinterpret_cast<T*>(mine)[tail0 + threadIdx.x] = data[tail0 + threadIdx.x];
   }
-  if (OneShotBarrier(v, epoch, &failed)) {
-    for (int64_t u = first; u < units; u += stride) {
-      float acc[kV];
-      const P p0 = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[0]) + off)[u];
-#pragma unroll
-      for (int k = 0; k < kV; ++k) acc[k] = Load(p0.e, k);
-      for (int q = 1; q < v.size; ++q) {
-        const P pq = reinterpret_cast<const P*>(static_cast<const char*>(v.slots[q]) + off)[u];
-#pragma unroll
-        for (int k = 0; k < kV; ++k) acc[k] = __fadd_rn(acc[k], Load(pq.e, k));
-      }
-      P o;
-#pragma unroll
-      for (int k = 0; k < kV; ++k) Store(o.e, k, acc[k]);
-      reinterpret_cast<P*>(data)[u] = o;
-    }
-    if (tail) {
+  if (OneShotBarrier(v, 2 * epoch, &failed)) {
+    for (int64_t u = first; u < units; u += stride) reinterpret_cast<P*>(data)[u] = SumUnit<T, kV>(v, off, u);
+    if (tail) data[tail0 + threadIdx.x] = SumUnit<T, 1>(v, off, tail0 + threadIdx.x).e[0];
+  }
+  if (threadIdx.x == 0) v.epochs[b] = epoch;
+}
+
+// The two-shot all-reduce (device_reduce.h): the one-shot's units, grid split and tail; a thread's
+// k-th unit (u = first + k * stride) is owned by rank k % size. Step 1 copies the whole input into
+// this rank's slot; after the first meeting each rank sums the units it owns over every rank's slot
+// in rank order and writes the rounded sums into its own slot, in place (a unit is written only by
+// its owner and read there by its owner alone); after the second meeting every rank copies each unit
+// from its owner's slot. So each element is the same rank-order FP32 sum, rounded once, as one-shot.
+template <typename T, int kV>
+__global__ void __launch_bounds__(kOneShotThreads) TwoShotAllReduceKernel(OneShotView v, T* data, int64_t count) {
+  using P = Pack<T, kV>;
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const int b = blockIdx.x;
+  const uint64_t epoch = v.epochs[b] + 1;
+  const size_t off = (epoch & 1) * v.capacity;
+  const int64_t units = count / kV, tail0 = units * kV;
+  const int64_t first = static_cast<int64_t>(b) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool tail = b == 0 && static_cast<int64_t>(threadIdx.x) < count - tail0;  // owned by rank 0
+  auto slot = [&](int q) { return reinterpret_cast<P*>(static_cast<char*>(v.slots[q]) + off); };
+  P* mine = slot(v.rank);
+  {
+    const P* in = reinterpret_cast<const P*>(data);
+    for (int64_t u = first; u < units; u += stride) mine[u] = in[u];
+    if (tail) reinterpret_cast<T*>(mine)[tail0 + threadIdx.x] = data[tail0 + threadIdx.x];
+  }
+  if (OneShotBarrier(v, 2 * epoch - 1, &failed)) {
+    for (int64_t u = first + v.rank * stride; u < units; u += v.size * stride) mine[u] = SumUnit<T, kV>(v, off, u);
+    if (tail && v.rank == 0) {
       const int64_t i = tail0 + threadIdx.x;
-      float acc = Load(reinterpret_cast<const T*>(static_cast<const char*>(v.slots[0]) + off), i);
-      for (int q = 1; q < v.size; ++q) {
-        acc = __fadd_rn(acc, Load(reinterpret_cast<const T*>(static_cast<const char*>(v.slots[q]) + off), i));
+      reinterpret_cast<T*>(mine)[i] = SumUnit<T, 1>(v, off, i).e[0];
+    }
+    if (OneShotBarrier(v, 2 * epoch, &failed)) {
+      int owner = 0;
+      for (int64_t u = first; u < units; u += stride) {
+        reinterpret_cast<P*>(data)[u] = slot(owner)[u];
+        owner = owner + 1 == v.size ? 0 : owner + 1;
       }
-      Store(data, i, acc);
+      if (tail) data[tail0 + threadIdx.x] = reinterpret_cast<const T*>(slot(0))[tail0 + threadIdx.x];
     }
   }
   if (threadIdx.x == 0) v.epochs[b] = epoch;
@@ -148,7 +191,7 @@ __global__ void __launch_bounds__(kOneShotThreads) OneShotAllGatherKernel(OneSho
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   U* mine = reinterpret_cast<U*>(static_cast<char*>(v.slots[v.rank]) + off);
   for (int64_t u = first; u < units; u += stride) mine[u] = local[u];
-  if (OneShotBarrier(v, epoch, &failed)) {
+  if (OneShotBarrier(v, 2 * epoch, &failed)) {
     for (int q = 0; q < v.size; ++q) {
       const U* src = reinterpret_cast<const U*>(static_cast<const char*>(v.slots[q]) + off);
       for (int64_t u = first; u < units; u += stride) out[q * units + u] = src[u];
@@ -177,6 +220,16 @@ void LaunchGather(const OneShotView& v, const void* local, size_t bytes, void* o
   OneShotAllGatherKernel<U><<<v.blocks, kOneShotThreads, 0, s>>>(v, static_cast<const U*>(local),
                                                                    static_cast<int64_t>(bytes / sizeof(U)),
                                                                    static_cast<U*>(out));
+}
+
+template <typename T, int kV>
+void LaunchAllReduce(const OneShotView& v, bool two_shot, void* data, int64_t count, cudaStream_t s) {
+  auto* d = static_cast<T*>(data);
+  if (two_shot) {
+    TwoShotAllReduceKernel<T, kV><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
+  } else {
+    OneShotAllReduceKernel<T, kV><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
+  }
 }
 
 bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
@@ -217,23 +270,19 @@ Status LaunchOneShotAllReduce(const OneShotView& v, void* data, int64_t count, D
     return InvalidArgument("one-shot all-reduce of {} bytes exceeds the slot capacity of {}", bytes, v.capacity);
   }
   // Every call runs the whole grid, even with nothing to add: the epochs of all blocks advance together.
-  const bool vec = Aligned(data, 16);
-  if (elem == DeviceElem::kF32) {
-    auto* d = static_cast<float*>(data);
-    if (vec) {
-      OneShotAllReduceKernel<float, 4><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+  const bool two_shot = v.size > 1 && v.two_shot_min_bytes > 0 && bytes >= v.two_shot_min_bytes;
+  if (Aligned(data, 16)) {
+    if (elem == DeviceElem::kF32) {
+      LaunchAllReduce<float, 4>(v, two_shot, data, count, stream);
     } else {
-      OneShotAllReduceKernel<float, 1><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
+      LaunchAllReduce<__nv_bfloat16, 8>(v, two_shot, data, count, stream);
     }
+  } else if (elem == DeviceElem::kF32) {
+    LaunchAllReduce<float, 1>(v, two_shot, data, count, stream);
   } else {
-    auto* d = static_cast<__nv_bfloat16*>(data);
-    if (vec) {
-      OneShotAllReduceKernel<__nv_bfloat16, 8><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
-    } else {
-      OneShotAllReduceKernel<__nv_bfloat16, 1><<<v.blocks, kOneShotThreads, 0, stream>>>(v, d, count);
-    }
+    LaunchAllReduce<__nv_bfloat16, 1>(v, two_shot, data, count, stream);
   }
-  return CheckLaunch("all-reduce", v);
+  return CheckLaunch(two_shot ? "two-shot all-reduce" : "all-reduce", v);
 }
 
 Status LaunchOneShotAllGather(const OneShotView& v, const void* local, size_t bytes, void* out, CUstream_st* stream) {
@@ -257,6 +306,10 @@ Status LaunchOneShotAllGather(const OneShotView& v, const void* local, size_t by
   return CheckLaunch("all-gather", v);
 }
 
+std::string TwoShotRule(const OneShotView& v) {
+  return v.two_shot_min_bytes > 0 && v.size > 1 ? fmt::format("two-shot>={}", v.two_shot_min_bytes) : std::string();
+}
+
 Status PreloadOneShotKernels() {
   cudaFuncAttributes a;
   const void* kernels[] = {
@@ -264,6 +317,10 @@ Status PreloadOneShotKernels() {
       reinterpret_cast<const void*>(&OneShotAllReduceKernel<float, 1>),
       reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 8>),
       reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 1>),
+      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<float, 4>),
+      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<float, 1>),
+      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<__nv_bfloat16, 8>),
+      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<__nv_bfloat16, 1>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint4>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint2>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint32_t>),

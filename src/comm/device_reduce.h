@@ -36,7 +36,16 @@ Status LaunchSumInRankOrder(const std::vector<const void*>& inputs, void* out, i
 //      ranks in rank order in FP32 and rounds once (LaunchSumInRankOrder's bits), the all-gather
 //      copies rank q's bytes to out[q * bytes, ...).
 // Why one barrier is enough: rank r overwrites slot[e & 1] again at call e + 2, after its call e + 1
-// saw every rank's e + 1 flags, which each rank stored after its own call-e reads. Why the grid is
+// saw every rank's call-(e + 1) marks, which each rank stored after its own call-e reads. The mark a
+// meeting stores grows by two per call: 2e at a one-shot call's meeting, 2e - 1 and 2e at the two
+// meetings of a two-shot call (below), so the calls of either kind share the flags and epochs.
+//
+// The two-shot all-reduce (an all-reduce of at least `two_shot_min_bytes`, when that is set): step 1
+// as above; after a first meeting each rank sums the units it owns (a thread's k-th unit belongs to
+// rank k % size) over every rank's slot in rank order, rounds once and writes the sums into its own
+// slot; after a second meeting every rank copies each unit from its owner's slot. The same bits as
+// one-shot, element for element, so the size choice changes no result; it moves fewer bytes: each
+// rank reads 2 (size - 1) / size of the message from its peers instead of (size - 1) times it. Why the grid is
 // fixed: the argument needs every block that read at call e to signal at call e + 1. The element
 // split between blocks is the same in steps 1 and 3 of one call on every rank (same count, grid).
 // Why the ranks' kernels are co-resident when ranks share a GPU: `blocks` is small (the spinning
@@ -56,12 +65,16 @@ struct OneShotView {
   const volatile uint32_t* abort = nullptr;  // the group's, host-mapped
   volatile uint32_t* error = nullptr;        // this rank's, host-mapped
   uint64_t timeout_ns = 0;
+  size_t two_shot_min_bytes = 0;             // all-reduces of at least this many bytes take two-shot; 0: never
 };
 
-// data [count] of `elem` on the view's rank: the rank-order sum over ranks, in place.
+// data [count] of `elem` on the view's rank: the rank-order sum over ranks, in place (one-shot, or
+// two-shot from the view's two_shot_min_bytes on: the same bits).
 Status LaunchOneShotAllReduce(const OneShotView& v, void* data, int64_t count, DeviceElem elem, CUstream_st* stream);
 // out [size * bytes] = every rank's local [bytes], in rank order.
 Status LaunchOneShotAllGather(const OneShotView& v, const void* local, size_t bytes, void* out, CUstream_st* stream);
+// The view's size rule for all_reduce_rule(): "two-shot>=N" (bytes), or "" when two-shot is off.
+std::string TwoShotRule(const OneShotView& v);
 // Loads the one-shot kernels on the current device now: under CUDA lazy loading a kernel's first
 // launch may wait for the whole context, including a peer's spinning kernel.
 Status PreloadOneShotKernels();

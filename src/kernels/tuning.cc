@@ -36,6 +36,7 @@ constexpr Setting kSettings[] = {
     {"mma_tiled_min_tokens", "tensor-core product: rows from which the tiled kernel runs (same bits)", 1, 1 << 30, false, &Tuning::mma_tiled_min_tokens, nullptr},
     {"prompt_gemm", "prompt rows' dense linear layers on the library GEMM (cuBLASLt, one algorithm per shape) when prompt_mma is on; 0 = the tensor-core product (other bits for prompt rows)", 0, 1, true, nullptr, &Tuning::prompt_gemm},
     {"prompt_fp8_mma", "prompt rows' FP8 weights on the tensor-core product (codes exact in BF16, a scale per block column's sum) when prompt_mma is on; 0 = the CUDA-core FP8 rule (other bits for prompt rows)", 0, 1, true, nullptr, &Tuning::prompt_fp8_mma},
+    {"tp_two_shot_min_kb", "tensor parallel: all-reduces of at least this many KiB take the two-shot kernel, smaller ones one-shot (same bits; 0 = one-shot always)", 0, 1 << 20, false, &Tuning::tp_two_shot_min_kb, nullptr},
 };
 
 std::string ValueOf(const Tuning& t, const Setting& s) {

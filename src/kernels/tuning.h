@@ -85,6 +85,11 @@ struct Tuning {
   // block column's sum) instead of the CUDA-core FP8 rule. Other bits for prompt rows than 0, the
   // same for every batch and chunking.
   bool prompt_fp8_mma = true;
+  // Tensor parallelism over the one-shot device communicators: all-reduces of at least this many KiB
+  // take the two-shot kernel (comm/device_reduce.h), smaller ones one-shot; 0 = one-shot always. Both
+  // give every element the same rank-order FP32 sum, so the choice changes no bit; it changes the
+  // bytes each rank reads from its peers (2 (N-1)/N of the message instead of N-1 times it).
+  int tp_two_shot_min_kb = 512;
 
   bool late(LateRelease k) const { return (late_release & LateBit(k)) != 0; }
 };

@@ -377,8 +377,10 @@ Status CheckOneShotRank(DeviceCommunicator& comm, int r, int ranks, DeviceElem e
 // advances the epochs, so calls alternate slots within a replay too). Each rank's thread then replays
 // it `replays` times on its own, with no host meeting: before each replay it uploads that replay's
 // inputs, after it downloads and checks every element against RankOrderSum of that replay's inputs,
-// and the gathered bytes. Every rank must see the same bits.
-void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t>& counts, int replays) {
+// and the gathered bytes. Every rank must see the same bits. With `two_shot_min_bytes`, the
+// all-reduces of at least that many bytes take the two-shot kernel, the others one-shot, in one graph.
+void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t>& counts, int replays,
+                           size_t two_shot_min_bytes = 0) {
   SKIP_WITHOUT_GPU();
   const size_t eb = DeviceElemBytes(elem);
   const int64_t max_count = *std::max_element(counts.begin(), counts.end());
@@ -387,9 +389,12 @@ void ExpectOneShotInGraphs(int ranks, DeviceElem elem, const std::vector<int64_t
   // The capacity holds the largest collective: the widest all-reduce or the gather's per-rank bytes.
   const size_t capacity = std::max<size_t>(max_count * eb, gather_bytes);
   o.capacity_bytes = capacity;
+  o.two_shot_min_bytes = two_shot_min_bytes;
   auto group = DeviceGroup::CreateOneShot(std::vector<int>(ranks, 0), capacity, o, 60.0);
   ASSERT_TRUE(group.ok()) << group.status().ToString();
   ASSERT_EQ(group.value()->rank(0).transport(), "device-oneshot");
+  EXPECT_EQ(group.value()->rank(0).all_reduce_rule(),
+            two_shot_min_bytes > 0 ? fmt::format("two-shot>={}", two_shot_min_bytes) : "");
   ASSERT_TRUE(group.value()->rank(0).capturable());
   const uint64_t seed = 900 + ranks;
   std::vector<int64_t> mismatches(ranks, 0), order_sensitive(ranks, 0);
@@ -428,6 +433,24 @@ TEST(DeviceCommGpuTest, OneShotF32TwoRanksInAGraphIsTheRankOrderSum) {
 }
 TEST(DeviceCommGpuTest, OneShotF32ThreeRanksInAGraphIsTheRankOrderSum) {
   ExpectOneShotInGraphs(3, DeviceElem::kF32, {65537, 3, 1024}, 40);
+}
+
+// The two-shot kernel (each rank sums the units it owns, then every rank copies each unit from its
+// owner) gives the one-shot's bits: the same checks against RankOrderSum, with the large sizes on
+// two-shot and the small ones on one-shot in the same graph (the two kinds share flags and epochs),
+// at 2, 3 and 4 ranks (4: the units' owners rotate over more ranks than some threads have units).
+TEST(DeviceCommGpuTest, TwoShotBf16TwoRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(2, DeviceElem::kBF16, {100003, 1, 7, 4099}, 40, /*two_shot_min_bytes=*/1000);
+}
+TEST(DeviceCommGpuTest, TwoShotBf16ThreeRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(3, DeviceElem::kBF16, {100003, 1, 7, 4099}, 40, /*two_shot_min_bytes=*/1000);
+}
+TEST(DeviceCommGpuTest, TwoShotF32FourRanksInAGraphIsTheRankOrderSum) {
+  ExpectOneShotInGraphs(4, DeviceElem::kF32, {65537, 3, 1024, 200001}, 40, /*two_shot_min_bytes=*/4096);
+}
+// Every size on two-shot, a tiny graph replayed 1,000 times (two meetings per call).
+TEST(DeviceCommGpuTest, TwoShotSurvivesAThousandReplays) {
+  ExpectOneShotInGraphs(3, DeviceElem::kBF16, {9, 4100}, 1000, /*two_shot_min_bytes=*/1);
 }
 
 // Many replays of a tiny graph (the epochs' parity alternates 1,000 times; ranks never meet on the host).
