@@ -60,13 +60,14 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
                   "(--tp-transport). docs/tensor-parallel.md")
       ->default_val(1);
   cmd->add_option("--tp-transport", tp_transport,
-                  "How tensor-parallel ranks meet. auto: CPU ranks are threads of this process; CUDA takes nccl "
-                  "when every rank has its own GPU and NCCL loads, else device-oneshot. processes: ranks 1..N-1 "
+                  "How tensor-parallel ranks meet. auto: CPU ranks are threads of this process; CUDA takes "
+                  "device-oneshot (nccl only for GPUs without peer access). processes: ranks 1..N-1 "
                   "are child processes of this one, bit-identical to threads, their output on this process's "
                   "stderr (CPU: collectives over TCP on 127.0.0.1; CUDA: the one-shot all-reduce over CUDA IPC "
                   "memory, device-oneshot-ipc, in graphs or eager). CUDA only: device-oneshot (rank-order "
                   "sum, inside the CUDA graphs), device-in-process (the same sum through host meetings; eager "
-                  "forwards) or nccl")
+                  "forwards) or nccl (its order of addition depends on the message size: bit-identical run to run, "
+                  "but a row's bits may depend on its chunk or batch at 3+ ranks)")
       ->default_val("auto")
       ->check(CLI::IsMember({"auto", "processes", "device-oneshot", "device-in-process", "nccl"}));
   cmd->add_option("--embedding", embedding,

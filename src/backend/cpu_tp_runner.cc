@@ -58,7 +58,7 @@ Result<std::unique_ptr<CpuTpRunner>> CpuTpRunner::Create(const Checkpoint& check
   runner->vocab_size_ = c.vocab_size;
   runner->scales_ = scales;
   if (transport == TpTransport::kProcesses) {
-    const TpRankSetup setup = TpRankSetup::ForRankZero(c, tp, embedding, kv, scales, TpRankBackend::kCpu);
+    const TpRankSetup setup = TpRankSetup::ForRankZero(checkpoint, tp, embedding, kv, scales, TpRankBackend::kCpu);
     DL_ASSIGN_OR_RETURN(runner->children_, TpProcessRanks::Start(processes, setup, timeout_s));
     runner->comms_.push_back(&runner->children_->rank0_comm());
     // Rank 0 builds its shard while the children build theirs.

@@ -970,6 +970,9 @@ nlohmann::json CudaRunner::Describe() const {
   nlohmann::json tuning = nlohmann::json::object();
   for (const auto& [name, value] : kernels::TuningSettings(m.opt.tuning)) tuning[name] = value;
   const int nodes = m.decode_kernel_nodes;
+  // The communicator, with its all-reduce size rule where it has one ("device-oneshot+two-shot>=524288").
+  std::string collectives = m.comm != nullptr ? m.comm->transport() : "none";
+  if (m.comm != nullptr && !m.comm->all_reduce_rule().empty()) collectives += "+" + m.comm->all_reduce_rule();
   nlohmann::json d = {{"backend", "cuda"},
           {"device", m.device_name},
           {"kernel_presets", unique},
@@ -981,10 +984,9 @@ nlohmann::json CudaRunner::Describe() const {
              {"kernel_nodes", nodes},
              {"collectives", m.collectives_last_forward},
              {"transport", m.comm != nullptr ? m.comm->transport() : "none"},
-             // Under tensor parallelism the communicator is part of what the graph is.
-             {"signature", m.comm != nullptr
-                               ? fmt::format("{}/{}/{}", nodes, m.collectives_last_forward, m.comm->transport())
-                               : fmt::format("{}/{}", nodes, m.collectives_last_forward)}}}},
+             // Under tensor parallelism the communicator and its size rule are part of what the graph is.
+             {"signature", m.comm != nullptr ? fmt::format("{}/{}/{}", nodes, m.collectives_last_forward, collectives)
+                                             : fmt::format("{}/{}", nodes, m.collectives_last_forward)}}}},
           {"graphs", graphs},
           {"kv_dtype", std::string(DTypeName(m.kv.dtype))},
           {"page_size", m.kv.page_size},
@@ -1004,6 +1006,7 @@ nlohmann::json CudaRunner::Describe() const {
                                  {"size", m.tp_size},
                                  {"device", m.opt.device},
                                  {"transport", m.comm->transport()},
+                                 {"all_reduce_rule", m.comm->all_reduce_rule()},
                                  {"graphs", m.comm->capturable() && m.opt.use_graph},
                                  {"q_heads_layer0", m.cfg.heads(0)},
                                  {"kv_heads", m.cfg.num_key_value_heads},

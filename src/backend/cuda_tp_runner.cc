@@ -90,6 +90,16 @@ size_t LargestCollectiveBytes(const TensorParallelPlan& plan, const ModelConfig&
                           static_cast<size_t>(std::max(1, base.max_outputs)) * vocab_stride * 2);
 }
 
+// Whether every rank's GPU can read every other's memory (the one-shot kernels read peers' slots).
+bool AllPeersReachable(const std::vector<int>& devices) {
+  for (int a : devices) {
+    for (int b : devices) {
+      if (!cuda::CanAccessPeer(a, b)) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 Status CudaTpRunner::StartProcesses(const Checkpoint& checkpoint, const KvCacheSpec& kv, KvScales scales,
@@ -97,13 +107,11 @@ Status CudaTpRunner::StartProcesses(const Checkpoint& checkpoint, const KvCacheS
                                     const TpProcessOptions& processes) {
   const ModelConfig& c = checkpoint.config();
   const int tp = plan_.tp_size;
-  TpRankSetup setup = TpRankSetup::ForRankZero(c, tp, embedding, kv, scales, TpRankBackend::kCuda);
+  TpRankSetup setup = TpRankSetup::ForRankZero(checkpoint, tp, embedding, kv, scales, TpRankBackend::kCuda);
   setup.cuda.options = base;
   setup.cuda.devices = devices_;
-  comm::DeviceGroup::OneShotOptions oneshot;
-  oneshot.capacity_bytes = LargestCollectiveBytes(plan_, c, base);
-  setup.cuda.oneshot_capacity = oneshot.capacity_bytes;
-  setup.cuda.oneshot_blocks = oneshot.blocks;
+  setup.cuda.oneshot_capacity = LargestCollectiveBytes(plan_, c, base);
+  const comm::DeviceGroup::OneShotOptions oneshot = setup.cuda.oneshot();
   scales_ = scales;
   DL_ASSIGN_OR_RETURN(children_, TpProcessRanks::Start(processes, setup, timeout_s));
   // The handle exchange meets every child right after its setup (before it loads any weights).
@@ -151,7 +159,10 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
   const bool own_gpus = std::set<int>(runner->devices_.begin(), runner->devices_.end()).size() ==
                         runner->devices_.size();
   if (transport == CudaTpTransport::kAuto) {
-    transport = own_gpus && tp > 1 && comm::BuiltWithNccl() && comm::FindNcclLibrary(comm::DefaultNcclLibraryCandidates()).ok()
+    // The rank-order sum (one-shot and two-shot kernels) keeps every promise of docs/exactness.md;
+    // NCCL's order depends on the message size, so only GPUs without peer access take it.
+    transport = own_gpus && tp > 1 && !AllPeersReachable(runner->devices_) && comm::BuiltWithNccl() &&
+                        comm::FindNcclLibrary(comm::DefaultNcclLibraryCandidates()).ok()
                     ? CudaTpTransport::kNccl
                     : CudaTpTransport::kDeviceOneShot;
   }
@@ -169,6 +180,7 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
       // collectives.
       comm::DeviceGroup::OneShotOptions oneshot;
       oneshot.capacity_bytes = capacity;
+      oneshot.two_shot_min_bytes = static_cast<size_t>(base.tuning.tp_two_shot_min_kb) * 1024;
       DL_ASSIGN_OR_RETURN(runner->in_process_,
                           comm::DeviceGroup::CreateOneShot(runner->devices_, capacity, oneshot, timeout_s));
     } else {
@@ -299,10 +311,9 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
   // the same, on the same batch): every rank then takes the same path, and only a real failure
   // aborts the group.
   DL_RETURN_IF_ERROR(batch.Validate(vocab_size_, kv_spec_.page_size));
-  if (!batch.hidden_taps.empty()) {
-    return Unimplemented("hidden-state taps on the CUDA backend under tensor parallelism (asked for {})",
-                         batch.hidden_taps.size());
-  }
+  // Hidden-state taps need nothing of their own: a tap reads the residual stream after the layer's
+  // all-reduce, which every rank holds whole, so rank 0's forward returns them (forwards with taps
+  // run eagerly on every rank, CudaRunner's rule).
   if (batch.num_rows() > max_rows() || static_cast<int32_t>(batch.outputs.size()) > max_outputs()) {
     return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
                            batch.outputs.size(), max_rows(), max_outputs());
@@ -391,6 +402,7 @@ nlohmann::json CudaTpRunner::Describe() const {
   d["tensor_parallel"] = {{"size", plan_.tp_size},
                           {"embedding", EmbeddingModeName(plan_.embedding)},
                           {"transport", comms_[0]->transport()},
+                          {"all_reduce_rule", comms_[0]->all_reduce_rule()},
                           {"graphs", comms_[0]->capturable() && d.value("graph", false)},
                           {"moe_sharding", "by intermediate width"},
                           {"all_reduces_per_forward", plan_.AllReducesPerForward(num_layers_)},

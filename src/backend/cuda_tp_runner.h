@@ -28,7 +28,7 @@
 namespace dl {
 
 enum class CudaTpTransport : uint8_t {
-  kAuto,             // NCCL when every rank has its own GPU and NCCL loads, else kDeviceOneShot
+  kAuto,             // kDeviceOneShot; NCCL only for ranks on distinct GPUs without peer access (if it loads)
   kDeviceInProcess,  // comm::DeviceGroup::CreateInProcess (not capturable: eager forwards)
   kDeviceOneShot,    // comm::DeviceGroup::CreateOneShot
   kNccl,             // comm::CreateNcclGroup (one rank per GPU)

@@ -216,6 +216,33 @@ Result<TpRankArgs> ParseTpRankArgs(const std::vector<std::string>& args, std::ve
   return a;
 }
 
+TpRankSetup TpRankSetup::ForRankZero(const Checkpoint& checkpoint, int tp, EmbeddingMode embedding,
+                                     const KvCacheSpec& kv, const KvScales& scales, TpRankBackend backend) {
+  const ModelConfig& c = checkpoint.config();
+  return {.tp_size = tp, .rank = 0, .embedding = embedding, .kv = kv, .scales = scales,
+          .num_layers = c.num_hidden_layers, .hidden_size = c.hidden_size, .vocab_size = c.vocab_size,
+          .weights_digest = WeightsDigest(checkpoint), .backend = backend, .cuda = {}};
+}
+
+uint64_t WeightsDigest(const Checkpoint& checkpoint) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  };
+  for (const TensorView& t : checkpoint.tensors()) {
+    mix(t.name.data(), t.name.size() + 1);  // with its terminator: "ab"+"c" != "a"+"bc"
+    const auto dtype = static_cast<int32_t>(t.dtype);
+    mix(&dtype, sizeof dtype);
+    for (int64_t d : t.shape) mix(&d, sizeof d);
+    mix(&t.block_rows, sizeof t.block_rows);
+    mix(&t.block_cols, sizeof t.block_cols);
+    if (t.data != nullptr) mix(t.data, std::min<size_t>(t.nbytes(), 64));
+    if (t.scales != nullptr) mix(t.scales, sizeof(float));
+  }
+  return h;
+}
+
 std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s) {
   ByteWriter w;
   w.Put<uint32_t>(kSetupMagic);
@@ -240,6 +267,7 @@ std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s) {
   w.Put<int64_t>(s.num_layers);
   w.Put<int64_t>(s.hidden_size);
   w.Put<int64_t>(s.vocab_size);
+  w.Put<uint64_t>(s.weights_digest);
   w.Put<uint8_t>(static_cast<uint8_t>(s.backend));
   if (s.backend == TpRankBackend::kCuda) {
     const CudaRunnerOptions& o = s.cuda.options;
@@ -299,6 +327,7 @@ Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes) {
   DL_RETURN_IF_ERROR(r.Get(&s.num_layers, "model num_layers"));
   DL_RETURN_IF_ERROR(r.Get(&s.hidden_size, "model hidden_size"));
   DL_RETURN_IF_ERROR(r.Get(&s.vocab_size, "model vocab_size"));
+  DL_RETURN_IF_ERROR(r.Get(&s.weights_digest, "weights digest"));
   uint8_t backend = 0;
   DL_RETURN_IF_ERROR(r.Get(&backend, "backend"));
   if (backend > static_cast<uint8_t>(TpRankBackend::kCuda)) {
@@ -643,10 +672,8 @@ Status RunTpRankChild(const TpRankArgs& args, const std::function<Result<Checkpo
       // The communicator first: rank 0 builds its side right after sending the setups, and the
       // handle exchange is bounded by the collective timeout (loading weights is not).
       cuda_rank = std::make_unique<CudaChildRank>();
-      comm::DeviceGroup::OneShotOptions oneshot;
-      oneshot.capacity_bytes = setup.cuda.oneshot_capacity;
-      oneshot.blocks = setup.cuda.oneshot_blocks;
-      DL_ASSIGN_OR_RETURN(cuda_rank->comm, comm::CreateOneShotIpcRank(r, args.tp_size, setup.cuda.devices[r], oneshot,
+      DL_ASSIGN_OR_RETURN(cuda_rank->comm, comm::CreateOneShotIpcRank(r, args.tp_size, setup.cuda.devices[r],
+                                                                      setup.cuda.oneshot(),
                                                                       args.timeout_s, comm::ExchangeOver(comm)));
     }
     DL_ASSIGN_OR_RETURN(Checkpoint ck, load());
@@ -657,6 +684,12 @@ Status RunTpRankChild(const TpRankArgs& args, const std::function<Result<Checkpo
       return FailedPrecondition(
           "this rank loaded a model of {} layers, hidden size {}, vocabulary {}; rank 0's has {}, {}, {}",
           c.num_hidden_layers, c.hidden_size, c.vocab_size, setup.num_layers, setup.hidden_size, setup.vocab_size);
+    }
+    if (const uint64_t mine = WeightsDigest(*checkpoint); mine != setup.weights_digest) {
+      return FailedPrecondition(
+          "this rank built other weights than rank 0 (weights digest {:016x}, rank 0's {:016x}: a tensor's dtype, "
+          "shape, FP8 block shape or values differ)",
+          mine, setup.weights_digest);
     }
     DL_ASSIGN_OR_RETURN(TensorParallelPlan plan, MakeTensorParallelPlan(c, args.tp_size, setup.embedding));
     if (cuda_rank) {

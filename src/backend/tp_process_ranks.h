@@ -79,6 +79,12 @@ struct TpCudaRankSetup {
   std::vector<int> devices;  // [tp]: rank r's GPU
   uint64_t oneshot_capacity = 0;
   int32_t oneshot_blocks = 16;
+  // The one-shot IPC communicator's options every rank builds (the two-shot size from the tuning).
+  comm::DeviceGroup::OneShotOptions oneshot() const {
+    return {.capacity_bytes = oneshot_capacity,
+            .blocks = oneshot_blocks,
+            .two_shot_min_bytes = static_cast<size_t>(options.tuning.tp_two_shot_min_kb) * 1024};
+  }
 };
 
 // What rank 0 sends a child before it builds its rank.
@@ -88,19 +94,23 @@ struct TpRankSetup {
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
   KvCacheSpec kv;
   KvScales scales;
-  // The model rank 0 loaded, for a check that the child built the same one.
+  // The model rank 0 loaded, for a check that the child built the same one: its size, and
+  // WeightsDigest of its weights.
   int64_t num_layers = 0, hidden_size = 0, vocab_size = 0;
+  uint64_t weights_digest = 0;
   TpRankBackend backend = TpRankBackend::kCpu;
   TpCudaRankSetup cuda;  // kCuda only
 
-  // Rank 0's setup for a group of `tp` over `config` (cuda left empty for the caller to fill).
-  static TpRankSetup ForRankZero(const ModelConfig& config, int tp, EmbeddingMode embedding, const KvCacheSpec& kv,
-                                 const KvScales& scales, TpRankBackend backend) {
-    return {.tp_size = tp, .rank = 0, .embedding = embedding, .kv = kv, .scales = scales,
-            .num_layers = config.num_hidden_layers, .hidden_size = config.hidden_size,
-            .vocab_size = config.vocab_size, .backend = backend, .cuda = {}};
-  }
+  // Rank 0's setup for a group of `tp` over `checkpoint` (cuda left empty for the caller to fill).
+  static TpRankSetup ForRankZero(const Checkpoint& checkpoint, int tp, EmbeddingMode embedding, const KvCacheSpec& kv,
+                                 const KvScales& scales, TpRankBackend backend);
 };
+
+// A digest of what makes two loads of a model the same weights, cheap enough for every start: each
+// tensor's name, dtype, shape and FP8 block shape, and its first 64 bytes and first scale where it
+// has host data (FNV-1a, 64 bits). A child that built other weights than rank 0 (another dtype, FP8
+// layout, seed or file) refuses at setup instead of computing with them.
+uint64_t WeightsDigest(const Checkpoint& checkpoint);
 std::vector<std::byte> EncodeTpRankSetup(const TpRankSetup& s);
 Result<TpRankSetup> DecodeTpRankSetup(std::span<const std::byte> bytes);
 

@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include "model/checkpoint.h"
+#include "model/shapes.h"
+
 namespace dl {
 namespace {
 
@@ -30,6 +33,7 @@ TpRankSetup CudaSetup() {
   s.num_layers = 2;
   s.hidden_size = 128;
   s.vocab_size = 512;
+  s.weights_digest = 0x0123456789abcdefull;
   CudaRunnerOptions& o = s.cuda.options;
   o.allow_fallback = true;
   o.use_graph = false;
@@ -71,6 +75,7 @@ TEST(TpProcessRanksTest, ACudaRanksSetupRoundTrips) {
   EXPECT_TRUE(o.tuning.mma_products);
   EXPECT_EQ(back->cuda.devices, s.cuda.devices);
   EXPECT_EQ(back->cuda.oneshot_capacity, 123456u);
+  EXPECT_EQ(back->weights_digest, 0x0123456789abcdefull);
   EXPECT_EQ(back->cuda.oneshot_blocks, 8);
 }
 
@@ -112,6 +117,29 @@ TEST(TpProcessRanksTest, ATruncatedOrCorruptCudaSetupIsRefused) {
   back = DecodeTpRankSetup(cpu);
   ASSERT_FALSE(back.ok());
   EXPECT_NE(back.status().message().find("unknown backend 7"), std::string::npos) << back.status().ToString();
+}
+
+// The digest a child compares with rank 0's: equal for the same weights built twice, different for
+// another dtype, FP8 layout or seed.
+TEST(TpProcessRanksTest, TheWeightsDigestTellsOtherWeightsApart) {
+  auto config = ShapeConfig("tiny");
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  Fp8Options fp8;
+  fp8.layout = Fp8Layout::kAllLinear;
+  Fp8Options fp8_blocks = fp8;
+  fp8_blocks.block_rows = fp8_blocks.block_cols = 16;
+  auto digest = [&](uint64_t seed, const Fp8Options* f) {
+    auto ck = MakeSyntheticCheckpoint(*config, seed, DType::kBF16, f);
+    EXPECT_TRUE(ck.ok()) << ck.status().ToString();
+    return ck.ok() ? WeightsDigest(*ck) : 0;
+  };
+  const uint64_t bf16 = digest(7, nullptr);
+  EXPECT_EQ(digest(7, nullptr), bf16);
+  EXPECT_NE(digest(8, nullptr), bf16);
+  const uint64_t f8 = digest(7, &fp8);
+  EXPECT_NE(f8, bf16);
+  EXPECT_EQ(digest(7, &fp8), f8);
+  EXPECT_NE(digest(7, &fp8_blocks), f8);
 }
 
 }  // namespace

@@ -24,6 +24,16 @@ int DeviceCount(std::string* why) {
   return n;
 }
 
+bool CanAccessPeer(int device, int peer) {
+  if (device == peer) return true;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, device, peer) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return can != 0;
+}
+
 Result<DeviceInfo> GetDeviceInfo(int device) {
   cudaDeviceProp p{};
   cudaError_t err = cudaGetDeviceProperties(&p, device);
@@ -66,6 +76,7 @@ int DeviceCount(std::string* why) {
   if (why) *why = "this build of decodelab has no CUDA backend";
   return 0;
 }
+bool CanAccessPeer(int, int) { return false; }
 Result<DeviceInfo> GetDeviceInfo(int device) {
   return Unavailable("this build of decodelab has no CUDA backend (device {})", device);
 }

@@ -24,6 +24,9 @@ bool BuiltWithCuda();
 // Number of usable devices; 0 on any error. `why` (optional) receives the reason when 0.
 int DeviceCount(std::string* why = nullptr);
 Result<DeviceInfo> GetDeviceInfo(int device);
+// Whether `device` can read `peer`'s memory (cudaDeviceCanAccessPeer); true for the same device,
+// false on any error and without CUDA.
+bool CanAccessPeer(int device, int peer);
 // "13.0" style versions; empty when unknown.
 std::string DriverVersionString();
 std::string RuntimeVersionString();

@@ -184,6 +184,22 @@ TEST(TpProcessesCpuTest, ShapeWeightsAreRebuiltBitIdenticallyInEachChild) {
   }
 }
 
+// A child that built other weights than rank 0 (here another seed; as well another dtype or FP8
+// layout) refuses at setup, and the group does not start: the weights digest in the setup.
+TEST(TpProcessesCpuTest, AChildWithOtherWeightsRefusesAtSetup) {
+  EngineOptions o = Options(2, EmbeddingMode::kReplicated, "auto");
+  o.shape = "tiny";
+  o.seed = 1234;
+  auto engine = Load(o);
+  ASSERT_TRUE(engine);
+  o.seed = 99;  // the children's model source
+  auto runner = CpuTpRunner::Create(*engine->checkpoint, engine->kv->spec(), {}, 2, EmbeddingMode::kReplicated,
+                                    TpTransport::kProcesses, 30, TpProcessOptionsFor(o));
+  ASSERT_FALSE(runner.ok());
+  ExpectContains(runner.status().message(), "rank 1");
+  ExpectContains(runner.status().message(), "built other weights than rank 0");
+}
+
 TEST(TpProcessesCpuTest, AChildsForwardFailureEndsTheGroupNamingTheRank) {
   auto engine = LoadGolden(GoldenDir("tiny"), 4, EmbeddingMode::kVocabParallel, "processes");
   ASSERT_TRUE(engine);
@@ -269,12 +285,11 @@ TEST(TpProcessesCpuTest, AChildRefusesACorruptPlanAndSaysWhy) {
   // The model and cache geometry of a one-rank engine: what rank 0 would send.
   auto one = LoadGolden(GoldenDir("tiny"), 1, EmbeddingMode::kReplicated, "auto");
   ASSERT_TRUE(one);
-  const ModelConfig* c = &one->config();
   const KvCache* kv = one->kv.get();
   TpProcessOptions options;
   options.argv_prefix = {"tp_processes_cpu_test", "__tp-rank", "--model", GoldenDir("tiny").string()};
   const TpRankSetup setup =
-      TpRankSetup::ForRankZero(*c, 2, EmbeddingMode::kReplicated, kv->spec(), KvScales{}, TpRankBackend::kCpu);
+      TpRankSetup::ForRankZero(*one->checkpoint, 2, EmbeddingMode::kReplicated, kv->spec(), KvScales{}, TpRankBackend::kCpu);
   auto ranks = TpProcessRanks::Start(options, setup, 30);
   ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
   ASSERT_TRUE((*ranks)->WaitReady().ok());
