@@ -48,7 +48,11 @@ if [ "$TESTS" = 1 ]; then
   run_test src/comm/comm_bench_test 60
   run_test tests/gpu/device_comm_gpu_test 300
   run_test tests/gpu/cuda_tp_gpu_test 420
-  grep -E "^\[tp\]" "$OUT/cuda_tp_gpu_test.log" | head -20
+  grep -E "^\[tp(-fp8|-dflash)?\]" "$OUT/cuda_tp_gpu_test.log" | head -24
+  # The one-shot and two-shot kernels under compute-sanitizer memcheck (peer slots, flags, epochs).
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/device_comm_gpu_test \
+    --gtest_filter='TwoShotBf16*:OneShotBf16TwoRanks*' > "$OUT/memcheck_comm.log" 2>&1
+  echo "memcheck device_comm_gpu_test TwoShot/OneShot rc=$?: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_comm.log" | tr '\n' ' ')"
 fi
 if [ "$COMM_BENCH" = 1 ]; then
   timeout 180 $B bench comm --tp 2 --sizes 4K,16K,64K,1M --iters 200 --json-out "$OUT/bench_comm_tp2.json" \
