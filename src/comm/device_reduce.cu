@@ -108,9 +108,17 @@ __device__ __forceinline__ Pack<T, kV> SumUnit(const OneShotView& v, size_t off,
 
 // data [count] of T, in place. Units of kV elements (16 bytes when data is 16-byte aligned, else
 // one element) split over the grid by u = b * threads + t, u += blocks * threads; the count % kV
-// tail elements go to block 0's first threads, in both steps.
-template <typename T, int kV>
-__global__ void __launch_bounds__(kOneShotThreads) OneShotAllReduceKernel(OneShotView v, T* data, int64_t count) {
+// tail elements go to block 0's first threads, in every step. Step 1 copies the whole input into
+// this rank's slot. Then:
+// - one-shot: after the meeting every rank sums every unit over all slots in rank order;
+// - two-shot (device_reduce.h): a thread's k-th unit (u = first + k * stride) is owned by rank
+//   k % size, the tail by rank 0. After a first meeting each rank sums the units it owns over every
+//   rank's slot in rank order and writes the rounded sums into its own slot, in place (a unit is
+//   written only by its owner and read there by its owner alone); after a second meeting every rank
+//   copies each unit from its owner's slot.
+// Either way each element is the same rank-order FP32 sum, rounded once (SumUnit).
+template <typename T, int kV, bool kTwoShot>
+__global__ void __launch_bounds__(kOneShotThreads) AllReduceKernel(OneShotView v, T* data, int64_t count) {
   using P = Pack<T, kV>;
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
@@ -121,37 +129,6 @@ __global__ void __launch_bounds__(kOneShotThreads) OneShotAllReduceKernel(OneSho
   const int64_t first = static_cast<int64_t>(b) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const bool tail = b == 0 && static_cast<int64_t>(threadIdx.x) < count - tail0;
-  {
-    P* mine = reinterpret_cast<P*>(static_cast<char*>(v.slots[v.rank]) + off);
-    const P* in = reinterpret_cast<const P*>(data);
-    for (int64_t u = first; u < units; u += stride) mine[u] = in[u];
-    if (tail) reinterpret_cast<T*>(mine)[tail0 + threadIdx.x] = data[tail0 + threadIdx.x];
-  }
-  if (OneShotBarrier(v, 2 * epoch, &failed)) {
-    for (int64_t u = first; u < units; u += stride) reinterpret_cast<P*>(data)[u] = SumUnit<T, kV>(v, off, u);
-    if (tail) data[tail0 + threadIdx.x] = SumUnit<T, 1>(v, off, tail0 + threadIdx.x).e[0];
-  }
-  if (threadIdx.x == 0) v.epochs[b] = epoch;
-}
-
-// The two-shot all-reduce (device_reduce.h): the one-shot's units, grid split and tail; a thread's
-// k-th unit (u = first + k * stride) is owned by rank k % size. Step 1 copies the whole input into
-// this rank's slot; after the first meeting each rank sums the units it owns over every rank's slot
-// in rank order and writes the rounded sums into its own slot, in place (a unit is written only by
-// its owner and read there by its owner alone); after the second meeting every rank copies each unit
-// from its owner's slot. So each element is the same rank-order FP32 sum, rounded once, as one-shot.
-template <typename T, int kV>
-__global__ void __launch_bounds__(kOneShotThreads) TwoShotAllReduceKernel(OneShotView v, T* data, int64_t count) {
-  using P = Pack<T, kV>;
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  const int b = blockIdx.x;
-  const uint64_t epoch = v.epochs[b] + 1;
-  const size_t off = (epoch & 1) * v.capacity;
-  const int64_t units = count / kV, tail0 = units * kV;
-  const int64_t first = static_cast<int64_t>(b) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const bool tail = b == 0 && static_cast<int64_t>(threadIdx.x) < count - tail0;  // owned by rank 0
   auto slot = [&](int q) { return reinterpret_cast<P*>(static_cast<char*>(v.slots[q]) + off); };
   P* mine = slot(v.rank);
   {
@@ -159,7 +136,12 @@ __global__ void __launch_bounds__(kOneShotThreads) TwoShotAllReduceKernel(OneSho
     for (int64_t u = first; u < units; u += stride) mine[u] = in[u];
     if (tail) reinterpret_cast<T*>(mine)[tail0 + threadIdx.x] = data[tail0 + threadIdx.x];
   }
-  if (OneShotBarrier(v, 2 * epoch - 1, &failed)) {
+  if constexpr (!kTwoShot) {
+    if (OneShotBarrier(v, 2 * epoch, &failed)) {
+      for (int64_t u = first; u < units; u += stride) reinterpret_cast<P*>(data)[u] = SumUnit<T, kV>(v, off, u);
+      if (tail) data[tail0 + threadIdx.x] = SumUnit<T, 1>(v, off, tail0 + threadIdx.x).e[0];
+    }
+  } else if (OneShotBarrier(v, 2 * epoch - 1, &failed)) {
     for (int64_t u = first + v.rank * stride; u < units; u += v.size * stride) mine[u] = SumUnit<T, kV>(v, off, u);
     if (tail && v.rank == 0) {
       const int64_t i = tail0 + threadIdx.x;
@@ -226,9 +208,9 @@ template <typename T, int kV>
 void LaunchAllReduce(const OneShotView& v, bool two_shot, void* data, int64_t count, cudaStream_t s) {
   auto* d = static_cast<T*>(data);
   if (two_shot) {
-    TwoShotAllReduceKernel<T, kV><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
+    AllReduceKernel<T, kV, true><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
   } else {
-    OneShotAllReduceKernel<T, kV><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
+    AllReduceKernel<T, kV, false><<<v.blocks, kOneShotThreads, 0, s>>>(v, d, count);
   }
 }
 
@@ -313,14 +295,14 @@ std::string TwoShotRule(const OneShotView& v) {
 Status PreloadOneShotKernels() {
   cudaFuncAttributes a;
   const void* kernels[] = {
-      reinterpret_cast<const void*>(&OneShotAllReduceKernel<float, 4>),
-      reinterpret_cast<const void*>(&OneShotAllReduceKernel<float, 1>),
-      reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 8>),
-      reinterpret_cast<const void*>(&OneShotAllReduceKernel<__nv_bfloat16, 1>),
-      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<float, 4>),
-      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<float, 1>),
-      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<__nv_bfloat16, 8>),
-      reinterpret_cast<const void*>(&TwoShotAllReduceKernel<__nv_bfloat16, 1>),
+      reinterpret_cast<const void*>(&AllReduceKernel<float, 4, false>),
+      reinterpret_cast<const void*>(&AllReduceKernel<float, 1, false>),
+      reinterpret_cast<const void*>(&AllReduceKernel<__nv_bfloat16, 8, false>),
+      reinterpret_cast<const void*>(&AllReduceKernel<__nv_bfloat16, 1, false>),
+      reinterpret_cast<const void*>(&AllReduceKernel<float, 4, true>),
+      reinterpret_cast<const void*>(&AllReduceKernel<float, 1, true>),
+      reinterpret_cast<const void*>(&AllReduceKernel<__nv_bfloat16, 8, true>),
+      reinterpret_cast<const void*>(&AllReduceKernel<__nv_bfloat16, 1, true>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint4>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint2>),
       reinterpret_cast<const void*>(&OneShotAllGatherKernel<uint32_t>),

@@ -587,20 +587,8 @@ TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndPr
   auto written = WriteSyntheticModel(mo);
   ASSERT_TRUE(written.ok()) << written.status().ToString();
   auto load = [&](int tp, const std::string& transport) {
-    EngineOptions o;
-    o.model_dir = mo.out_dir;
-    o.backend = BackendKind::kCuda;
-    o.kv_dtype = DType::kBF16;
-    o.page_size = 16;
-    o.max_seq_len = 256;
-    o.allow_fallback = true;
-    o.tp = tp;
-    o.tp_transport = transport;
-    o.tp_rank_argv_prefix = {"cuda_tp_gpu_test", "__tp-rank"};
-    o.tp_timeout_s = 120;
-    auto e = LoadEngine(o);
-    EXPECT_TRUE(e.ok()) << "tp " << tp << " " << transport << ": " << e.status().ToString();
-    return e.ok() ? std::move(e).value() : nullptr;
+    return Load("tiny", BackendKind::kCuda, tp, /*use_graph=*/true, transport,
+                [&](EngineOptions& o) { o.model_dir = mo.out_dir; });
   };
   auto one = load(1, "auto");
   auto threads = load(2, "device-oneshot");
@@ -649,46 +637,12 @@ TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndPr
   }
 }
 
-// The two-shot all-reduce through the engine: with tp_two_shot_min_kb=1 every all-reduce of 8 or
-// more of tiny_fixed_routing's 64-wide BF16 rows (the prompt's) takes the two-shot kernel, the decode
-// steps' one-shot; the tokens and every step's logits equal the default's (every all-reduce one-shot
-// here) bit for bit, as threads and as processes, and the rule shows in the signature.
-TEST(CudaTpGpuTest, TwoShotAllReducesGiveTheOneShotBitsThroughTheEngine) {
-  SKIP_WITHOUT_GPU();
-  const std::string model = "tiny_fixed_routing";
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 40; ++i) prompt.push_back(3 + (i * 37) % 90);
-  GenerateOptions g;
-  g.max_tokens = 16;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
-  GenerateResult ref;
-  {
-    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot");
-    ASSERT_TRUE(e);
-    auto r = GenerateGreedy(*e, prompt, g);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    ref = std::move(r).value();
-  }
-  for (const std::string transport : {"device-oneshot", "processes"}) {
-    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, transport,
-                  [](EngineOptions& o) { o.tuning.tp_two_shot_min_kb = 1; });
-    ASSERT_TRUE(e) << transport;
-    auto got = GenerateGreedy(*e, prompt, g);
-    ASSERT_TRUE(got.ok()) << transport << ": " << got.status().ToString();
-    ExpectBitIdentical(*got, ref, transport + " with two-shot");
-    const nlohmann::json d = e->runner->Describe();
-    EXPECT_EQ(d["tensor_parallel"]["all_reduce_rule"], "two-shot>=1024") << transport;
-    for (const auto& t : d["topology"]) {
-      EXPECT_NE(t["signature"].get<std::string>().find("+two-shot>=1024"), std::string::npos) << t.dump();
-    }
-  }
-}
-
-// Chunking and page size under TP (docs/exactness.md's promise, per rank and through the
-// collectives): the prompt prefilled whole, in chunks of 8 and of 5 rows, with pages of 16 and 32,
-// and with the prompt's all-reduces on two-shot (tp_two_shot_min_kb=1: a chunk of 8 rows or more
-// takes two-shot, of 5 one-shot), gives the same tokens and every step's logits bit for bit.
+// Chunking, page size and the all-reduce kernel under TP (docs/exactness.md's promise, per rank and
+// through the collectives): the prompt prefilled whole, in chunks of 8 and of 5 rows, with pages of
+// 16 and 32, and with the all-reduces of 8 or more of tiny_fixed_routing's 64-wide BF16 rows on
+// two-shot (tp_two_shot_min_kb=1: the prompt's chunks of 8 and the whole prompt take two-shot, chunks
+// of 5 and the decode steps one-shot), as threads and as processes, gives the same tokens and every
+// step's logits bit for bit; the size rule shows in the signature.
 TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
   SKIP_WITHOUT_GPU();
   const std::string model = "tiny_fixed_routing";
@@ -701,15 +655,18 @@ TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
   struct Variant {
     const char* name;
     int32_t chunk, page, two_shot_kb;
+    const char* transport;
   };
-  const Variant variants[] = {{"whole prompt, page 16", 256, 16, 512},
-                              {"chunks of 8, page 16", 8, 16, 512},
-                              {"chunks of 5, page 32", 5, 32, 512},
-                              {"chunks of 8, page 32, two-shot", 8, 32, 1},
-                              {"whole prompt, page 16, two-shot", 256, 16, 1}};
+  const Variant variants[] = {{"whole prompt, page 16", 256, 16, 512, "device-oneshot"},
+                              {"chunks of 8, page 16", 8, 16, 512, "device-oneshot"},
+                              {"chunks of 5, page 32", 5, 32, 512, "device-oneshot"},
+                              {"chunks of 8, page 32, two-shot", 8, 32, 1, "device-oneshot"},
+                              {"whole prompt, page 16, two-shot", 256, 16, 1, "device-oneshot"},
+                              {"chunks of 5, page 16, two-shot, processes", 5, 16, 1, "processes"},
+                              {"whole prompt, page 32, two-shot, processes", 256, 32, 1, "processes"}};
   GenerateResult ref;
   for (const Variant& v : variants) {
-    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot", [&](EngineOptions& o) {
+    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, v.transport, [&](EngineOptions& o) {
       o.page_size = v.page;
       o.tuning.tp_two_shot_min_kb = v.two_shot_kb;
     });
@@ -717,6 +674,12 @@ TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
     g.prefill_chunk = v.chunk;
     auto got = GenerateGreedy(*e, prompt, g);
     ASSERT_TRUE(got.ok()) << v.name << ": " << got.status().ToString();
+    const std::string rule = fmt::format("two-shot>={}", v.two_shot_kb * 1024);
+    const nlohmann::json d = e->runner->Describe();
+    EXPECT_EQ(d["tensor_parallel"]["all_reduce_rule"], rule) << v.name;
+    for (const auto& t : d["topology"]) {
+      EXPECT_NE(t["signature"].get<std::string>().find("+" + rule), std::string::npos) << v.name << t.dump();
+    }
     if (&v == &variants[0]) {
       ref = std::move(got).value();
     } else {
