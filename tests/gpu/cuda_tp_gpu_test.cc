@@ -546,16 +546,49 @@ TEST(CudaTpGpuTest, TwoRanksAsProcessesOnOneGpuAreBitIdenticalOverTenRunsAndEqua
   EXPECT_EQ(runs, 10);
 }
 
+// A small model with Laguna XS.2's attention geometry (2 layers, D 128, 48/64 query heads over 8 KV
+// heads, so the XS.2 presets run at TP=2 for pages of 16, 32 and 64) and narrow MLPs (hidden 512,
+// 16 experts of 128, shared expert 128), written to `dir`/`name` so child processes load the same
+// file; `fp8`: every linear layer FP8 (128 x 128 blocks: each rank's expert slices of 64 rows or
+// columns lie inside one block).
+std::string WriteSmallXs2(const test_util::TempDir& dir, const std::string& name, bool fp8) {
+  auto c = ShapeConfig("xs2", 2);
+  EXPECT_TRUE(c.ok());
+  MakeModelOptions mo;
+  mo.config = *c;
+  mo.config.hidden_size = 512;
+  mo.config.intermediate_size = 1024;
+  mo.config.num_experts = 16;
+  mo.config.num_experts_per_tok = 4;
+  mo.config.moe_intermediate_size = 128;
+  mo.config.shared_expert_intermediate_size = 128;
+  mo.config.vocab_size = 4096;
+  mo.seed = 11;
+  if (fp8) {
+    Fp8Options f;
+    f.layout = Fp8Layout::kAllLinear;
+    mo.fp8 = f;
+  }
+  mo.out_dir = dir / name;
+  auto written = WriteSyntheticModel(mo);
+  EXPECT_TRUE(written.ok()) << written.status().ToString();
+  return mo.out_dir;
+}
+
+std::vector<int32_t> PromptOf(int n, int salt, int vocab) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(3 + (i * 41 + salt) % (vocab - 3));
+  return p;
+}
+
 // FP8 weights under TP on the GPU: the ranks' shards carry their scales (model/weight_shard.h).
 // tiny_fp8 itself cannot run at TP=2 on CUDA: its shared expert (16 wide) leaves each rank 8 FP8
-// codes per row, and the kernels read 16 per load (the load says so, naming the tensor and rank:
-// checked below). So a synthetic checkpoint of tiny's shape with a 32-wide shared expert, every
-// linear layer FP8 in 32 x 32 blocks (expert down slices of 16 columns lie inside one block), written
-// to disk so child processes load the same file. TP=2 in graphs teacher-forced along TP=1's greedy
-// tokens: this shape routes with near-ties (cuda_runner_test.cc's golden tests say why), so the FP8
-// golden test's bounds: >= 80 % of the steps with a TP=1 margin >= kMarginVsCuda equal, last prompt
-// logits within 6e-2 relative L2 of TP=1's. A second fresh group of threads and a group of processes
-// give the same bits.
+// codes per row, and the kernels read 16 per load (the load says so, naming the tensor: checked
+// below). So the small XS.2-geometry model with FP8 weights. TP=2 in graphs teacher-forced along
+// TP=1's greedy tokens: random weights route with near-ties (cuda_runner_test.cc's golden tests say
+// why), so the FP8 golden test's bounds: >= 80 % of the steps with a TP=1 margin >= kMarginVsCuda
+// equal, last prompt logits within 6e-2 relative L2 of TP=1's. A second fresh group of threads and a
+// group of processes give the same bits.
 TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndProcesses) {
   SKIP_WITHOUT_GPU();
   {
@@ -573,32 +606,16 @@ TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndPr
         << refused.status().ToString();
   }
   test_util::TempDir dir("dl_gpu_tp_fp8");
-  MakeModelOptions mo;
-  auto tiny = ShapeConfig("tiny");
-  ASSERT_TRUE(tiny.ok());
-  mo.config = *tiny;
-  mo.config.shared_expert_intermediate_size = 32;
-  mo.seed = 11;
-  Fp8Options fp8;
-  fp8.layout = Fp8Layout::kAllLinear;
-  fp8.block_rows = fp8.block_cols = 32;
-  mo.fp8 = fp8;
-  mo.out_dir = dir / "model";
-  auto written = WriteSyntheticModel(mo);
-  ASSERT_TRUE(written.ok()) << written.status().ToString();
+  const std::string model_dir = WriteSmallXs2(dir, "model", /*fp8=*/true);
   auto load = [&](int tp, const std::string& transport) {
     return Load("tiny", BackendKind::kCuda, tp, /*use_graph=*/true, transport,
-                [&](EngineOptions& o) { o.model_dir = mo.out_dir; });
+                [&](EngineOptions& o) { o.model_dir = model_dir; });
   };
   auto one = load(1, "auto");
   auto threads = load(2, "device-oneshot");
   ASSERT_TRUE(one && threads);
-  std::vector<std::vector<int32_t>> prompts;
-  for (int n : {6, 23}) {
-    std::vector<int32_t> p;
-    for (int i = 0; i < n; ++i) p.push_back(3 + (i * 41 + n) % 500);
-    prompts.push_back(p);
-  }
+  EXPECT_TRUE(threads->config().weight_quant.fp8());
+  const std::vector<std::vector<int32_t>> prompts = {PromptOf(6, 1, 4096), PromptOf(70, 2, 4096)};
   std::vector<GenerateResult> refs;
   for (const auto& prompt : prompts) {
     GenerateOptions g;
@@ -638,16 +655,18 @@ TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndPr
 }
 
 // Chunking, page size and the all-reduce kernel under TP (docs/exactness.md's promise, per rank and
-// through the collectives): the prompt prefilled whole, in chunks of 8 and of 5 rows, with pages of
-// 16 and 32, and with the all-reduces of 8 or more of tiny_fixed_routing's 64-wide BF16 rows on
-// two-shot (tp_two_shot_min_kb=1: the prompt's chunks of 8 and the whole prompt take two-shot, chunks
-// of 5 and the decode steps one-shot), as threads and as processes, gives the same tokens and every
-// step's logits bit for bit; the size rule shows in the signature.
+// through the collectives), on the small XS.2-geometry model (its attention presets exist for pages
+// of 16, 32 and 64; tiny's only for 16, so other pages would take another kernel): the prompt
+// prefilled whole, in chunks of 8 and of 3 rows, with pages of 16, 32 and 64, and with the
+// all-reduces of 4 or more of its 512-wide BF16 rows on two-shot (tp_two_shot_min_kb=4: the whole
+// prompt and chunks of 8 take two-shot, chunks of 3 and the decode steps one-shot), as threads and as
+// processes, gives the same tokens and every step's logits bit for bit; the size rule shows in the
+// signature.
 TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
   SKIP_WITHOUT_GPU();
-  const std::string model = "tiny_fixed_routing";
-  std::vector<int32_t> prompt;
-  for (int i = 0; i < 40; ++i) prompt.push_back(5 + (i * 53) % 400);
+  test_util::TempDir dir("dl_gpu_tp_chunks");
+  const std::string model_dir = WriteSmallXs2(dir, "model", /*fp8=*/false);
+  const std::vector<int32_t> prompt = PromptOf(40, 5, 4096);
   GenerateOptions g;
   g.max_tokens = 12;
   g.ignore_eos = true;
@@ -659,18 +678,21 @@ TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
   };
   const Variant variants[] = {{"whole prompt, page 16", 256, 16, 512, "device-oneshot"},
                               {"chunks of 8, page 16", 8, 16, 512, "device-oneshot"},
-                              {"chunks of 5, page 32", 5, 32, 512, "device-oneshot"},
-                              {"chunks of 8, page 32, two-shot", 8, 32, 1, "device-oneshot"},
-                              {"whole prompt, page 16, two-shot", 256, 16, 1, "device-oneshot"},
-                              {"chunks of 5, page 16, two-shot, processes", 5, 16, 1, "processes"},
-                              {"whole prompt, page 32, two-shot, processes", 256, 32, 1, "processes"}};
+                              {"chunks of 3, page 32", 3, 32, 512, "device-oneshot"},
+                              {"whole prompt, page 64", 256, 64, 512, "device-oneshot"},
+                              {"chunks of 8, page 32, two-shot", 8, 32, 4, "device-oneshot"},
+                              {"whole prompt, page 16, two-shot", 256, 16, 4, "device-oneshot"},
+                              {"chunks of 3, page 64, two-shot, processes", 3, 64, 4, "processes"},
+                              {"whole prompt, page 32, two-shot, processes", 256, 32, 4, "processes"}};
   GenerateResult ref;
   for (const Variant& v : variants) {
-    auto e = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, v.transport, [&](EngineOptions& o) {
+    auto e = Load("tiny", BackendKind::kCuda, 2, /*use_graph=*/true, v.transport, [&](EngineOptions& o) {
+      o.model_dir = model_dir;
       o.page_size = v.page;
       o.tuning.tp_two_shot_min_kb = v.two_shot_kb;
     });
     ASSERT_TRUE(e) << v.name;
+    EXPECT_FALSE(e->runner->Describe().value("fallback", true)) << v.name << ": a rank fell back to another kernel";
     g.prefill_chunk = v.chunk;
     auto got = GenerateGreedy(*e, prompt, g);
     ASSERT_TRUE(got.ok()) << v.name << ": " << got.status().ToString();

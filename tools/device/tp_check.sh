@@ -51,7 +51,7 @@ if [ "$TESTS" = 1 ]; then
   grep -E "^\[tp(-fp8|-dflash)?\]" "$OUT/cuda_tp_gpu_test.log" | head -24
   # The one-shot and two-shot kernels under compute-sanitizer memcheck (peer slots, flags, epochs).
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/tests/gpu/device_comm_gpu_test \
-    --gtest_filter='TwoShotBf16*:OneShotBf16TwoRanks*' > "$OUT/memcheck_comm.log" 2>&1
+    --gtest_filter='*TwoShotBf16*:*OneShotBf16TwoRanks*' > "$OUT/memcheck_comm.log" 2>&1
   echo "memcheck device_comm_gpu_test TwoShot/OneShot rc=$?: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_comm.log" | tr '\n' ' ')"
 fi
 if [ "$COMM_BENCH" = 1 ]; then
