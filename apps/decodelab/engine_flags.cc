@@ -56,8 +56,8 @@ void EngineFlags::Add(CLI::App* cmd, bool with_kv) {
   cmd->add_option("--tp", tp,
                   "Tensor-parallel ranks, threads of this process (or processes: --tp-transport processes). "
                   "CUDA: rank r runs on GPU r % (visible GPUs), so a tp above the GPU count shares GPUs "
-                  "round-robin; NCCL when every rank has its own GPU, else the one-shot device communicator "
-                  "(--tp-transport). docs/tensor-parallel.md")
+                  "round-robin; the ranks' all-reduce is the rank-order one-shot/two-shot kernel over peer memory "
+                  "(--tp-transport, --tune tp_two_shot_min_kb). docs/tensor-parallel.md")
       ->default_val(1);
   cmd->add_option("--tp-transport", tp_transport,
                   "How tensor-parallel ranks meet. auto: CPU ranks are threads of this process; CUDA takes "

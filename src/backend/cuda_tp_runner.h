@@ -5,9 +5,10 @@
 // with its sequences' block tables) to the other ranks, which are threads of this process.
 //
 // Rank r runs on GPU r % gpus: with more ranks than visible GPUs, ranks share GPUs round-robin (each
-// with its own stream, weights and workspace). The communicator: NCCL when every rank has a GPU of its
-// own and NCCL loads, else the one-shot device communicator (any ranks on any GPUs; the rank-order
-// FP32 sum); with either, each rank's forwards are CUDA graphs with the collectives inside. The
+// with its own stream, weights and workspace). The communicator: the one-shot device communicator
+// (any ranks on any GPUs with peer access; the rank-order FP32 sum, two-shot for large messages),
+// NCCL only where GPUs lack peer access or on request (its order depends on the message size); with
+// either, each rank's forwards are CUDA graphs with the collectives inside. The
 // in-process device communicator (host meetings, eager forwards) on request. With kProcesses, ranks
 // 1..N-1 are child processes instead of threads (the CPU's TpProcessRanks: spawn, control channel,
 // supervision), and the one-shot buffers are shared through CUDA IPC handles. A rank whose forward

@@ -60,8 +60,8 @@ struct EngineOptions {
   // r % visible GPUs; backend/cuda_tp_runner.h).
   int32_t tp = 1;
   EmbeddingMode embedding = EmbeddingMode::kReplicated;
-  // CUDA tensor parallelism's communicator: "auto" (NCCL when every rank has its own GPU and NCCL
-  // loads, else device-oneshot), "device-oneshot", "device-in-process" (eager forwards), "nccl" or
+  // CUDA tensor parallelism's communicator: "auto" (device-oneshot; NCCL only for ranks on GPUs
+  // without peer access), "device-oneshot", "device-in-process" (eager forwards), "nccl" or
   // "processes" (ranks 1..tp-1 are child processes, the one-shot all-reduce over CUDA IPC memory).
   // The CPU reference's ranks: "auto" (threads of this process, in-process collectives) or
   // "processes" (ranks 1..tp-1 are child processes, collectives over TCP on 127.0.0.1;
