@@ -9,12 +9,12 @@
 #include <atomic>
 #include <chrono>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <set>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "comm/device_communicator.h"
 
@@ -316,9 +316,8 @@ class IpcOneShotRank final : public DeviceCommunicator {
     // own word when a child fails or dies; a child whose rank 0 failed spins until the timeout and
     // is killed by rank 0 after a short grace).
     (void)cudaGetLastError();
-    std::fprintf(stderr,
-                 "decodelab: one-shot IPC rank %d: cudaHostRegister of the shared abort word failed (%s); each "
-                 "process aborts only its own kernels\n",
+    spdlog::warn("one-shot IPC rank {}: cudaHostRegister of the shared abort word failed ({}); each process "
+                 "aborts only its own kernels",
                  rank_, cudaGetErrorString(e));
     DL_ASSIGN_OR_RETURN(local_abort_, cuda::PinnedBuffer::Allocate(sizeof(uint32_t)));
     *local_abort_.as<uint32_t>() = 0;
