@@ -41,6 +41,7 @@
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
 #include "tests/common/temp_dir.h"
+#include "tests/common/tp_process_util.h"
 #include "tests/gpu/gpu_skip.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -48,6 +49,9 @@ namespace dl {
 namespace {
 
 using namespace testing_golden;
+using test_util::ExpectContains;
+using test_util::ExpectGone;
+using test_util::ForwardOnce;
 
 // Four BF16 steps of logits in [8, 16) (these models' top logits): well above the rounding that
 // separates the TP=2 and TP=1 products. Against the FP32 CPU, whose distance from any BF16 pipeline
@@ -460,20 +464,7 @@ TEST(CudaTpGpuTest, ShardsTheKernelsCannotRunAreRefused) {
 
 CudaTpRunner& TpRunner(Engine& e) { return dynamic_cast<CudaTpRunner&>(*e.runner); }
 
-std::vector<pid_t> ChildPids(Engine& e) {
-  std::vector<pid_t> pids = TpRunner(e).rank_pids();
-  if (!pids.empty()) pids.erase(pids.begin());  // rank 0 is this process
-  return pids;
-}
-
-// Every pid gone: not running, not a zombie, and reaped by us (waitpid finds no such child).
-void ExpectGone(const std::vector<pid_t>& pids) {
-  for (pid_t pid : pids) {
-    EXPECT_FALSE(comm::ProcessExists(pid)) << "rank process " << pid << " still exists (orphan or zombie)";
-    int status = 0;
-    EXPECT_EQ(::waitpid(pid, &status, WNOHANG), -1) << "rank process " << pid << " was not reaped";
-  }
-}
+std::vector<pid_t> ChildPids(Engine& e) { return test_util::ChildPids<CudaTpRunner>(e); }
 
 void ExpectBitIdentical(const GenerateResult& got, const GenerateResult& ref, const std::string& what) {
   EXPECT_EQ(got.tokens, ref.tokens) << what;
@@ -786,47 +777,14 @@ TEST(CudaTpGpuTest, TwoRanksAsProcessesEagerAreBitIdenticalToThreadsInGraphs) {
 }
 
 // One prefill forward of `prompt` (a fresh sequence) with a greedy output row.
-Status ForwardOnce(Engine& e, const std::vector<int32_t>& prompt) {
-  SequenceKv seq;
-  DL_RETURN_IF_ERROR(e.kv->Reserve(seq, static_cast<int32_t>(prompt.size())));
-  ForwardBatch batch;
-  batch.mode = ForwardMode::kPrefill;
-  batch.AddSequence(seq, prompt);
-  batch.AddOutput(static_cast<int32_t>(prompt.size()) - 1);
-  ForwardResult result;
-  Status st = e.runner->Forward(batch, &result);
-  DL_RETURN_IF_ERROR(e.kv->Release(seq));
-  return st;
-}
-
-void ExpectContains(const std::string& text, const std::string& needle) {
-  EXPECT_NE(text.find(needle), std::string::npos) << "'" << needle << "' not in: " << text;
-}
-
 // A child killed mid-session ends the group naming the rank and how it ended, rank 0's spinning
 // kernel leaves at once (the group's abort word), later steps are refused, and no process remains.
 TEST(CudaTpGpuTest, AKilledChildRankEndsTheGroupNamingIt) {
   SKIP_WITHOUT_GPU();
   auto e = Load("tiny_fixed_routing", BackendKind::kCuda, 2, /*use_graph=*/true, "processes");
   ASSERT_TRUE(e);
-  const std::vector<pid_t> pids = ChildPids(*e);
-  ASSERT_EQ(pids.size(), 1u);
-  ASSERT_TRUE(ForwardOnce(*e, {3, 4, 5, 6}).ok());
-  ASSERT_EQ(::kill(pids[0], SIGKILL), 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  Status st = ForwardOnce(*e, {3, 4, 5, 6});
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ASSERT_FALSE(st.ok());
-  std::printf("[tp-processes] after %.2f s: %s\n", s, st.message().c_str());
+  const double s = test_util::ExpectAKilledChildEndsTheGroup(e, ChildPids(*e));
   EXPECT_LT(s, 60.0) << "rank 0 waited for its kernel's timeout instead of the abort";
-  ExpectContains(st.message(), "tensor-parallel group of 2 ended");
-  ExpectContains(st.message(), fmt::format("rank 1: UNAVAILABLE: process {} ended (killed by signal 9", pids[0]));
-  ExpectGone(pids);
-  Status again = ForwardOnce(*e, {3, 4, 5, 6});
-  ASSERT_FALSE(again.ok());
-  ExpectContains(again.message(), "tensor-parallel group of 2 ended");
-  e.reset();
-  ExpectGone(pids);
 }
 
 // A child whose forward fails aborts the group: rank 0's kernel leaves its wait, the step names the

@@ -19,11 +19,15 @@
 #include "engine/engine.h"
 #include "engine/tp_rank_process.h"
 #include "tests/common/golden_data.h"
+#include "tests/common/tp_process_util.h"
 
 namespace dl {
 namespace {
 
 using namespace testing_golden;
+using test_util::ExpectContains;
+using test_util::ExpectGone;
+using test_util::ForwardOnce;
 using Clock = std::chrono::steady_clock;
 
 EngineOptions Options(int tp, EmbeddingMode embedding, const std::string& transport) {
@@ -79,37 +83,10 @@ GreedyRun Generate(Engine& e, const std::vector<int32_t>& prompt, int32_t max_to
 }
 
 // One prefill forward of `prompt` (a fresh sequence) with a greedy output row.
-Status ForwardOnce(Engine& e, const std::vector<int32_t>& prompt) {
-  SequenceKv seq;
-  DL_RETURN_IF_ERROR(e.kv->Reserve(seq, static_cast<int32_t>(prompt.size())));
-  ForwardBatch batch;
-  batch.mode = ForwardMode::kPrefill;
-  batch.AddSequence(seq, prompt);
-  batch.AddOutput(static_cast<int32_t>(prompt.size()) - 1);
-  ForwardResult result;
-  Status st = e.runner->Forward(batch, &result);
-  DL_RETURN_IF_ERROR(e.kv->Release(seq));
-  return st;
-}
-
 std::vector<pid_t> ChildPids(Engine& e) {
-  std::vector<pid_t> pids = Runner(e).rank_pids();
-  EXPECT_EQ(pids.size(), static_cast<size_t>(Runner(e).plan().tp_size));
-  if (!pids.empty()) pids.erase(pids.begin());  // rank 0 is this process
+  std::vector<pid_t> pids = test_util::ChildPids<CpuTpRunner>(e);
+  EXPECT_EQ(pids.size() + 1, static_cast<size_t>(Runner(e).plan().tp_size));
   return pids;
-}
-
-// Every pid gone: not running, not a zombie, and reaped by us (waitpid finds no such child).
-void ExpectGone(const std::vector<pid_t>& pids) {
-  for (pid_t pid : pids) {
-    EXPECT_FALSE(comm::ProcessExists(pid)) << "rank process " << pid << " still exists (orphan or zombie)";
-    int status = 0;
-    EXPECT_EQ(::waitpid(pid, &status, WNOHANG), -1) << "rank process " << pid << " was not reaped";
-  }
-}
-
-void ExpectContains(const std::string& text, const std::string& needle) {
-  EXPECT_NE(text.find(needle), std::string::npos) << "'" << needle << "' not in: " << text;
 }
 
 TEST(TpProcessesCpuTest, TokensAndLogitsAreBitIdenticalToInProcessOnTheGoldens) {
@@ -225,21 +202,7 @@ TEST(TpProcessesCpuTest, AChildsForwardFailureEndsTheGroupNamingTheRank) {
 TEST(TpProcessesCpuTest, AKilledChildEndsTheGroupNamingHowItEnded) {
   auto engine = LoadGolden(GoldenDir("tiny"), 2, EmbeddingMode::kReplicated, "processes");
   ASSERT_TRUE(engine);
-  const std::vector<pid_t> pids = ChildPids(*engine);
-  ASSERT_EQ(pids.size(), 1u);
-  ASSERT_TRUE(ForwardOnce(*engine, {3, 4, 5, 6}).ok());
-  ASSERT_EQ(::kill(pids[0], SIGKILL), 0);
-  Status st = ForwardOnce(*engine, {3, 4, 5, 6});
-  ASSERT_FALSE(st.ok());
-  std::printf("[tp-processes] %s\n", st.message().c_str());
-  ExpectContains(st.message(), "tensor-parallel group of 2 ended");
-  ExpectContains(st.message(), fmt::format("rank 1: UNAVAILABLE: process {} ended (killed by signal 9", pids[0]));
-  ExpectGone(pids);
-  Status again = ForwardOnce(*engine, {3, 4, 5, 6});
-  ASSERT_FALSE(again.ok());
-  ExpectContains(again.message(), "rank 1: ");
-  engine.reset();
-  ExpectGone(pids);
+  test_util::ExpectAKilledChildEndsTheGroup(engine, ChildPids(*engine));
 }
 
 // A child that stops answering (SIGSTOP: alive, silent) is bounded by the collective timeout, then
