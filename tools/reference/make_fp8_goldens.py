@@ -125,17 +125,8 @@ def main():
     banned = {c["bos_token_id"], c["pad_token_id"], *eos}
     prompts = []
     for pi, length in enumerate(mg.PROMPT_LENGTHS):
-        for attempt in range(args.max_prompt_attempts):
-            seed = PROMPT_SEED_BASE + 100 * pi + attempt
-            ids = mg.make_prompt(c["vocab_size"], length, seed, banned)
-            rec, _ = mg.greedy(torch, model, c, ids, mg.STEPS, tracker)
-            fs = rec["first_small_margin_step"]
-            if fs is None or fs >= mg.MIN_COMPARED_STEPS:
-                rec["prompt_seed"] = seed
-                break
-        else:
-            raise mg.GoldenError(f"prompt {pi}: no seed in {args.max_prompt_attempts} attempts gives "
-                                 f">= {mg.MIN_COMPARED_STEPS} clear-margin steps")
+        rec, _ = mg.clear_margin_transcript(torch, model, c, pi, length, PROMPT_SEED_BASE, args.max_prompt_attempts,
+                                            tracker, banned)
         mg.log(f"  prompt {pi} (len {length}, seed {rec['prompt_seed']}): tokens {rec['tokens'][:12]}..., "
                f"first small margin {rec['first_small_margin_step']}, min margin {min(rec['margins']):.3g}")
         prompts.append(rec)

@@ -707,6 +707,26 @@ def make_prompt(vocab, length, seed, banned):
     return ids
 
 
+def clear_margin_transcript(torch, model, c, pi, length, seed_base, attempts, tracker, banned, want_hidden=False,
+                            pad_at=None):
+    """Prompt pi's greedy transcript from the first prompt seed (seed_base + 100 pi + attempt) whose
+    first small-margin step is at least MIN_COMPARED_STEPS (or never comes): (record, step logits).
+    pad_at: a position that gets the pad token (when inside the prompt)."""
+    for attempt in range(attempts):
+        seed = seed_base + 100 * pi + attempt
+        ids = make_prompt(c["vocab_size"], length, seed, banned)
+        if pad_at is not None and pad_at < length:
+            ids[pad_at] = c["pad_token_id"]
+        rec, step_logits = greedy(torch, model, c, ids, STEPS, tracker, want_hidden=want_hidden)
+        fs = rec["first_small_margin_step"]
+        if fs is None or fs >= MIN_COMPARED_STEPS:
+            rec["prompt_seed"] = seed
+            return rec, step_logits
+        log(f"  prompt {pi} seed {seed}: first margin < {MARGIN_THRESHOLD:g} at step {fs} "
+            f"(margin {rec['margins'][fs]:.3g}); retrying with seed {seed + 1}")
+    raise GoldenError(f"prompt {pi}: no seed in {attempts} attempts gives >= {MIN_COMPARED_STEPS} clear-margin steps")
+
+
 def rope_tables(model, c):
     """The library's FP32 inverse frequencies and cos/sin scaling per layer type (debug data)."""
     rot = getattr(model.model, "rotary_emb", None)
@@ -928,21 +948,9 @@ def run_config(name, spec, out_root, args, mods, versions):
     prompts = []
     step_logits_all = []
     for pi, length in enumerate(PROMPT_LENGTHS):
-        for attempt in range(args.max_prompt_attempts):
-            seed = spec["weight_seed"] * 1000 + 100 * pi + attempt
-            ids = make_prompt(c["vocab_size"], length, seed, banned)
-            if pi in PAD_IN_PROMPT and PAD_IN_PROMPT[pi] < length:
-                ids[PAD_IN_PROMPT[pi]] = c["pad_token_id"]
-            rec, step_logits = greedy(torch, model, c, ids, STEPS, tracker, want_hidden=(pi == 0))
-            fs = rec["first_small_margin_step"]
-            if fs is None or fs >= MIN_COMPARED_STEPS:
-                rec["prompt_seed"] = seed
-                break
-            log(f"  prompt {pi} seed {seed}: first margin < {MARGIN_THRESHOLD:g} at step {fs} "
-                f"(margin {rec['margins'][fs]:.3g}); retrying with seed {seed + 1}")
-        else:
-            raise GoldenError(f"prompt {pi}: no seed in {args.max_prompt_attempts} attempts gives "
-                              f">= {MIN_COMPARED_STEPS} clear-margin steps")
+        rec, step_logits = clear_margin_transcript(torch, model, c, pi, length, spec["weight_seed"] * 1000,
+                                                   args.max_prompt_attempts, tracker, banned, want_hidden=(pi == 0),
+                                                   pad_at=PAD_IN_PROMPT.get(pi))
         log(f"  prompt {pi} (len {length}, seed {rec['prompt_seed']}): tokens {rec['tokens'][:12]}..., "
             f"first small margin {rec['first_small_margin_step']}, min margin {min(rec['margins']):.3g}, "
             f"min router gap {fmt(min_or_none(rec['router_min_gaps']))}")
