@@ -827,6 +827,7 @@ const KvCacheSpec& CudaRunner::kv_spec() const { return impl_->kv; }
 const KvScales& CudaRunner::kv_scales() const { return impl_->scales; }
 int32_t CudaRunner::max_rows() const { return impl_->ws.sizes.max_rows; }
 int32_t CudaRunner::max_outputs() const { return impl_->ws.sizes.max_outputs; }
+int32_t CudaRunner::max_taps() const { return impl_->ws.sizes.max_taps; }
 int CudaRunner::kernel_nodes() const { return impl_->decode_kernel_nodes; }
 int64_t CudaRunner::collectives_last_forward() const { return impl_->collectives_last_forward; }
 const std::vector<std::string>& CudaRunner::layer_presets() const { return impl_->layer_presets; }
@@ -1054,6 +1055,7 @@ const KvCacheSpec& CudaRunner::kv_spec() const { return kNoSpec; }
 const KvScales& CudaRunner::kv_scales() const { return kNoScales; }
 int32_t CudaRunner::max_rows() const { return 0; }
 int32_t CudaRunner::max_outputs() const { return 0; }
+int32_t CudaRunner::max_taps() const { return 0; }
 Status CudaRunner::Launch(const ForwardBatch&) { return Unavailable("no CUDA backend in this build"); }
 Status CudaRunner::Prepare(const ForwardBatch&) { return Unavailable("no CUDA backend in this build"); }
 Status CudaRunner::Submit() { return Unavailable("no CUDA backend in this build"); }

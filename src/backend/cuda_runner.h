@@ -65,6 +65,7 @@ class CudaRunner : public ModelRunner {
   const KvScales& kv_scales() const override;
   int32_t max_rows() const override;
   int32_t max_outputs() const override;
+  int32_t max_taps() const;  // hidden-state taps the workspace holds (CudaRunnerOptions::max_taps)
   Status Launch(const ForwardBatch& batch) override;  // Prepare, then Submit
   Status Wait(ForwardResult* result) override;
   nlohmann::json Describe() const override;

@@ -313,7 +313,17 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
   DL_RETURN_IF_ERROR(batch.Validate(vocab_size_, kv_spec_.page_size));
   // Hidden-state taps need nothing of their own: a tap reads the residual stream after the layer's
   // all-reduce, which every rank holds whole, so rank 0's forward returns them (forwards with taps
-  // run eagerly on every rank, CudaRunner's rule).
+  // run eagerly on every rank, CudaRunner's rule). Their count and layers are checked here, so a
+  // batch the ranks would refuse does not end the group.
+  if (static_cast<int32_t>(batch.hidden_taps.size()) > ranks_[0]->max_taps()) {
+    return Unimplemented("{} hidden-state taps on the CUDA backend, which was sized for {} (EngineOptions::max_hidden_taps)",
+                         batch.hidden_taps.size(), ranks_[0]->max_taps());
+  }
+  for (int32_t t : batch.hidden_taps) {
+    if (t < 0 || t >= num_layers_) {
+      return InvalidArgument("hidden tap at layer {} is outside the model's {} layers", t, num_layers_);
+    }
+  }
   if (batch.num_rows() > max_rows() || static_cast<int32_t>(batch.outputs.size()) > max_outputs()) {
     return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
                            batch.outputs.size(), max_rows(), max_outputs());

@@ -749,6 +749,39 @@ TEST(CudaTpGpuTest, DflashOverTwoRanksEqualsPlainDecoding) {
   }
 }
 
+// Taps the ranks could not take (more than the workspace holds, a layer outside the model) are
+// refused on rank 0 before any rank starts, and the group keeps working.
+TEST(CudaTpGpuTest, TapsTheRanksCannotTakeAreRefusedWithoutEndingTheGroup) {
+  SKIP_WITHOUT_GPU();
+  auto e = Load("tiny_fixed_routing", BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot",
+                [](EngineOptions& o) { o.max_hidden_taps = 1; });
+  ASSERT_TRUE(e);
+  auto forward_with_taps = [&](std::vector<int32_t> taps) {
+    SequenceKv seq;
+    EXPECT_TRUE(e->kv->Reserve(seq, 4).ok());
+    ForwardBatch batch;
+    batch.mode = ForwardMode::kPrefill;
+    const std::vector<int32_t> prompt = {3, 4, 5, 6};
+    batch.AddSequence(seq, prompt);
+    batch.AddOutput(3);
+    batch.hidden_taps = std::move(taps);
+    ForwardResult result;
+    Status st = e->runner->Forward(batch, &result);
+    EXPECT_TRUE(e->kv->Release(seq).ok());
+    if (st.ok()) EXPECT_EQ(result.hidden.size(), batch.hidden_taps.size());
+    return st;
+  };
+  const Status two = forward_with_taps({1, 2});
+  EXPECT_EQ(two.code(), StatusCode::kUnimplemented) << two.ToString();
+  ExpectContains(two.message(), "sized for 1");
+  const Status outside = forward_with_taps({7});
+  EXPECT_EQ(outside.code(), StatusCode::kInvalidArgument) << outside.ToString();
+  ExpectContains(outside.message(), "outside the model's 5 layers");
+  const Status one = forward_with_taps({2});
+  EXPECT_TRUE(one.ok()) << one.ToString();
+  EXPECT_TRUE(ForwardOnce(*e, {3, 4, 5, 6}).ok());
+}
+
 // Eager forwards (--no-graph) under processes run the one-shot kernels directly (no host meeting
 // across processes: each has its own CUDA context, so lazy loading never waits for a peer's
 // spinning kernel): the same bits as the graphs.
