@@ -24,6 +24,7 @@
 #include "tests/common/batch_schedule.h"
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
+#include "tests/common/small_xs2.h"
 #include "tests/common/temp_dir.h"
 #include "tests/gpu/gpu_skip.h"
 
@@ -223,21 +224,7 @@ TEST(CudaRunnerTest, MissingPresetIsAnErrorNamingTheKey) {
       << e.status().message();
 }
 
-// A small model with Laguna XS.2's attention geometry (D 128, 48/64 query heads over 8 KV heads, window
-// 512) so the XS.2 presets run, with narrow MLPs so it builds quickly.
-ModelConfig SmallXs2Geometry() {
-  auto c = ShapeConfig("xs2", 4);
-  EXPECT_TRUE(c.ok());
-  ModelConfig cfg = *c;
-  cfg.hidden_size = 512;
-  cfg.intermediate_size = 1024;
-  cfg.num_experts = 16;
-  cfg.num_experts_per_tok = 4;
-  cfg.moe_intermediate_size = 128;
-  cfg.shared_expert_intermediate_size = 128;
-  cfg.vocab_size = 4096;
-  return cfg;
-}
+using test_util::SmallXs2Geometry;
 
 struct Transcript {
   std::vector<int32_t> tokens;

@@ -40,6 +40,7 @@
 #include "model/shard_plan.h"
 #include "tests/common/golden_data.h"
 #include "tests/common/scheduler_util.h"
+#include "tests/common/small_xs2.h"
 #include "tests/common/temp_dir.h"
 #include "tests/common/tp_process_util.h"
 #include "tests/gpu/gpu_skip.h"
@@ -537,23 +538,12 @@ TEST(CudaTpGpuTest, TwoRanksAsProcessesOnOneGpuAreBitIdenticalOverTenRunsAndEqua
   EXPECT_EQ(runs, 10);
 }
 
-// A small model with Laguna XS.2's attention geometry (2 layers, D 128, 48/64 query heads over 8 KV
-// heads, so the XS.2 presets run at TP=2 for pages of 16, 32 and 64) and narrow MLPs (hidden 512,
-// 16 experts of 128, shared expert 128), written to `dir`/`name` so child processes load the same
-// file; `fp8`: every linear layer FP8 (128 x 128 blocks: each rank's expert slices of 64 rows or
-// columns lie inside one block).
+// test_util::SmallXs2Geometry with 2 layers (its presets run at TP=2 for pages of 16, 32 and 64),
+// written to `dir`/`name` so child processes load the same file; `fp8`: every linear layer FP8
+// (128 x 128 blocks: each rank's expert slices of 64 rows or columns lie inside one block).
 std::string WriteSmallXs2(const test_util::TempDir& dir, const std::string& name, bool fp8) {
-  auto c = ShapeConfig("xs2", 2);
-  EXPECT_TRUE(c.ok());
   MakeModelOptions mo;
-  mo.config = *c;
-  mo.config.hidden_size = 512;
-  mo.config.intermediate_size = 1024;
-  mo.config.num_experts = 16;
-  mo.config.num_experts_per_tok = 4;
-  mo.config.moe_intermediate_size = 128;
-  mo.config.shared_expert_intermediate_size = 128;
-  mo.config.vocab_size = 4096;
+  mo.config = test_util::SmallXs2Geometry(2);
   mo.seed = 11;
   if (fp8) {
     Fp8Options f;
