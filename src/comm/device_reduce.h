@@ -25,33 +25,33 @@ Status LaunchSumInRankOrder(const std::vector<const void*>& inputs, void* out, i
 // ---- One-shot collectives (DeviceGroup::CreateOneShot) ----------------------------------------------
 //
 // Every rank owns, in its GPU's memory: slots [2][capacity] bytes (double-buffered by the call's
-// parity), flags [kMaxOneShotBlocks][kMaxOneShotRanks] uint64 (flags[b][q]: the last call in which
-// rank q's block b finished writing its part into q's slot) and epochs [kMaxOneShotBlocks] uint64
+// parity), flags [kMaxOneShotBlocks][kMaxOneShotRanks] uint64 (flags[b][q]: the last mark rank q's
+// block b stored, once it had written its part into q's slot) and epochs [kMaxOneShotBlocks] uint64
 // (calls block b of this rank has made). One call, on rank r, block b of a fixed grid of `blocks`:
 //   1. e = ++epochs[b] (device memory: a replayed graph advances it, nothing is baked in); copy b's
 //      part of the input into r's slot[e & 1];
-//   2. release-store e into flags[b][r] of every rank (peer memory), then spin (acquire) until
-//      every rank q has stored e or later into r's flags[b][q] (one thread per rank);
+//   2. release-store the call's mark 2e into flags[b][r] of every rank (peer memory), then spin
+//      (acquire) until every rank q has stored 2e or later into r's flags[b][q] (one thread per rank);
 //   3. read b's part of every rank's slot[e & 1] (peer memory) and combine: the all-reduce adds the
 //      ranks in rank order in FP32 and rounds once (LaunchSumInRankOrder's bits), the all-gather
 //      copies rank q's bytes to out[q * bytes, ...).
 // Why one barrier is enough: rank r overwrites slot[e & 1] again at call e + 2, after its call e + 1
-// saw every rank's call-(e + 1) marks, which each rank stored after its own call-e reads. The mark a
-// meeting stores grows by two per call: 2e at a one-shot call's meeting, 2e - 1 and 2e at the two
-// meetings of a two-shot call (below), so the calls of either kind share the flags and epochs.
-//
-// The two-shot all-reduce (an all-reduce of at least `two_shot_min_bytes`, when that is set): step 1
-// as above; after a first meeting each rank sums the units it owns (a thread's k-th unit belongs to
-// rank k % size) over every rank's slot in rank order, rounds once and writes the sums into its own
-// slot; after a second meeting every rank copies each unit from its owner's slot. The same bits as
-// one-shot, element for element, so the size choice changes no result; it moves fewer bytes: each
-// rank reads 2 (size - 1) / size of the message from its peers instead of (size - 1) times it. Why the grid is
-// fixed: the argument needs every block that read at call e to signal at call e + 1. The element
+// saw every rank's call-(e + 1) marks, which each rank stored after its own call-e reads. Why the grid
+// is fixed: the argument needs every block that read at call e to signal at call e + 1. The element
 // split between blocks is the same in steps 1 and 3 of one call on every rank (same count, grid).
 // Why the ranks' kernels are co-resident when ranks share a GPU: `blocks` is small (the spinning
 // blocks of every rank fit beside each other and beside the work the late rank still has to do).
 // A spin gives up when the group's host-mapped abort word is set or after timeout_ns, setting the
 // rank's host-mapped error word (1 aborted, 2 timed out); the host reads it after the stream.
+//
+// The two-shot all-reduce (an all-reduce of at least `two_shot_min_bytes`, when that is set): step 1
+// as above; after a first meeting (mark 2e - 1) each rank sums the units it owns (a thread's k-th
+// unit belongs to rank k % size) over every rank's slot in rank order, rounds once and writes the
+// sums into its own slot; after a second meeting (mark 2e) every rank copies each unit from its
+// owner's slot. The same bits as one-shot, element for element, so the size choice changes no
+// result; it moves fewer bytes: each rank reads 2 (size - 1) / size of the message from its peers
+// instead of (size - 1) times it. Marks grow by two per call of either kind, so one-shot and
+// two-shot calls share the flags and epochs and the slot-reuse argument above holds across both.
 inline constexpr int kMaxOneShotRanks = 16;
 inline constexpr int kMaxOneShotBlocks = 64;
 inline constexpr int kOneShotThreads = 512;
