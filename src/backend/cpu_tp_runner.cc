@@ -130,11 +130,7 @@ Status CpuTpRunner::Launch(const ForwardBatch& batch) {
   // What a request can get wrong is checked here, on rank 0, before any rank starts: every rank then
   // takes the same path through the forward, and only a real failure aborts the group.
   DL_RETURN_IF_ERROR(batch.Validate(vocab_size_, kv_spec_.page_size));
-  for (int32_t t : batch.hidden_taps) {
-    if (t < 0 || t >= num_layers_) {
-      return InvalidArgument("hidden tap at layer {} is outside the model's {} layers", t, num_layers_);
-    }
-  }
+  DL_RETURN_IF_ERROR(batch.ValidateHiddenTaps(num_layers_));
   in_flight_ = true;
   result_ = ForwardResult{};
   const std::vector<Status> statuses = RunStep(batch);

@@ -178,11 +178,9 @@ Result<std::unique_ptr<CudaTpRunner>> CudaTpRunner::Create(const Checkpoint& che
     if (transport == CudaTpTransport::kDeviceOneShot) {
       // One-shot slots as large as the largest collective: every forward's graph can hold its
       // collectives.
-      comm::DeviceGroup::OneShotOptions oneshot;
-      oneshot.capacity_bytes = capacity;
-      oneshot.two_shot_min_bytes = static_cast<size_t>(base.tuning.tp_two_shot_min_kb) * 1024;
-      DL_ASSIGN_OR_RETURN(runner->in_process_,
-                          comm::DeviceGroup::CreateOneShot(runner->devices_, capacity, oneshot, timeout_s));
+      DL_ASSIGN_OR_RETURN(runner->in_process_, comm::DeviceGroup::CreateOneShot(runner->devices_, capacity,
+                                                                                CudaOneShotOptions(base, capacity),
+                                                                                timeout_s));
     } else {
       DL_ASSIGN_OR_RETURN(runner->in_process_, comm::DeviceGroup::CreateInProcess(runner->devices_, capacity, timeout_s));
     }
@@ -319,11 +317,7 @@ Status CudaTpRunner::Launch(const ForwardBatch& batch) {
     return Unimplemented("{} hidden-state taps on the CUDA backend, which was sized for {} (EngineOptions::max_hidden_taps)",
                          batch.hidden_taps.size(), ranks_[0]->max_taps());
   }
-  for (int32_t t : batch.hidden_taps) {
-    if (t < 0 || t >= num_layers_) {
-      return InvalidArgument("hidden tap at layer {} is outside the model's {} layers", t, num_layers_);
-    }
-  }
+  DL_RETURN_IF_ERROR(batch.ValidateHiddenTaps(num_layers_));
   if (batch.num_rows() > max_rows() || static_cast<int32_t>(batch.outputs.size()) > max_outputs()) {
     return InvalidArgument("CUDA forward of {} rows, {} outputs exceeds the backend's {} / {}", batch.num_rows(),
                            batch.outputs.size(), max_rows(), max_outputs());

@@ -72,18 +72,25 @@ Result<TpRankArgs> ParseTpRankArgs(const std::vector<std::string>& args, std::ve
 // Which backend a child rank runs.
 enum class TpRankBackend : uint8_t { kCpu = 0, kCuda = 1 };
 
+// The one-shot communicators' options for CUDA ranks run with `options` (threads or processes):
+// slots of `capacity` bytes, `blocks` per kernel, two-shot from the tuning's tp_two_shot_min_kb on.
+inline comm::DeviceGroup::OneShotOptions CudaOneShotOptions(const CudaRunnerOptions& options, size_t capacity,
+                                                            int blocks = comm::DeviceGroup::OneShotOptions{}.blocks) {
+  return {.capacity_bytes = capacity,
+          .blocks = blocks,
+          .two_shot_min_bytes = static_cast<size_t>(options.tuning.tp_two_shot_min_kb) * 1024};
+}
+
 // What a CUDA child rank needs beyond the CPU's setup: rank 0's CudaRunnerOptions (its `device`
 // replaced by devices[rank]) and the one-shot IPC communicator's size.
 struct TpCudaRankSetup {
   CudaRunnerOptions options;
   std::vector<int> devices;  // [tp]: rank r's GPU
   uint64_t oneshot_capacity = 0;
-  int32_t oneshot_blocks = 16;
-  // The one-shot IPC communicator's options every rank builds (the two-shot size from the tuning).
+  int32_t oneshot_blocks = comm::DeviceGroup::OneShotOptions{}.blocks;
+  // The one-shot IPC communicator's options every rank builds.
   comm::DeviceGroup::OneShotOptions oneshot() const {
-    return {.capacity_bytes = oneshot_capacity,
-            .blocks = oneshot_blocks,
-            .two_shot_min_bytes = static_cast<size_t>(options.tuning.tp_two_shot_min_kb) * 1024};
+    return CudaOneShotOptions(options, oneshot_capacity, oneshot_blocks);
   }
 };
 

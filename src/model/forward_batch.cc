@@ -90,4 +90,13 @@ Status ForwardBatch::Validate(int64_t vocab_size, int32_t page_size) const {
   return Status::Ok();
 }
 
+Status ForwardBatch::ValidateHiddenTaps(int64_t num_layers) const {
+  for (int32_t t : hidden_taps) {
+    if (t < 0 || t >= num_layers) {
+      return InvalidArgument("hidden tap at layer {} is outside the model's {} layers", t, num_layers);
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace dl

@@ -69,6 +69,9 @@ struct ForwardBatch {
   std::vector<int32_t> Positions() const;
   // Rows, sequences and outputs consistent; token ids in [0, vocab); every row's page reserved.
   Status Validate(int64_t vocab_size, int32_t page_size) const;
+  // Every hidden tap names a layer of a model of `num_layers` (checked before a tensor-parallel
+  // group starts, so a tap no rank could take does not end the group).
+  Status ValidateHiddenTaps(int64_t num_layers) const;
 };
 
 struct RowResult {
