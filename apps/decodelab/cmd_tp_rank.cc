@@ -2,8 +2,6 @@
 // reference or the CUDA backend: rank 0's setup message says which), started by rank 0 (engine/tp_rank_process.h). Hidden from --help; not for people.
 #include <unistd.h>
 
-#include <cstdio>
-
 #include "apps/decodelab/commands.h"
 #include "engine/tp_rank_process.h"
 
@@ -15,15 +13,8 @@ void AddTpRankCommand(CLI::App& root, CommandContext& ctx) {
   rank->group("");
   rank->prefix_command();
   rank->allow_extras();
-  rank->callback([rank] {
-    const std::vector<std::string> args = rank->remaining();
-    const Status st = RunTpRankProcess(args);
-    // Its output goes to rank 0's stderr: say which rank speaks.
-    if (!st.ok()) std::fprintf(stderr, "decodelab __tp-rank: error: %s\n", st.message().c_str());
-    std::fflush(nullptr);
-    // _exit, not return: rank 0 must see this rank's own exit code, whatever exit-time destructors do.
-    ::_exit(st.ok() ? 0 : 1);
-  });
+  // _exit, not return: rank 0 must see this rank's own exit code, whatever exit-time destructors do.
+  rank->callback([rank] { ::_exit(TpRankProcessMain("decodelab", rank->remaining())); });
 }
 
 }  // namespace dl::app

@@ -1,6 +1,7 @@
 #include "engine/tp_rank_process.h"
 
 #include <charconv>
+#include <cstdio>
 
 #include "backend/tp_process_ranks.h"
 #include "comm/launch_env.h"
@@ -71,6 +72,13 @@ Result<EngineOptions> ParseModelArgs(const std::vector<std::string>& args) {
 }
 
 }  // namespace
+
+int TpRankProcessMain(const std::string& program, const std::vector<std::string>& args) {
+  const Status st = RunTpRankProcess(args);
+  if (!st.ok()) std::fprintf(stderr, "%s __tp-rank: error: %s\n", program.c_str(), st.message().c_str());
+  std::fflush(nullptr);
+  return st.ok() ? 0 : 1;
+}
 
 Status RunTpRankProcess(const std::vector<std::string>& args) {
   std::vector<std::string> model_args;

@@ -25,8 +25,14 @@ std::vector<std::string> TpRankModelArgs(const EngineOptions& options);
 TpProcessOptions TpProcessOptionsFor(const EngineOptions& options);
 
 // The subcommand's body: `args` are the flags after "__tp-rank". Ok once rank 0 said stop; an error
-// (printed by the caller, which exits non-zero) when rank 0 went away, a message was bad, or the
-// rank could not be built.
+// when rank 0 went away, a message was bad, or the rank could not be built.
 Status RunTpRankProcess(const std::vector<std::string>& args);
+
+// A child rank process's main, for every program that can be one (`decodelab __tp-rank`, the tests
+// that re-execute themselves): RunTpRankProcess(args), its error printed to stderr as "<program>
+// __tp-rank: error: ..." (the output goes to rank 0's stderr: say which rank speaks), every stream
+// flushed. Returns the exit code (0 or 1) for the caller's _exit: rank 0 must see this rank's own
+// code, whatever exit-time destructors would do.
+int TpRankProcessMain(const std::string& program, const std::vector<std::string>& args);
 
 }  // namespace dl

@@ -83,12 +83,18 @@ std::unique_ptr<Engine> Load(const std::string& model, BackendKind backend, int 
   return e.ok() ? std::move(e).value() : nullptr;
 }
 
-GenerateResult Forced(Engine& e, const std::vector<int32_t>& prompt, const std::vector<int32_t>& forced, bool keep) {
+// Greedy decoding of `max_tokens` tokens past any EOS, every step's logits kept when `keep_logits`.
+GenerateOptions GreedyOptions(int32_t max_tokens, bool keep_logits = true) {
   GenerateOptions g;
-  g.max_tokens = static_cast<int32_t>(forced.size());
+  g.max_tokens = max_tokens;
   g.ignore_eos = true;
+  g.keep_step_logits = keep_logits;
+  return g;
+}
+
+GenerateResult Forced(Engine& e, const std::vector<int32_t>& prompt, const std::vector<int32_t>& forced, bool keep) {
+  GenerateOptions g = GreedyOptions(static_cast<int32_t>(forced.size()), keep);
   g.forced_tokens = forced;
-  g.keep_step_logits = keep;
   auto r = GenerateGreedy(e, prompt, g);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r.ok() ? std::move(r).value() : GenerateResult{};
@@ -137,9 +143,7 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuMatchTp1AndTheCpuUnderTheMarginRule) {
     }
     for (const GoldenPrompt& gp : LoadGoldens(GoldenDir(model) / "goldens_bf16.json")) {
       // TP=1's own greedy path (its tokens, then forced along them for the others).
-      GenerateOptions g;
-      g.max_tokens = static_cast<int32_t>(gp.tokens.size());
-      g.ignore_eos = true;
+      GenerateOptions g = GreedyOptions(static_cast<int32_t>(gp.tokens.size()), /*keep_logits=*/false);
       auto ref = GenerateGreedy(*one, gp.prompt, g);
       ASSERT_TRUE(ref.ok()) << ref.status().ToString();
       const GenerateResult tp2 = Forced(*two, gp.prompt, ref->tokens, false);
@@ -190,10 +194,7 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuInGraphsAreBitIdenticalOverTenRunsAndEqualTh
   SKIP_WITHOUT_GPU();
   const std::string model = "tiny_fixed_routing";
   const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
-  GenerateOptions g;
-  g.max_tokens = 24;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
+  GenerateOptions g = GreedyOptions(24);
   auto eager = Load(model, BackendKind::kCuda, 2, /*use_graph=*/false, "device-in-process");
   ASSERT_TRUE(eager);
   EXPECT_EQ(eager->runner->Describe()["tensor_parallel"]["graphs"], false);
@@ -367,10 +368,7 @@ TEST(CudaTpGpuTest, TwoRanksOnOneGpuVocabParallelEmbeddingIsBitIdenticalToReplic
   SKIP_WITHOUT_GPU();
   const std::string model = "tiny_fixed_routing";
   const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
-  GenerateOptions g;
-  g.max_tokens = 8;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
+  GenerateOptions g = GreedyOptions(8);
   std::vector<GenerateResult> runs;
   std::vector<nlohmann::json> described;
   for (EmbeddingMode mode : {EmbeddingMode::kReplicated, EmbeddingMode::kVocabParallel}) {
@@ -426,9 +424,7 @@ TEST(CudaTpGpuTest, AFailedRankEndsTheGroup) {
   auto* tp = dynamic_cast<CudaTpRunner*>(e->runner.get());
   ASSERT_NE(tp, nullptr);
   tp->FailNextForwardOnRank(1, Internal("injected failure"));
-  GenerateOptions g;
-  g.max_tokens = 2;
-  g.ignore_eos = true;
+  GenerateOptions g = GreedyOptions(2, /*keep_logits=*/false);
   const std::vector<int32_t> prompt = {5, 6, 7};
   auto r = GenerateGreedy(*e, prompt, g);
   ASSERT_FALSE(r.ok());
@@ -486,10 +482,7 @@ TEST(CudaTpGpuTest, TwoRanksAsProcessesOnOneGpuAreBitIdenticalOverTenRunsAndEqua
   SKIP_WITHOUT_GPU();
   const std::string model = "tiny_fixed_routing";
   const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
-  GenerateOptions g;
-  g.max_tokens = 24;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
+  GenerateOptions g = GreedyOptions(24);
   nlohmann::json threads_topology;
   GenerateResult ref;
   {
@@ -599,9 +592,7 @@ TEST(CudaTpGpuTest, Fp8WeightsOnTwoRanksTrackTp1AndAreBitIdenticalAsThreadsAndPr
   const std::vector<std::vector<int32_t>> prompts = {PromptOf(6, 1, 4096), PromptOf(70, 2, 4096)};
   std::vector<GenerateResult> refs;
   for (const auto& prompt : prompts) {
-    GenerateOptions g;
-    g.max_tokens = 32;
-    g.ignore_eos = true;
+    GenerateOptions g = GreedyOptions(32, /*keep_logits=*/false);
     auto tp1 = GenerateGreedy(*one, prompt, g);
     ASSERT_TRUE(tp1.ok()) << tp1.status().ToString();
     const GenerateResult got = Forced(*threads, prompt, tp1->tokens, /*keep=*/true);
@@ -648,10 +639,7 @@ TEST(CudaTpGpuTest, ChunkingPageSizeAndTheAllReduceKernelChangeNoBitUnderTp) {
   test_util::TempDir dir("dl_gpu_tp_chunks");
   const std::string model_dir = WriteSmallXs2(dir, "model", /*fp8=*/false);
   const std::vector<int32_t> prompt = PromptOf(40, 5, 4096);
-  GenerateOptions g;
-  g.max_tokens = 12;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
+  GenerateOptions g = GreedyOptions(12);
   struct Variant {
     const char* name;
     int32_t chunk, page, two_shot_kb;
@@ -717,10 +705,7 @@ TEST(CudaTpGpuTest, DflashOverTwoRanksEqualsPlainDecoding) {
     ASSERT_TRUE(e);
     auto drafter = DflashDrafter::Create(wo.out_dir, *e->checkpoint, 7, e->runner.get());
     ASSERT_TRUE(drafter.ok()) << drafter.status().ToString();
-    GenerateOptions g;
-    g.max_tokens = 20;
-    g.ignore_eos = true;
-    g.keep_step_logits = true;
+    GenerateOptions g = GreedyOptions(20);
     auto plain = GenerateGreedy(*e, prompt, g);
     ASSERT_TRUE(plain.ok()) << plain.status().ToString();
     for (int32_t k : {3, 7}) {
@@ -779,10 +764,7 @@ TEST(CudaTpGpuTest, TwoRanksAsProcessesEagerAreBitIdenticalToThreadsInGraphs) {
   SKIP_WITHOUT_GPU();
   const std::string model = "tiny_fixed_routing";
   const GoldenPrompt gp = LoadGoldens(GoldenDir(model) / "goldens_bf16.json").at(0);
-  GenerateOptions g;
-  g.max_tokens = 12;
-  g.ignore_eos = true;
-  g.keep_step_logits = true;
+  GenerateOptions g = GreedyOptions(12);
   GenerateResult ref;
   {
     auto threads = Load(model, BackendKind::kCuda, 2, /*use_graph=*/true, "device-oneshot");
@@ -836,10 +818,7 @@ TEST(CudaTpGpuTest, AChildRanksFailureEndsTheGroupNamingIt) {
 // The child ranks of --tp-transport processes are this binary: `cuda_tp_gpu_test __tp-rank ...`.
 int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "__tp-rank") {
-    const dl::Status st = dl::RunTpRankProcess(std::vector<std::string>(argv + 2, argv + argc));
-    if (!st.ok()) std::fprintf(stderr, "cuda_tp_gpu_test __tp-rank: error: %s\n", st.message().c_str());
-    std::fflush(nullptr);
-    ::_exit(st.ok() ? 0 : 1);
+    ::_exit(dl::TpRankProcessMain("cuda_tp_gpu_test", std::vector<std::string>(argv + 2, argv + argc)));
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

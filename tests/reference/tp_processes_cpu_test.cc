@@ -307,10 +307,7 @@ TEST(TpProcessesCpuTest, RefusalsAreClear) {
 // The child ranks are this binary: `tp_processes_cpu_test __tp-rank ...`.
 int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "__tp-rank") {
-    const dl::Status st = dl::RunTpRankProcess(std::vector<std::string>(argv + 2, argv + argc));
-    if (!st.ok()) std::fprintf(stderr, "tp_processes_cpu_test __tp-rank: error: %s\n", st.message().c_str());
-    std::fflush(nullptr);
-    ::_exit(st.ok() ? 0 : 1);
+    ::_exit(dl::TpRankProcessMain("tp_processes_cpu_test", std::vector<std::string>(argv + 2, argv + argc)));
   }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
